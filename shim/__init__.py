@@ -1,0 +1,1 @@
+"""cri-shim: a CRI proxy for image pulls."""
