@@ -1,0 +1,96 @@
+"""Command line: ``cri-shim serve | check-config | status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from . import config as config_mod
+from . import logs
+from .config import ConfigError
+
+DEFAULT_CONFIG = "/etc/cri-shim/config.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cri-shim",
+        description="A CRI proxy for kubelet: caps and collapses image pulls node-wide, injects runtime "
+                    "handlers, pins images, keeps declared image sets present. Every other CRI call "
+                    "passes through to the runtime unchanged.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve CRI on --listen, forwarding to --upstream",
+                       description="Serve CRI on a unix socket in front of the runtime. Flags override "
+                                   "the config file; a missing or empty config file means defaults. "
+                                   "SIGHUP or a change of the file reloads it; SIGTERM shuts down gracefully.")
+    s.add_argument("--listen", help=f"endpoint to serve on (default {config_mod.DEFAULT_LISTEN})")
+    s.add_argument("--upstream", help=f"runtime endpoint (default {config_mod.DEFAULT_UPSTREAM})")
+    s.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-format", choices=["text", "json"], help="text is key=value lines")
+
+    c = sub.add_parser("check-config", help="validate a config file; exit 1 with the offending key")
+    c.add_argument("file")
+
+    st = sub.add_parser("status", help="show pull queue, in-flight pulls, image sets and upstream state")
+    st.add_argument("--admin-socket", default=config_mod.DEFAULT_ADMIN_SOCKET)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import ShimServer, StartupError
+
+    overrides = {"listen": args.listen, "upstream": args.upstream,
+                 "level": args.log_level, "format": args.log_format}
+    try:
+        cfg = config_mod.with_overrides(config_mod.load(args.config), **overrides)
+    except ConfigError as e:
+        print(f"cri-shim: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log.level, cfg.log.format)
+    if cfg.server.uvloop:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+    try:
+        return asyncio.run(ShimServer(cfg, args.config, overrides).run())
+    except StartupError as e:
+        print(f"cri-shim: cannot start: {e}", file=sys.stderr)
+        return 1
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    import os
+
+    if not os.path.exists(args.file):
+        print(f"cri-shim: {args.file}: no such file", file=sys.stderr)
+        return 1
+    try:
+        config_mod.load(args.file)
+    except ConfigError as e:
+        print(f"cri-shim: {args.file}: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: ok")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import print_status
+
+    return print_status(args.admin_socket, as_json=args.json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"serve": _serve, "check-config": _check_config, "status": _status}[args.command]
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

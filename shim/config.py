@@ -1,0 +1,389 @@
+"""Configuration: validated, frozen dataclasses, all in one place.
+
+The file is YAML. Every key is checked: an unknown key or a value of the wrong type
+raises ConfigError naming the key path (``pulls.max_parallel``) and the value.
+A missing or empty file means the defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
+DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
+DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
+KUBELET_MAX_MESSAGE = 16 * 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. ``key`` is the dotted path of the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}" if key else message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    socket_mode: int = 0o660
+    socket_group: str = ""  # group name or numeric gid; empty: the process's group
+    max_message_bytes: int = KUBELET_MAX_MESSAGE
+    shutdown_grace_seconds: float = 10.0
+    admin_socket: str = DEFAULT_ADMIN_SOCKET  # for `cri-shim status`; empty: off
+    uvloop: bool = True
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "text"  # text (key=value) or json
+
+
+@dataclass(frozen=True)
+class PullsConfig:
+    max_parallel: int = 4  # 0 = unlimited
+    dedup: bool = True
+    dedup_per_namespace: bool = False
+
+
+@dataclass(frozen=True)
+class PinsConfig:
+    images: tuple[str, ...] = ()
+    mode: str = "enforce"  # enforce | mark-only
+
+
+@dataclass(frozen=True)
+class ImageSetsConfig:
+    dir: str = ""  # empty: image sets off
+    max_parallel: int = 2
+    cooldown_seconds: float = 0.0
+    min_free_bytes: int = 0
+    debounce_seconds: float = 0.2
+    retry_initial_seconds: float = 5.0
+    retry_max_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
+class HandlerRule:
+    handler: str
+    namespaces: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()
+    pod_labels: tuple[tuple[str, str], ...] = ()
+    pod_annotations: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class RuntimeHandlersConfig:
+    rules: tuple[HandlerRule, ...] = ()
+    learn_from_sandboxes: bool = True
+    pod_cache_size: int = 10000
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    address: str = ""  # host:port; empty: no metrics endpoint
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str = DEFAULT_LISTEN
+    upstream: str = DEFAULT_UPSTREAM
+    server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    pulls: PullsConfig = field(default_factory=PullsConfig)
+    pins: PinsConfig = field(default_factory=PinsConfig)
+    image_sets: ImageSetsConfig = field(default_factory=ImageSetsConfig)
+    runtime_handlers: RuntimeHandlersConfig = field(default_factory=RuntimeHandlersConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# --------------------------------------------------------------------------- parsing helpers
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _int(key: str, v: Any, minimum: int | None = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(key, f"expected an integer, got {v!r}")
+    if minimum is not None and v < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {v!r}")
+    return v
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"expected true or false, got {v!r}")
+    return v
+
+
+def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
+    if not isinstance(v, str):
+        raise ConfigError(key, f"expected a string, got {v!r}")
+    if choices is not None and v not in choices:
+        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}")
+    return v
+
+
+def _duration(key: str, v: Any) -> float:
+    """Seconds as a number, or a string like ``500ms``, ``2s``, ``1m``."""
+    if isinstance(v, bool):
+        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {v!r}")
+    if isinstance(v, (int, float)):
+        seconds = float(v)
+    elif isinstance(v, str) and (m := _DURATION.match(v)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {v!r}")
+    if seconds < 0:
+        raise ConfigError(key, f"must be >= 0, got {v!r}")
+    return seconds
+
+
+def _size(key: str, v: Any) -> int:
+    """Bytes as an integer, or a string like ``10GiB``, ``500M``."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 0:
+            raise ConfigError(key, f"must be >= 0, got {v!r}")
+        return v
+    if isinstance(v, str) and (m := _SIZE.match(v)):
+        return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {v!r}")
+
+
+def _str_list(key: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise ConfigError(key, f"expected a list of strings, got {v!r}")
+    return tuple(_str(f"{key}[{i}]", item) for i, item in enumerate(v))
+
+
+def _str_map(key: str, v: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(v, dict):
+        raise ConfigError(key, f"expected a map of strings, got {v!r}")
+    out = []
+    for k, val in v.items():
+        _str(f"{key}", k)
+        out.append((k, _str(f"{key}.{k}", val)))
+    return tuple(sorted(out))
+
+
+def _mapping(key: str, v: Any) -> Mapping[str, Any]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(key, f"expected a map, got {v!r}")
+    return v
+
+
+def _check_keys(prefix: str, data: Mapping[str, Any], allowed: set[str]) -> None:
+    for k in data:
+        if k not in allowed:
+            path = f"{prefix}.{k}" if prefix else str(k)
+            raise ConfigError(path, f"unknown key (known: {', '.join(sorted(allowed))})")
+
+
+def _endpoint(key: str, v: Any) -> str:
+    s = _str(key, v)
+    if not s.startswith("unix://") or len(s) <= len("unix://"):
+        raise ConfigError(key, f"expected a unix socket endpoint like unix:///run/x.sock, got {v!r}")
+    return s
+
+
+def _socket_mode(key: str, v: Any) -> int:
+    if isinstance(v, str) and re.fullmatch(r"0?[0-7]{3}", v):
+        return int(v, 8)
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0o777:
+        return v
+    raise ConfigError(key, f"expected an octal mode string like '0660', got {v!r}")
+
+
+def _host_port(key: str, v: Any) -> str:
+    s = _str(key, v)
+    if s == "":
+        return s
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, f"expected host:port like 127.0.0.1:9464, got {v!r}")
+    return s
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _server(d: Mapping[str, Any]) -> ServerConfig:
+    _check_keys("server", d, {f.name for f in dataclasses.fields(ServerConfig)})
+    c = ServerConfig()
+    return ServerConfig(
+        socket_mode=_socket_mode("server.socket_mode", d.get("socket_mode", c.socket_mode)),
+        socket_group=str(_group("server.socket_group", d.get("socket_group", c.socket_group))),
+        max_message_bytes=_size("server.max_message_bytes", d.get("max_message_bytes", c.max_message_bytes)),
+        shutdown_grace_seconds=_duration(
+            "server.shutdown_grace_seconds", d.get("shutdown_grace_seconds", c.shutdown_grace_seconds)),
+        admin_socket=_str("server.admin_socket", d.get("admin_socket", c.admin_socket)),
+        uvloop=_bool("server.uvloop", d.get("uvloop", c.uvloop)),
+    )
+
+
+def _group(key: str, v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return str(v)
+    return _str(key, v)
+
+
+def _log(d: Mapping[str, Any]) -> LogConfig:
+    _check_keys("log", d, {"level", "format"})
+    c = LogConfig()
+    return LogConfig(
+        level=_str("log.level", d.get("level", c.level), ("debug", "info", "warning", "error")),
+        format=_str("log.format", d.get("format", c.format), ("text", "json")),
+    )
+
+
+def _pulls(d: Mapping[str, Any]) -> PullsConfig:
+    _check_keys("pulls", d, {f.name for f in dataclasses.fields(PullsConfig)})
+    c = PullsConfig()
+    return PullsConfig(
+        max_parallel=_int("pulls.max_parallel", d.get("max_parallel", c.max_parallel)),
+        dedup=_bool("pulls.dedup", d.get("dedup", c.dedup)),
+        dedup_per_namespace=_bool("pulls.dedup_per_namespace", d.get("dedup_per_namespace", c.dedup_per_namespace)),
+    )
+
+
+def _pins(d: Mapping[str, Any]) -> PinsConfig:
+    _check_keys("pins", d, {"images", "mode"})
+    c = PinsConfig()
+    images = _str_list("pins.images", d.get("images", list(c.images)) or [])
+    from .pins import validate_pattern  # local import: pins depends on reference parsing only
+
+    for i, pattern in enumerate(images):
+        try:
+            validate_pattern(pattern)
+        except ValueError as e:
+            raise ConfigError(f"pins.images[{i}]", f"{e} (got {pattern!r})") from None
+    return PinsConfig(images=images, mode=_str("pins.mode", d.get("mode", c.mode), ("enforce", "mark-only")))
+
+
+def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
+    _check_keys("image_sets", d, {f.name for f in dataclasses.fields(ImageSetsConfig)})
+    c = ImageSetsConfig()
+    cfg = ImageSetsConfig(
+        dir=_str("image_sets.dir", d.get("dir", c.dir)),
+        max_parallel=_int("image_sets.max_parallel", d.get("max_parallel", c.max_parallel), minimum=1),
+        cooldown_seconds=_duration("image_sets.cooldown_seconds", d.get("cooldown_seconds", c.cooldown_seconds)),
+        min_free_bytes=_size("image_sets.min_free_bytes", d.get("min_free_bytes", c.min_free_bytes)),
+        debounce_seconds=_duration("image_sets.debounce_seconds", d.get("debounce_seconds", c.debounce_seconds)),
+        retry_initial_seconds=_duration(
+            "image_sets.retry_initial_seconds", d.get("retry_initial_seconds", c.retry_initial_seconds)),
+        retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
+    )
+    if cfg.retry_max_seconds < cfg.retry_initial_seconds:
+        raise ConfigError("image_sets.retry_max_seconds",
+                          f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")
+    return cfg
+
+
+def _rule(i: int, d: Any) -> HandlerRule:
+    key = f"runtime_handlers.rules[{i}]"
+    d = _mapping(key, d)
+    _check_keys(key, d, {f.name for f in dataclasses.fields(HandlerRule)})
+    if "handler" not in d:
+        raise ConfigError(f"{key}.handler", "required")
+    handler = _str(f"{key}.handler", d["handler"])
+    if not handler:
+        raise ConfigError(f"{key}.handler", "must not be empty")
+    return HandlerRule(
+        handler=handler,
+        namespaces=_str_list(f"{key}.namespaces", d.get("namespaces", [])),
+        images=_str_list(f"{key}.images", d.get("images", [])),
+        pod_labels=_str_map(f"{key}.pod_labels", d.get("pod_labels", {})),
+        pod_annotations=_str_map(f"{key}.pod_annotations", d.get("pod_annotations", {})),
+    )
+
+
+def _runtime_handlers(d: Mapping[str, Any]) -> RuntimeHandlersConfig:
+    _check_keys("runtime_handlers", d, {f.name for f in dataclasses.fields(RuntimeHandlersConfig)})
+    c = RuntimeHandlersConfig()
+    rules = d.get("rules", [])
+    if rules is None:
+        rules = []
+    if not isinstance(rules, list):
+        raise ConfigError("runtime_handlers.rules", f"expected a list of rules, got {rules!r}")
+    return RuntimeHandlersConfig(
+        rules=tuple(_rule(i, r) for i, r in enumerate(rules)),
+        learn_from_sandboxes=_bool(
+            "runtime_handlers.learn_from_sandboxes", d.get("learn_from_sandboxes", c.learn_from_sandboxes)),
+        pod_cache_size=_int("runtime_handlers.pod_cache_size", d.get("pod_cache_size", c.pod_cache_size), minimum=1),
+    )
+
+
+def _metrics(d: Mapping[str, Any]) -> MetricsConfig:
+    _check_keys("metrics", d, {"address"})
+    return MetricsConfig(address=_host_port("metrics.address", d.get("address", "")))
+
+
+_SECTIONS = {
+    "server": _server,
+    "log": _log,
+    "pulls": _pulls,
+    "pins": _pins,
+    "image_sets": _image_sets,
+    "runtime_handlers": _runtime_handlers,
+    "metrics": _metrics,
+}
+
+
+def from_dict(data: Mapping[str, Any] | None) -> Config:
+    """Build a validated Config from parsed YAML. Raises ConfigError naming the key."""
+    data = _mapping("", data)
+    _check_keys("", data, {"listen", "upstream", *_SECTIONS})
+    c = Config()
+    sections = {name: parse(_mapping(name, data.get(name))) for name, parse in _SECTIONS.items()}
+    return Config(
+        listen=_endpoint("listen", data.get("listen", c.listen)),
+        upstream=_endpoint("upstream", data.get("upstream", c.upstream)),
+        **sections,
+    )
+
+
+def load(path: str | Path | None) -> Config:
+    """Read and validate the config file. Missing or empty file: defaults."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        return Config()
+    except OSError as e:
+        raise ConfigError("", f"cannot read config file {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"config file {p} is not valid YAML: {e}") from None
+    return from_dict(data)
+
+
+def with_overrides(cfg: Config, **overrides: Any) -> Config:
+    """Apply command-line flags (None means: not given) over the file's values."""
+    top = {k: v for k, v in overrides.items() if v is not None and k in ("listen", "upstream")}
+    for k, v in top.items():
+        _endpoint(f"--{k}", v)
+    cfg = dataclasses.replace(cfg, **top)
+    log_over = {k: overrides[k] for k in ("level", "format") if overrides.get(k) is not None}
+    if log_over:
+        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, **log_over))
+    return cfg
+
+
+def socket_path(endpoint: str) -> str:
+    """``unix:///run/x.sock`` -> ``/run/x.sock``."""
+    return endpoint[len("unix://"):]

@@ -1,0 +1,35 @@
+"""Errors that reach the CRI caller as a gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class RpcError(Exception):
+    """A status to return to the caller: code, details and trailing metadata.
+
+    Raised for the runtime's own errors (``from_upstream=True``; code, details and
+    trailers are passed back unchanged, ``grpc-status-details-bin`` included) and for
+    the shim's refusals (a message a node operator can act on).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Metadata = (),
+                 *, from_upstream: bool = False) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.trailing_metadata = trailing_metadata
+        self.from_upstream = from_upstream
+
+    @classmethod
+    def from_aio(cls, e: grpc.aio.AioRpcError) -> "RpcError":
+        md = e.trailing_metadata() or ()
+        return cls(e.code(), e.details() or "", tuple((m.key, m.value) for m in md) if md else (),
+                   from_upstream=True)
+
+
+def invalid_request(message_type: str, err: Exception) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                    f"cri-shim: malformed {message_type}: {err or 'cannot decode protobuf'}")

@@ -1,0 +1,213 @@
+"""The generic gRPC handler: raw-bytes passthrough plus a small interception table.
+
+Every method is served, known or not. Requests and responses stay bytes (no
+serializers), so a method we don't intercept costs one upstream call and nothing
+else. Known CRI methods use their real cardinality; a method we have never heard
+of is proxied as a bidirectional stream, which carries any gRPC call shape.
+
+Intercepted methods are looked up in ``table``: method name -> Handler. A unary
+handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
+one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
+
+import grpc
+
+from . import logs
+from .errors import Metadata, RpcError
+from .methods import Cardinality, cardinality
+from .upstream import Upstream
+
+_log = logs.get("proxy")
+
+# Request headers that belong to the hop, not to the call.
+_HOP_HEADERS = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding",
+                          "grpc-accept-encoding", ":authority", "host"})
+
+
+@dataclass(slots=True)
+class Call:
+    """What an interception handler gets besides the request bytes."""
+
+    method: str
+    metadata: Metadata  # request metadata to forward upstream (traceparent etc.)
+    timeout: float | None  # seconds left before the caller's deadline, None = none
+    context: grpc.aio.ServicerContext
+    upstream: Upstream
+
+    async def forward(self, request: bytes, method: str | None = None) -> bytes:
+        """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline."""
+        return await self.upstream.unary(method or self.method, request, metadata=self.metadata,
+                                         timeout=self.context.time_remaining())
+
+    def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
+        return self.upstream.server_stream(self.method, request, metadata=self.metadata,
+                                           timeout=self.context.time_remaining())
+
+
+UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
+StreamHandler = Callable[[bytes, Call], AsyncIterator[bytes]]
+Handler = Union[UnaryHandler, StreamHandler]
+CallObserver = Callable[[str, float, grpc.StatusCode], None]
+
+
+def forward_metadata(context: grpc.aio.ServicerContext) -> Metadata:
+    md = context.invocation_metadata() or ()
+    return tuple((m.key, m.value) for m in md if m.key not in _HOP_HEADERS)
+
+
+async def _fail(context: grpc.aio.ServicerContext, e: RpcError) -> None:
+    await context.abort(e.code, e.details, e.trailing_metadata)
+
+
+class Proxy(grpc.GenericRpcHandler):
+    """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
+
+    def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
+                 on_call: CallObserver | None = None) -> None:
+        self.upstream = upstream
+        self.table: Mapping[str, Handler] = dict(table or {})
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+        self._on_call = on_call
+
+    def set_table(self, table: Mapping[str, Handler]) -> None:
+        self.table = dict(table)
+        self._cache.clear()
+
+    # grpc.GenericRpcHandler
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method: str = details.method  # type: ignore[attr-defined]
+        h = self._cache.get(method)
+        if h is None:
+            h = self._build(method)
+            if cardinality(method) is not None:  # don't let unknown names grow the cache
+                self._cache[method] = h
+        return h
+
+    def _build(self, method: str) -> grpc.RpcMethodHandler:
+        card = cardinality(method)
+        handler = self.table.get(method)
+        if card is Cardinality.UNARY:
+            if handler is not None:
+                return grpc.unary_unary_rpc_method_handler(self._intercepted_unary(method, handler))
+            return grpc.unary_unary_rpc_method_handler(self._passthrough_unary(method))
+        if card is Cardinality.SERVER_STREAM:
+            if handler is not None:
+                return grpc.unary_stream_rpc_method_handler(self._intercepted_stream(method, handler))
+            return grpc.unary_stream_rpc_method_handler(self._passthrough_server_stream(method))
+        if card is Cardinality.CLIENT_STREAM:
+            return grpc.stream_unary_rpc_method_handler(self._passthrough_client_stream(method))
+        return grpc.stream_stream_rpc_method_handler(self._passthrough_bidi(method))
+
+    # ------------------------------------------------------------------ passthrough
+
+    def _passthrough_unary(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        mc = self.upstream.unary_callable(method)
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            call = mc(request, metadata=forward_metadata(context), timeout=context.time_remaining())
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                await _fail(context, RpcError.from_aio(e))
+                raise  # unreachable: abort raises
+            trailers = await call.trailing_metadata()
+            if trailers:
+                context.set_trailing_metadata(trailers)
+            return response
+
+        return unary
+
+    def _passthrough_server_stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        mc = self.upstream.stream_callable(method)
+
+        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            call = mc(request, metadata=forward_metadata(context), timeout=context.time_remaining())
+            try:
+                async for msg in call:
+                    yield msg
+            except grpc.aio.AioRpcError as e:
+                await _fail(context, RpcError.from_aio(e))
+            finally:
+                call.cancel()
+            trailers = await call.trailing_metadata()
+            if trailers:
+                context.set_trailing_metadata(trailers)
+
+        return server_stream
+
+    def _passthrough_client_stream(self, method: str) -> Callable[[Any, Any], Awaitable[bytes]]:
+        mc = self.upstream.channel.stream_unary(method)
+
+        async def client_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as e:
+                await _fail(context, RpcError.from_aio(e))
+                raise
+            trailers = await call.trailing_metadata()
+            if trailers:
+                context.set_trailing_metadata(trailers)
+            return response
+
+        return client_stream
+
+    def _passthrough_bidi(self, method: str) -> Callable[[Any, Any], AsyncIterator[bytes]]:
+        mc = self.upstream.channel.stream_stream(method)
+
+        async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            try:
+                initial = await call.initial_metadata()
+                if initial:
+                    await context.send_initial_metadata(initial)
+                async for msg in call:
+                    yield msg
+            except grpc.aio.AioRpcError as e:
+                await _fail(context, RpcError.from_aio(e))
+            finally:
+                call.cancel()
+            trailers = await call.trailing_metadata()
+            if trailers:
+                context.set_trailing_metadata(trailers)
+
+        return bidi
+
+    # ------------------------------------------------------------------ interception
+
+    def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
+
+    def _intercepted_unary(self, method: str, handler: Handler) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        h: UnaryHandler = handler  # type: ignore[assignment]
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                return await h(request, self._call(method, context))
+            except RpcError as e:
+                await _fail(context, e)
+                raise
+            except Exception:
+                _log.error("handler failed", extra={"fields": {"method": method}}, exc_info=True)
+                await context.abort(grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {method}")
+                raise
+
+        return unary
+
+    def _intercepted_stream(self, method: str, handler: Handler) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        h: StreamHandler = handler  # type: ignore[assignment]
+
+        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            try:
+                async for msg in h(request, self._call(method, context)):
+                    yield msg
+            except RpcError as e:
+                await _fail(context, e)
+
+        return server_stream

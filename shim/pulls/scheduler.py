@@ -1,0 +1,285 @@
+"""The node-wide pull scheduler: a cap, two priority classes, and collapsed pulls.
+
+A *flight* is one upstream PullImage. Callers asking for the same pull (same
+PullKey) while a flight is queued or running join it instead of starting another;
+it counts once against the cap. Each caller waits with its own deadline; the flight
+goes on while anyone waits and is cancelled (or dropped from the queue) when the
+last waiter leaves. Results and errors fan out to every waiter still there. A
+finished flight is forgotten at once: a later pull goes upstream again.
+
+Queues are FIFO within a class; foreground (kubelet, any CRI client) goes before
+background (image-set prefetch), which also has its own sub-cap. A foreground
+caller joining a queued background flight lifts it into the foreground queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Awaitable, Callable, Protocol
+
+import grpc
+
+from ..errors import RpcError
+
+
+class Priority(IntEnum):
+    FOREGROUND = 0
+    BACKGROUND = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PullKey:
+    """What makes two pulls the same pull. ``auth`` is a hash, never the secret."""
+
+    image: str
+    handler: str = ""
+    auth: str = ""
+    namespace: str = ""
+
+
+@dataclass(slots=True)
+class PullOutcome:
+    response: bytes
+    joined: bool  # True: this caller shared another caller's upstream pull
+    queued_seconds: float  # how long the flight waited for a slot before this caller got its answer
+
+
+class PullObserver(Protocol):
+    """Hooks for metrics and logs; all optional to implement meaningfully."""
+
+    def queue_changed(self, queued: int, in_flight: int) -> None: ...
+    def started(self, key: PullKey, priority: Priority, waited: float) -> None: ...
+    def joined(self, key: PullKey) -> None: ...
+    def finished(self, key: PullKey, result: str, seconds: float) -> None: ...
+
+
+class _NullObserver:
+    def queue_changed(self, queued: int, in_flight: int) -> None: pass
+    def started(self, key: PullKey, priority: Priority, waited: float) -> None: pass
+    def joined(self, key: PullKey) -> None: pass
+    def finished(self, key: PullKey, result: str, seconds: float) -> None: pass
+
+
+Runner = Callable[[], Awaitable[bytes]]
+
+
+@dataclass(eq=False)
+class Flight:
+    key: PullKey
+    priority: Priority
+    run: Runner
+    seq: int
+    enqueued_at: float
+    future: asyncio.Future[bytes]
+    waiters: int = 0
+    started_at: float | None = None
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def queued(self) -> bool:
+        return self.started_at is None and not self.future.done()
+
+
+class PullScheduler:
+    """At most ``max_parallel`` flights upstream (0 = no cap); background ones at most
+    ``background_max_parallel`` of those."""
+
+    def __init__(self, max_parallel: int, background_max_parallel: int = 1, *, dedup: bool = True,
+                 observer: PullObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_parallel = max_parallel
+        self.background_max_parallel = background_max_parallel
+        self.dedup = dedup
+        self._observer: PullObserver = observer or _NullObserver()
+        self._clock = clock
+        self._flights: dict[PullKey, Flight] = {}
+        self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
+        self._running: set[Flight] = set()
+        self._seq = itertools.count()
+        self._closed: RpcError | None = None
+
+    # ------------------------------------------------------------------ public
+
+    def configure(self, max_parallel: int, background_max_parallel: int, dedup: bool) -> None:
+        """Change the caps (reload). Raising a cap starts queued flights at once."""
+        self.max_parallel, self.background_max_parallel, self.dedup = max_parallel, background_max_parallel, dedup
+        self._dispatch()
+
+    async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
+                   timeout: float | None = None) -> PullOutcome:
+        """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds.
+
+        Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``timeout`` runs out
+        (also while still queued: no slot is taken), UNAVAILABLE when shutting down.
+        """
+        if self._closed is not None:
+            raise self._closed
+        flight = self._flights.get(key) if self.dedup else None
+        joined = flight is not None
+        if flight is None:
+            flight = self._new_flight(key, priority, run)
+        else:
+            self._observer.joined(key)
+            if priority < flight.priority:
+                self._lift(flight, priority)
+        flight.waiters += 1
+        try:
+            if timeout is None:
+                response = await asyncio.shield(flight.future)
+            else:
+                response = await asyncio.wait_for(asyncio.shield(flight.future), max(timeout, 0.0))
+        except TimeoutError:
+            where = "waiting for a pull slot" if flight.queued else "while the runtime was pulling"
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"cri-shim: deadline exceeded {where} {key.image}") from None
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.future.done():
+                self._abandon(flight)
+        started = flight.started_at if flight.started_at is not None else self._clock()
+        return PullOutcome(response, joined, max(0.0, started - flight.enqueued_at))
+
+    def close(self, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+              message: str = "cri-shim is shutting down; retry the pull") -> None:
+        """Refuse new pulls and fail every queued one (running ones may finish)."""
+        self._closed = RpcError(code, f"cri-shim: {message}")
+        for q in self._queues.values():
+            while q:
+                flight = q.popleft()
+                self._forget(flight)
+                if not flight.future.done():
+                    flight.future.set_exception(self._closed)
+        self._changed()
+
+    def cancel(self, key: PullKey) -> bool:
+        """Cancel a flight whoever waits for it (image removed from a declared set)."""
+        flight = self._flights.get(key)
+        if flight is None:
+            return False
+        self._abandon(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {key.image} cancelled"))
+        return True
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def snapshot(self) -> dict[str, list[dict[str, object]]]:
+        """Queue and in-flight pulls for `cri-shim status` (no credentials: keys hold hashes)."""
+        now = self._clock()
+
+        def row(f: Flight) -> dict[str, object]:
+            d: dict[str, object] = {"image": f.key.image, "handler": f.key.handler,
+                                    "priority": f.priority.name.lower(), "waiters": f.waiters,
+                                    "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
+            if f.started_at is not None:
+                d["running_seconds"] = round(now - f.started_at, 3)
+            return d
+
+        queue = [row(f) for p in Priority for f in self._queues[p]]
+        return {"queued": queue, "in_flight": [row(f) for f in sorted(self._running, key=lambda f: f.seq)]}
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_flight(self, key: PullKey, priority: Priority, run: Runner) -> Flight:
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_consume)
+        flight = Flight(key, priority, run, next(self._seq), self._clock(), fut)
+        if self.dedup:
+            self._flights[key] = flight
+        self._queues[priority].append(flight)
+        self._dispatch()
+        self._changed()
+        return flight
+
+    def _lift(self, flight: Flight, priority: Priority) -> None:
+        if flight.queued:
+            self._queues[flight.priority].remove(flight)
+            self._queues[priority].append(flight)
+        flight.priority = priority
+        self._dispatch()
+
+    def _has_slot(self, priority: Priority) -> bool:
+        if self.max_parallel and len(self._running) >= self.max_parallel:
+            return False
+        if priority is Priority.BACKGROUND:
+            bg = sum(1 for f in self._running if f.priority is Priority.BACKGROUND)
+            return bg < self.background_max_parallel
+        return True
+
+    def _dispatch(self) -> None:
+        started = False
+        for priority in Priority:
+            q = self._queues[priority]
+            while q and self._has_slot(priority):
+                self._start(q.popleft())
+                started = True
+        if started:
+            self._changed()
+
+    def _start(self, flight: Flight) -> None:
+        flight.started_at = self._clock()
+        self._running.add(flight)
+        self._observer.started(flight.key, flight.priority, flight.started_at - flight.enqueued_at)
+        flight.task = asyncio.get_running_loop().create_task(self._run(flight), name=f"pull {flight.key.image}")
+
+    async def _run(self, flight: Flight) -> None:
+        result = "error"
+        try:
+            response = await flight.run()
+            result = "success"
+            self._settle(flight, response)
+        except asyncio.CancelledError:
+            result = "cancelled"
+            self._settle(flight, RpcError(grpc.StatusCode.CANCELLED,
+                                          f"cri-shim: pull of {flight.key.image} cancelled"))
+        except RpcError as e:
+            self._settle(flight, e)
+        except Exception as e:  # a bug of ours: still answer every waiter
+            self._settle(flight, RpcError(grpc.StatusCode.INTERNAL, f"cri-shim: pull failed: {e}"))
+        finally:
+            self._running.discard(flight)
+            self._observer.finished(flight.key, result, self._clock() - (flight.started_at or self._clock()))
+            self._dispatch()
+            self._changed()
+
+    def _settle(self, flight: Flight, outcome: bytes | RpcError) -> None:
+        self._forget(flight)
+        if flight.future.done():
+            return
+        if isinstance(outcome, RpcError):
+            flight.future.set_exception(outcome)
+        else:
+            flight.future.set_result(outcome)
+
+    def _forget(self, flight: Flight) -> None:
+        if self._flights.get(flight.key) is flight:
+            del self._flights[flight.key]
+
+    def _abandon(self, flight: Flight, error: RpcError | None = None) -> None:
+        """Nobody waits any more: drop it from the queue, or cancel the upstream call."""
+        self._forget(flight)
+        if flight.queued:
+            self._queues[flight.priority].remove(flight)
+            flight.future.set_exception(error or RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
+            self._changed()
+        elif flight.task is not None and not flight.task.done():
+            if error is not None and not flight.future.done():
+                flight.future.set_exception(error)
+            flight.task.cancel()
+
+    def _changed(self) -> None:
+        self._observer.queue_changed(self.queued, self.in_flight)
+
+
+def _consume(fut: asyncio.Future[bytes]) -> None:
+    """Mark an exception as seen: a flight nobody waits for must not warn at GC."""
+    if not fut.cancelled():
+        fut.exception()

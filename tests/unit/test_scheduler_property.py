@@ -1,0 +1,81 @@
+"""Property: under random cancels, timeouts and errors the cap holds, no slot leaks,
+and every caller that stays gets an answer (the runtime's or its own deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shim.errors import RpcError
+from shim.pulls.scheduler import Priority, PullKey, PullScheduler
+
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from("abcdef"),                          # image
+        st.sampled_from(["", "cred1"]),                     # auth hash
+        st.sampled_from(list(Priority)),
+        st.sampled_from(["ok", "error", "cancel", "timeout", "slow"]),
+        st.integers(min_value=0, max_value=5),              # upstream delay (ms)
+    ),
+    min_size=1, max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(actions=ACTIONS, cap=st.integers(min_value=1, max_value=4), bg_cap=st.integers(min_value=1, max_value=2),
+       seed=st.integers(0, 2**16))
+def test_cap_holds_and_queue_drains(actions, cap: int, bg_cap: int, seed: int) -> None:
+    asyncio.run(_scenario(actions, cap, bg_cap, random.Random(seed)))
+
+
+async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
+    s = PullScheduler(max_parallel=cap, background_max_parallel=bg_cap)
+    active = {"n": 0, "max": 0}
+
+    def runner(image: str, behaviour: str, delay_ms: int):
+        async def run() -> bytes:
+            active["n"] += 1
+            active["max"] = max(active["max"], active["n"])
+            assert s.in_flight <= cap
+            try:
+                await asyncio.sleep(delay_ms / 1000)
+                if behaviour == "error":
+                    raise RpcError(grpc.StatusCode.NOT_FOUND, f"{image} not found", from_upstream=True)
+                return image.encode()
+            finally:
+                active["n"] -= 1
+        return run
+
+    async def caller(image, auth, prio, behaviour, delay):
+        timeout = 0.002 if behaviour == "timeout" else None
+        try:
+            out = await s.pull(PullKey(image, auth=auth), runner(image, behaviour, delay), priority=prio,
+                               timeout=timeout)
+            return ("ok", out.response)
+        except RpcError as e:
+            return ("err", e.code)
+
+    tasks = []
+    for image, auth, prio, behaviour, delay in actions:
+        t = asyncio.create_task(caller(image, auth, prio, behaviour, delay))
+        tasks.append((t, behaviour))
+        if rnd.random() < 0.5:
+            await asyncio.sleep(0)
+    for t, behaviour in tasks:
+        if behaviour == "cancel" and rnd.random() < 0.8:
+            t.cancel()
+        await asyncio.sleep(0)
+    results = await asyncio.wait_for(asyncio.gather(*(t for t, _ in tasks), return_exceptions=True), 10)
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    assert active["max"] <= cap
+    assert s.in_flight == 0 and s.queued == 0 and active["n"] == 0
+    assert not s._flights  # nothing left behind
+    for r in results:
+        assert isinstance(r, (tuple, asyncio.CancelledError))
+        if isinstance(r, tuple) and r[0] == "err":
+            assert r[1] in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED)
