@@ -1,0 +1,1 @@
+"""Kubernetes CRI protobuf packages (runtime.*)."""
