@@ -26,7 +26,7 @@ class RpcError(Exception):
     @classmethod
     def from_aio(cls, e: grpc.aio.AioRpcError) -> "RpcError":
         md = e.trailing_metadata() or ()
-        return cls(e.code(), e.details() or "", tuple((m.key, m.value) for m in md) if md else (),
+        return cls(e.code(), e.details() or "", tuple((k, v) for k, v in md) if md else (),
                    from_upstream=True)
 
 

@@ -58,7 +58,7 @@ CallObserver = Callable[[str, float, grpc.StatusCode], None]
 
 def forward_metadata(context: grpc.aio.ServicerContext) -> Metadata:
     md = context.invocation_metadata() or ()
-    return tuple((m.key, m.value) for m in md if m.key not in _HOP_HEADERS)
+    return tuple((k, v) for k, v in md if k not in _HOP_HEADERS)
 
 
 async def _fail(context: grpc.aio.ServicerContext, e: RpcError) -> None:

@@ -107,9 +107,10 @@ class ShimServer:
         except OSError:
             return None
 
-    async def run(self) -> int:
-        app = App(self.cfg)
-        server = grpc.aio.server(options=server_options(self.cfg))
+    async def start(self) -> App:
+        """Bind the socket and start serving (no signal handlers: see run())."""
+        self.app = app = App(self.cfg)
+        self.server = server = grpc.aio.server(options=server_options(self.cfg))
         server.add_generic_rpc_handlers((app.proxy,))
         prepare_socket(self.path)
         with _umask(0o777 & ~self.cfg.server.socket_mode):
@@ -119,26 +120,33 @@ class ShimServer:
         if self.cfg.server.socket_group:
             os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
         await app.start()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  max_parallel_pulls=self.cfg.pulls.max_parallel, pins=len(self.cfg.pins.images))
+        return app
 
+    async def shutdown(self) -> None:
+        """Stop accepting, fail queued pulls, let in-flight calls finish within the grace period."""
+        self._watcher.cancel()
+        grace = self.cfg.server.shutdown_grace_seconds
+        logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
+        self.app.begin_shutdown()
+        await self.server.stop(grace)
+        await self.app.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        logs.log(_log, logging.INFO, "stopped")
+
+    async def run(self) -> int:
+        app = await self.start()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload(app, "SIGHUP")))
-        watcher = loop.create_task(self._watch_config(app), name="config-watch")
         try:
             await self._stop.wait()
         finally:
-            watcher.cancel()
-            grace = self.cfg.server.shutdown_grace_seconds
-            logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
-            app.begin_shutdown()
-            await server.stop(grace)
-            await app.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
-            logs.log(_log, logging.INFO, "stopped")
+            await self.shutdown()
         return 0
 
     async def _watch_config(self, app: App) -> None:

@@ -1,0 +1,41 @@
+"""Run the shim inside the test's event loop (for fast tests against a fake runtime)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from typing import Any, AsyncIterator
+
+from shim import config as config_mod
+from shim.app import App
+from shim.server import ShimServer
+
+
+@dataclasses.dataclass
+class RunningShim:
+    endpoint: str
+    path: str
+    server: ShimServer
+
+    @property
+    def app(self) -> App:
+        return self.server.app
+
+
+@contextlib.asynccontextmanager
+async def running_shim(upstream: str, settings: dict[str, Any] | None = None,
+                       config_path: str | None = None) -> AsyncIterator[RunningShim]:
+    d = tempfile.mkdtemp(prefix="cri-shim-test-")
+    path = os.path.join(d, "shim.sock")
+    data = dict(settings or {})
+    data.setdefault("server", {}).setdefault("admin_socket", "")
+    data["listen"], data["upstream"] = f"unix://{path}", upstream
+    cfg = config_mod.from_dict(data)
+    srv = ShimServer(cfg, config_path, {})
+    await srv.start()
+    try:
+        yield RunningShim(f"unix://{path}", path, srv)
+    finally:
+        await srv.shutdown()
