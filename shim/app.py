@@ -4,8 +4,15 @@ and applies reloads.
 
 from __future__ import annotations
 
+from functools import partial
+
 from .config import Config
+from .images import pull_image
+from .images.service import PULL_IMAGE, ImageService
+from .metrics import Metrics
+from .pins import PinSet
 from .proxy import Handler, Proxy
+from .pulls.scheduler import PullScheduler
 from .upstream import Upstream
 
 
@@ -14,22 +21,43 @@ class App:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
+        self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
+                                       dedup=cfg.pulls.dedup, observer=self.metrics)
+        self.images = ImageService(self.upstream, self.scheduler, self.metrics)
+        self._configure(cfg)
         self.proxy = Proxy(self.upstream, self.table())
+
+    def _configure(self, cfg: Config) -> None:
+        """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
+        pins = PinSet.build(cfg.pins.images)
+        self.cfg = cfg
+        self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
+        self.images.pins = pins
+        self.images.pins_enforce = cfg.pins.mode == "enforce"
+        self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
 
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
-        return {}
+        svc = self.images
+        return {
+            PULL_IMAGE: partial(pull_image.pull_image, svc),
+        }
 
     async def start(self) -> None:
         self.upstream.start_watch()
+        if self.cfg.metrics.address:
+            self.metrics.serve(self.cfg.metrics.address)
 
     async def reload(self, cfg: Config) -> None:
-        self.cfg = cfg
+        self._configure(cfg)
         self.proxy.set_table(self.table())
 
     def begin_shutdown(self) -> None:
-        """Called when SIGTERM arrives, before in-flight calls get their grace period."""
+        """SIGTERM: queued pulls fail with UNAVAILABLE so kubelet retries; running ones may finish."""
+        self.scheduler.close()
 
     async def close(self) -> None:
+        self.metrics.close()
         await self.upstream.close()

@@ -1,0 +1,1 @@
+"""ImageService interception: one module per RPC, sharing the ImageService struct."""

@@ -1,0 +1,55 @@
+"""PullImage: through the node-wide scheduler, collapsed with identical pulls.
+
+The request reaches the runtime as the client sent it, except that a runtime
+handler chosen by the shim is appended to ImageSpec (never over one the client set).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from .. import logs, wire
+from ..errors import RpcError
+from ..proto.runtime.v1 import api_pb2
+from ..proxy import Call
+from ..pulls.scheduler import Priority, PullKey
+from .service import PULL_IMAGE, ImageService, auth_key, decode
+
+_log = logs.get("pull")
+RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
+
+
+async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
+    req = decode(api_pb2.PullImageRequest, request)
+    image = req.image.image
+    if not image:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cri-shim: PullImageRequest.image.image is empty")
+    handler, how = req.image.runtime_handler, "request" if req.image.runtime_handler else "none"
+    if not handler and svc.handlers is not None:
+        decision = await svc.handlers.for_pull(req, call)  # type: ignore[attr-defined]
+        if decision is not None:
+            handler, how = decision.handler, decision.source
+            request = wire.append_to_submessage(request, 1, wire.string_field(RUNTIME_HANDLER_FIELD, handler))
+            svc.metrics.handler_injected.labels(decision.kind).inc()
+            logs.log(_log, logging.INFO, "runtime handler injected", image=image, handler=handler, source=how)
+    namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
+    key = PullKey(image=image, handler=handler, auth=auth_key(req.auth), namespace=namespace)
+    svc.metrics.pull_requests_total.labels("foreground").inc()
+
+    async def run() -> bytes:
+        return await svc.upstream.unary(PULL_IMAGE, request, metadata=call.metadata)
+
+    try:
+        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining())
+    except RpcError as e:
+        if e.from_upstream:
+            svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
+        logs.log(_log, logging.DEBUG, "pull failed", image=image, handler=handler, code=e.code.name)
+        raise
+    if outcome.joined:
+        logs.log(_log, logging.INFO, "pull collapsed", image=image, handler=handler)
+    logs.log(_log, logging.DEBUG, "pull done", image=image, handler=handler, handler_source=how,
+             joined=outcome.joined, queued_seconds=round(outcome.queued_seconds, 3))
+    return outcome.response

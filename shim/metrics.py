@@ -1,0 +1,73 @@
+"""Prometheus metrics, in a registry of our own (no global state).
+
+Served as Prometheus text at ``metrics.address`` (off when unset). Labels never carry
+credentials: results, codes, method names, image-set names only.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .pulls.scheduler import Priority, PullKey
+
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    """Every metric the shim exports. Implements the scheduler's PullObserver."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.pulls_total = Counter("cri_shim_pulls", "Upstream PullImage calls, by result "
+                                   "(success, error, cancelled).", ["result"], registry=r)
+        self.pull_requests_total = Counter("cri_shim_pull_requests", "PullImage calls received from CRI "
+                                           "clients, by priority.", ["priority"], registry=r)
+        self.pulls_in_flight = Gauge("cri_shim_pulls_in_flight", "Upstream pulls running now.", registry=r)
+        self.queue_length = Gauge("cri_shim_pull_queue_length", "Pulls waiting for a slot.", registry=r)
+        self.queue_wait = Histogram("cri_shim_pull_queue_wait_seconds", "Time a pull waited for a slot "
+                                    "before going upstream.", ["priority"], buckets=_WAIT_BUCKETS, registry=r)
+        self.dedup_joins = Counter("cri_shim_pull_dedup_joins", "PullImage calls that joined an identical "
+                                   "pull already queued or running.", registry=r)
+        self.remove_denied = Counter("cri_shim_remove_denied", "RemoveImage calls refused because the "
+                                     "image is pinned.", registry=r)
+        self.handler_injected = Counter("cri_shim_runtime_handler_injected", "Runtime handlers set on "
+                                        "image requests, by how they were chosen.", ["source"], registry=r)
+        self.upstream_errors = Counter("cri_shim_upstream_errors", "Errors returned by the runtime on "
+                                       "intercepted calls, by method and code.", ["method", "code"], registry=r)
+        self.rpc_duration = Histogram("cri_shim_rpc_duration_seconds", "Duration of intercepted CRI calls "
+                                      "through the shim.", ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
+        self.image_set_images = Gauge("cri_shim_image_set_images", "Images of a declared image set, by state "
+                                      "(declared, present, pulling, failed).", ["set", "state"], registry=r)
+        self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
+                                            registry=r)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    # PullObserver
+    def queue_changed(self, queued: int, in_flight: int) -> None:
+        self.queue_length.set(queued)
+        self.pulls_in_flight.set(in_flight)
+
+    def started(self, key: PullKey, priority: Priority, waited: float) -> None:
+        self.queue_wait.labels(priority.name.lower()).observe(waited)
+
+    def joined(self, key: PullKey) -> None:
+        self.dedup_joins.inc()
+
+    def finished(self, key: PullKey, result: str, seconds: float) -> None:
+        self.pulls_total.labels(result).inc()
+
+    # serving
+    def serve(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
