@@ -1,0 +1,256 @@
+"""Image-set files: parsing, validation, and a directory of them.
+
+A file holds one or more YAML documents. Two kinds are understood:
+
+* ``kind: PinnedImageSet`` (``apiVersion: machineconfiguration.openshift.io/v1`` or
+  ``v1alpha1``), taken as is: ``spec.pinnedImages[].name``; kept present and pinned.
+* ``kind: ImageSet`` (``apiVersion: cri-shim.io/v1``): ``spec.images[].name`` and
+  ``spec.pin`` (default false); kept present, pinned only when ``pin: true``.
+
+``metadata.name`` is required and names the set node-wide. ``metadata.labels``
+(MachineConfigPool selection) and ``spec.nodeSelector`` are ignored: on a single node
+every set applies. Other fields (``status``, annotations, ...) are ignored too. Empty
+documents are skipped. References are normalized like the runtime does
+(``nginx`` = ``docker.io/library/nginx:latest``); a digest reference matches by digest.
+
+A bad file (unreadable, invalid YAML, invalid set) is reported and its previous
+content stays in force; the other files are unaffected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .. import reference
+from ..pins import normalize_pattern
+
+MCO_GROUP = "machineconfiguration.openshift.io"
+MCO_VERSIONS = (f"{MCO_GROUP}/v1", f"{MCO_GROUP}/v1alpha1")
+OWN_VERSIONS = ("cri-shim.io/v1",)
+SUFFIXES = (".yaml", ".yml", ".json")
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class SetFileError(ValueError):
+    """A set file cannot be used; the message names the file, document and key."""
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    name: str
+    kind: str  # PinnedImageSet | ImageSet
+    pin: bool
+    refs: tuple[str, ...]  # normalized, unique, in file order
+    spelled: tuple[str, ...]  # the reference as written, parallel to refs (what is pulled)
+    generation: str  # metadata.generation when given, else a content hash
+    source: str  # file path
+    ignored: tuple[str, ...] = ()  # fields present but not applicable on a single node
+
+
+def canonical(ref: str) -> str:
+    """Normalized form used for presence and pins; raises ValueError if invalid or a glob."""
+    if any(c in ref for c in "*?["):
+        raise ValueError("globs are not allowed in an image set")
+    if reference.is_image_id(ref):
+        raise ValueError("an image ID cannot be pulled; use repository@sha256:<digest>")
+    return normalize_pattern(ref)
+
+
+def _content_hash(kind: str, pin: bool, refs: tuple[str, ...]) -> str:
+    h = hashlib.sha256(f"{kind}\0{pin}\0".encode())
+    for r in refs:
+        h.update(r.encode() + b"\0")
+    return "sha256:" + h.hexdigest()[:16]
+
+
+def _images(where: str, items: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if items is None:
+        items = []
+    if not isinstance(items, list):
+        raise SetFileError(f"{where}: expected a list of {{name: <image>}}, got {type(items).__name__}")
+    refs: list[str] = []
+    spelled: list[str] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        key = f"{where}[{i}].name"
+        name = item.get("name") if isinstance(item, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise SetFileError(f"{key}: expected an image reference string, got {name!r}")
+        try:
+            ref = canonical(name.strip())
+        except ValueError as e:
+            raise SetFileError(f"{key}: {e}") from None
+        if ref not in seen:
+            seen.add(ref)
+            refs.append(ref)
+            spelled.append(name.strip())
+    return tuple(refs), tuple(spelled)
+
+
+def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
+    api, kind = doc.get("apiVersion"), doc.get("kind")
+    meta = doc.get("metadata") or {}
+    spec = doc.get("spec") or {}
+    if not isinstance(meta, dict):
+        raise SetFileError(f"{where}.metadata: expected a map")
+    if not isinstance(spec, dict):
+        raise SetFileError(f"{where}.spec: expected a map")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise SetFileError(f"{where}.metadata.name: required")
+    ignored = ["metadata.labels"] if meta.get("labels") else []
+    if spec.get("nodeSelector"):
+        ignored.append("spec.nodeSelector")
+    if kind == "PinnedImageSet" and api in MCO_VERSIONS:
+        # taken as is: whatever else a newer API version adds to spec is noted, not refused
+        ignored += [f"spec.{k}" for k in sorted(set(spec) - {"pinnedImages", "nodeSelector"})]
+        refs, spelled = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"))
+        pin = True
+    elif kind == "ImageSet" and api in OWN_VERSIONS:
+        extra = set(spec) - {"images", "pin", "nodeSelector"}
+        if extra:
+            raise SetFileError(f"{where}.spec.{sorted(extra)[0]}: unknown key (known: images, nodeSelector, pin)")
+        pin = spec.get("pin", False)
+        if not isinstance(pin, bool):
+            raise SetFileError(f"{where}.spec.pin: expected true or false, got {pin!r}")
+        refs, spelled = _images(f"{where}.spec.images", spec.get("images"))
+    else:
+        raise SetFileError(
+            f"{where}: unsupported kind {kind!r} / apiVersion {api!r} (expected PinnedImageSet in "
+            f"{' or '.join(MCO_VERSIONS)}, or ImageSet in {', '.join(OWN_VERSIONS)})")
+    gen = meta.get("generation")
+    generation = str(gen) if isinstance(gen, int) and not isinstance(gen, bool) else _content_hash(kind, pin, refs)
+    return ImageSet(name, kind, pin, refs, spelled, generation, source, tuple(ignored))
+
+
+def parse_text(text: str, source: str) -> list[ImageSet]:
+    """Every set in a file's text; raises SetFileError naming file, document and key."""
+    try:
+        docs = list(yaml.load_all(text, Loader=_Loader))
+    except yaml.YAMLError as e:
+        raise SetFileError(f"{source}: not valid YAML: {e}") from None
+    out: list[ImageSet] = []
+    names: set[str] = set()
+    for i, doc in enumerate(docs):
+        if doc is None:
+            continue
+        where = f"{source}: document {i}"
+        if not isinstance(doc, dict):
+            raise SetFileError(f"{where}: expected a map, got {type(doc).__name__}")
+        s = parse_document(doc, where, source)
+        if s.name in names:
+            raise SetFileError(f"{where}.metadata.name: set {s.name!r} is declared twice in this file")
+        names.add(s.name)
+        out.append(s)
+    return out
+
+
+Stamp = tuple[int, int, int]  # (mtime_ns, size, inode) of the file (symlinks followed)
+
+
+@dataclass
+class FileState:
+    stamp: Stamp
+    sets: list[ImageSet]  # what is in force (the last good content)
+    error: str = ""  # why the current content is not used; "" when it is
+
+
+@dataclass
+class ScanResult:
+    changed: bool
+    sets: dict[str, ImageSet]
+    errors: dict[str, str]  # file -> error
+    new_errors: list[str] = field(default_factory=list)  # errors first seen in this scan
+
+
+class SetDirectory:
+    """The files of one directory; re-reads only files whose stamp changed.
+
+    Hidden files (``.x``, ConfigMap's ``..data`` links) and other suffixes are skipped.
+    A file that turns bad keeps its previous sets in force; a removed file's sets go.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.files: dict[str, FileState] = {}
+        self.dir_error = ""
+        self._dup_errors: dict[str, str] = {}
+
+    def stamps(self) -> dict[str, Stamp]:
+        out: dict[str, Stamp] = {}
+        try:
+            entries = os.scandir(self.path)
+        except FileNotFoundError:
+            self.dir_error = f"{self.path}: no such directory"
+            return out
+        except OSError as e:
+            self.dir_error = f"{self.path}: {e.strerror}"
+            return out
+        self.dir_error = ""
+        with entries:
+            for e in entries:
+                if e.name.startswith(".") or not e.name.endswith(SUFFIXES):
+                    continue
+                try:
+                    st = e.stat()  # follows symlinks: a ConfigMap swap changes the target
+                except OSError:
+                    continue
+                if not e.is_file():
+                    continue
+                out[e.path] = (st.st_mtime_ns, st.st_size, st.st_ino)
+        return out
+
+    def scan(self) -> ScanResult:
+        """Blocking (file I/O and YAML): call from a thread."""
+        stamps = self.stamps()
+        changed = False
+        new_errors: list[str] = []
+        for path in list(self.files):
+            if path not in stamps:
+                del self.files[path]
+                changed = True
+        for path, stamp in sorted(stamps.items()):
+            old = self.files.get(path)
+            if old is not None and old.stamp == stamp:
+                continue
+            previous = old.sets if old is not None else []
+            try:
+                sets = parse_text(Path(path).read_text(), path)
+            except (OSError, UnicodeDecodeError) as e:
+                err = f"{path}: cannot read: {e}"
+                self.files[path] = FileState(stamp, previous, err)
+                new_errors.append(err)
+                continue
+            except SetFileError as e:
+                self.files[path] = FileState(stamp, previous, str(e))
+                new_errors.append(str(e))
+                continue
+            self.files[path] = FileState(stamp, sets)
+            changed = True
+        sets, dup_errors = self._merge()
+        new_errors += [err for p, err in dup_errors.items() if self._dup_errors.get(p) != err]
+        self._dup_errors = dup_errors
+        errors = {p: f.error for p, f in self.files.items() if f.error}
+        for p, err in dup_errors.items():
+            errors.setdefault(p, err)
+        return ScanResult(changed or bool(new_errors), sets, errors, new_errors)
+
+    def _merge(self) -> tuple[dict[str, ImageSet], dict[str, str]]:
+        """All sets by name; a name taken by an earlier file (path order) is refused in later ones."""
+        out: dict[str, ImageSet] = {}
+        errors: dict[str, str] = {}
+        for path in sorted(self.files):
+            for s in self.files[path].sets:
+                if s.name in out:
+                    errors[path] = (f"{path}: set {s.name!r} is already declared in {out[s.name].source}; "
+                                    "ignoring it here")
+                    continue
+                out[s.name] = s
+        return out, errors

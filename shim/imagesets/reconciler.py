@@ -1,0 +1,477 @@
+"""Keeping declared image sets present: diff against the runtime, pull only the difference.
+
+One pass reads the runtime's images once (ListImages), marks every declared image
+present or missing, and queues the missing ones. Pulls go through the node-wide
+scheduler at background priority, at most ``image_sets.max_parallel`` of ours at a
+time; each lane pauses ``cooldown_seconds`` after a pull. Before each pull starts, the
+free space of the runtime's image filesystem (ImageFsInfo mountpoint + statvfs) is
+checked against ``min_free_bytes``; when short, nothing new starts and status says why.
+
+A failed image is retried after ``retry_initial_seconds``, doubling up to
+``retry_max_seconds``; it never holds the others back. An image dropped from every
+set is forgotten: its queued or running prefetch is cancelled (the scheduler drops
+the flight unless a CRI client joined it, whose pull goes on), its pin is released,
+and the image itself is left to kubelet's garbage collection.
+
+Nothing here is on the path of a CRI call: kubelet never waits for a reconcile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from .. import logs
+from ..config import ImageSetsConfig
+from ..errors import RpcError
+from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
+from ..metrics import Metrics
+from ..pins import PinSet
+from ..proto.runtime.v1 import api_pb2
+from ..pulls.scheduler import Priority, PullKey, PullScheduler
+from ..reference import ReferenceError, normalize
+from ..upstream import Upstream
+from .loader import ImageSet
+
+_log = logs.get("imagesets")
+
+RESYNC_SECONDS = 60.0  # re-read the runtime's images this often (GC, crictl rmi)
+DISK_RECHECK_SECONDS = 30.0  # while short of space
+PROGRESS_STEPS = (25, 50, 75, 100)
+STATES = ("declared", "present", "pulling", "queued", "failed")
+
+PinSink = Callable[[list[tuple[str, str]]], None]
+
+
+class State(enum.Enum):
+    UNKNOWN = "unknown"  # declared since the last ListImages
+    PRESENT = "present"
+    QUEUED = "queued"  # missing, waiting for a lane (or for disk space)
+    PULLING = "pulling"  # handed to the scheduler
+    FAILED = "failed"  # waiting for its retry
+
+
+@dataclass(eq=False)
+class _Image:
+    ref: str  # canonical
+    spelled: str  # as first declared: what is pulled (so a kubelet pull of the same string collapses)
+    sets: set[str]
+    state: State = State.UNKNOWN
+    since: float = 0.0  # clock when state last changed
+    attempts: int = 0
+    retry_at: float = 0.0
+    error: str = ""
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+class Reconciler:
+    def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
+                 on_pins: PinSink, pins: Callable[[], PinSet] | None = None,
+                 statvfs: Callable[[str], Any] = os.statvfs, clock: Callable[[], float] = time.monotonic,
+                 resync_seconds: float = RESYNC_SECONDS, disk_recheck_seconds: float = DISK_RECHECK_SECONDS) -> None:
+        self.cfg = cfg
+        self.upstream = upstream
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self._on_pins = on_pins
+        self._pins = pins
+        self._statvfs = statvfs
+        self._clock = clock
+        self.resync_seconds = resync_seconds
+        self.disk_recheck_seconds = disk_recheck_seconds
+
+        self.sets: dict[str, ImageSet] = {}
+        self.images: dict[str, _Image] = {}
+        self._queue: deque[_Image] = deque()
+        self._lanes: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._need_list = True
+        self._list_failures = 0
+        self._next_list = 0.0
+        self._declared_pins: list[tuple[str, str]] | None = None
+        self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
+        self._gauge_sets: set[str] = set()
+        self._norm_cache: dict[str, str] = {}
+
+        self.runtime_error = ""
+        self.disk_blocked = ""
+        self._disk_checked_at = 0.0
+        self._mounts: list[str] = []
+        self._fs_error = ""
+        self.free_bytes: int | None = None
+        self.last_pass: dict[str, Any] = {}
+        self.pulls_started = 0
+
+    # ------------------------------------------------------------------ inputs
+
+    def configure(self, cfg: ImageSetsConfig) -> None:
+        self.cfg = cfg
+        self._wake.set()
+
+    def set_sets(self, sets: dict[str, ImageSet]) -> None:
+        """The declared sets changed: re-diff (one ListImages), cancel what is no longer declared."""
+        declared: dict[str, tuple[str, set[str]]] = {}
+        for s in sets.values():
+            for ref, spelled in zip(s.refs, s.spelled):
+                entry = declared.get(ref)
+                if entry is None:
+                    declared[ref] = (spelled, {s.name})
+                else:
+                    entry[1].add(s.name)
+        now = self._clock()
+        for ref in [r for r in self.images if r not in declared]:
+            img = self.images.pop(ref)
+            if img.task is not None:
+                img.task.cancel()
+                logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=ref)
+        for ref, (spelled, names) in declared.items():
+            img = self.images.get(ref)
+            if img is None:
+                self.images[ref] = _Image(ref, spelled, names, since=now)
+            else:
+                img.sets = names
+        self._queue = deque(i for i in self._queue if self.images.get(i.ref) is i)
+        for name, s in sets.items():
+            old = self.sets.get(name)
+            if old is None or old.generation != s.generation:
+                logs.log(_log, logging.INFO, "image set loaded", set=name, kind=s.kind, generation=s.generation,
+                         images=len(s.refs), pin=s.pin, file=s.source)
+                if s.ignored:
+                    logs.log(_log, logging.INFO, "image set fields ignored on a single node", set=name,
+                             fields=",".join(s.ignored))
+        for name in self.sets.keys() - sets.keys():
+            logs.log(_log, logging.INFO, "image set removed; its images stay until kubelet GC removes them",
+                     set=name)
+        self.sets = dict(sets)
+        self._update_pins()
+        self._need_list = True
+        self._next_list = 0.0
+        self._wake.set()
+
+    def _update_pins(self) -> None:
+        pins = [(ref, s.name) for s in self.sets.values() if s.pin for ref in s.refs]
+        if pins != self._declared_pins:
+            self._declared_pins = pins
+            self._on_pins(pins)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """Reconcile until cancelled."""
+        try:
+            while True:
+                self._wake.clear()
+                now = self._clock()
+                if self.sets and (self._need_list or now >= self._next_list):
+                    await self._list()
+                self._enqueue_due()
+                self._feed()
+                self._report()
+                timeout = self._next_wake() - self._clock()
+                if timeout > 0 and not self._wake.is_set():
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
+        finally:
+            self.halt()
+
+    def halt(self) -> None:
+        """Stop every prefetch of ours (shutdown, or image sets turned off)."""
+        for task in list(self._lanes):
+            task.cancel()
+        for img in self.images.values():
+            if img.state in (State.PULLING, State.QUEUED):
+                img.state = State.UNKNOWN
+        self._queue.clear()
+
+    def _next_wake(self) -> float:
+        now = self._clock()
+        t = now + 3600.0
+        if self.sets:
+            t = min(t, self._next_list)
+        t = min([t] + [i.retry_at for i in self.images.values() if i.state is State.FAILED])
+        if self.disk_blocked and self._queue:
+            t = min(t, self._disk_checked_at + self.disk_recheck_seconds)
+        return t
+
+    async def _list(self) -> None:
+        """One ListImages (and ImageFsInfo when the disk guard is on); mark present/missing."""
+        started = self._clock()
+        wall = time.time()
+        self._need_list = False
+        try:
+            raw = await self.upstream.unary(LIST_IMAGES, b"")
+            if self.cfg.min_free_bytes > 0:
+                await self._refresh_fs()
+        except RpcError as e:
+            self._list_failures += 1
+            delay = self._backoff(self._list_failures)
+            self._next_list = self._clock() + delay
+            err = f"ListImages failed: {e.code.name}: {e.details}"
+            if err != self.runtime_error:
+                logs.log(_log, logging.WARNING, "cannot read the runtime's images; will retry", error=err,
+                         retry_in=round(delay, 3))
+            self.runtime_error = err
+            return
+        if self.runtime_error:
+            logs.log(_log, logging.INFO, "runtime images readable again")
+        self.runtime_error = ""
+        self._list_failures = 0
+        present, count = await asyncio.to_thread(self._present_names, raw)
+        now = self._clock()
+        missing = 0
+        for img in self.images.values():
+            if img.ref in present:
+                if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
+                    self._set(img, State.PRESENT, now)
+                    img.attempts, img.error = 0, ""
+            elif img.state is State.PRESENT and img.since >= started:
+                pass  # pulled while the list was on its way: newer than the list
+            elif img.state in (State.UNKNOWN, State.PRESENT):
+                self._set(img, State.QUEUED, now)
+                self._queue.append(img)
+                missing += 1
+            elif img.state is State.QUEUED:
+                missing += 1
+        self._queue = deque(sorted(self._queue, key=lambda i: i.since))
+        self._next_list = now + self.resync_seconds
+        self.metrics.image_set_reconciles.inc()
+        self.last_pass = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall)),
+                          "seconds": round(now - started, 3), "runtime_images": count, "missing": missing}
+        logs.log(_log, logging.DEBUG if not missing else logging.INFO, "image sets reconciled",
+                 runtime_images=count, declared=len(self.images), missing=missing,
+                 seconds=round(now - started, 3))
+
+    def _present_names(self, raw: bytes) -> tuple[set[str], int]:
+        """Every normalized tag and digest the runtime has (thread: no loop work)."""
+        resp = api_pb2.ListImagesResponse.FromString(raw)
+        cache, new_cache = self._norm_cache, {}
+        names: set[str] = set()
+        for image in resp.images:
+            for n in (*image.repo_tags, *image.repo_digests):
+                c = cache.get(n)
+                if c is None:
+                    try:
+                        c = normalize(n)
+                    except ReferenceError:
+                        c = n
+                new_cache[n] = c
+                names.add(c)
+        self._norm_cache = new_cache
+        return names, len(resp.images)
+
+    async def _refresh_fs(self) -> None:
+        try:
+            resp = api_pb2.ImageFsInfoResponse.FromString(await self.upstream.unary(IMAGE_FS_INFO, b""))
+        except RpcError as e:
+            self._mounts, self._fs_error = [], f"ImageFsInfo failed: {e.code.name}: {e.details}"
+            return
+        self._mounts = sorted({fs.fs_id.mountpoint for fs in resp.image_filesystems if fs.fs_id.mountpoint})
+        self._fs_error = "" if self._mounts else "the runtime reported no image filesystem mountpoint"
+
+    def _disk_short(self) -> str:
+        """Why no pull may start now ('' when it may)."""
+        need = self.cfg.min_free_bytes
+        self._disk_checked_at = self._clock()
+        if need <= 0:
+            self.free_bytes = None
+            return ""
+        if self._fs_error:
+            return f"cannot check free space ({self._fs_error}); image_sets.min_free_bytes is set"
+        lowest: tuple[int, str] | None = None
+        for m in self._mounts:
+            try:
+                st = self._statvfs(m)
+            except OSError as e:
+                return f"cannot check free space on {m}: {e.strerror}; image_sets.min_free_bytes is set"
+            free = st.f_bavail * st.f_frsize
+            if lowest is None or free < lowest[0]:
+                lowest = (free, m)
+        if lowest is None:
+            return "cannot check free space: no image filesystem known yet"
+        self.free_bytes = lowest[0]
+        if lowest[0] < need:
+            return (f"free space on {lowest[1]} is {_fmt_bytes(lowest[0])}, below image_sets.min_free_bytes "
+                    f"{_fmt_bytes(need)}; not pulling until space is freed")
+        return ""
+
+    def _backoff(self, attempts: int) -> float:
+        return min(self.cfg.retry_initial_seconds * (2 ** max(attempts - 1, 0)), self.cfg.retry_max_seconds)
+
+    def _set(self, img: _Image, state: State, now: float) -> None:
+        img.state, img.since = state, now
+
+    def _enqueue_due(self) -> None:
+        now = self._clock()
+        due = [i for i in self.images.values() if i.state is State.FAILED and i.retry_at <= now]
+        for img in sorted(due, key=lambda i: i.retry_at):
+            self._set(img, State.QUEUED, now)
+            self._queue.append(img)
+
+    def _feed(self) -> None:
+        """Start pulls while a lane is free and the disk guard allows."""
+        while self._queue and len(self._lanes) < self.cfg.max_parallel:
+            reason = self._disk_short()
+            if reason:
+                if reason != self.disk_blocked and not self.disk_blocked:
+                    logs.log(_log, logging.WARNING, "image set prefetch paused", reason=reason,
+                             waiting=len(self._queue))
+                self.disk_blocked = reason
+                return
+            if self.disk_blocked:
+                logs.log(_log, logging.INFO, "image set prefetch resumed", free_bytes=self.free_bytes)
+                self.disk_blocked = ""
+            img = self._queue.popleft()
+            if self.images.get(img.ref) is not img or img.state is not State.QUEUED:
+                continue
+            self._set(img, State.PULLING, self._clock())
+            task = asyncio.get_running_loop().create_task(self._lane(img), name=f"prefetch {img.ref}")
+            img.task = task
+            self._lanes.add(task)
+            task.add_done_callback(self._lane_done)
+        if not self._queue and self.disk_blocked:
+            self.disk_blocked = ""
+
+    def _lane_done(self, task: asyncio.Task[None]) -> None:
+        self._lanes.discard(task)
+        self._wake.set()
+
+    async def _lane(self, img: _Image) -> None:
+        await self._pull(img)
+        if self.cfg.cooldown_seconds > 0:
+            await asyncio.sleep(self.cfg.cooldown_seconds)
+
+    async def _pull(self, img: _Image) -> None:
+        request = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
+
+        async def run() -> bytes:
+            return await self.upstream.unary(PULL_IMAGE, request)
+
+        self.pulls_started += 1
+        self.metrics.pull_requests_total.labels("background").inc()
+        t0 = self._clock()
+        try:
+            await self.scheduler.pull(PullKey(image=img.spelled), run, priority=Priority.BACKGROUND)
+        except RpcError as e:
+            img.task = None
+            if self.images.get(img.ref) is not img:
+                return  # dropped meanwhile
+            img.attempts += 1
+            img.error = f"{e.code.name}: {e.details}"
+            delay = self._backoff(img.attempts)
+            img.retry_at = self._clock() + delay
+            self._set(img, State.FAILED, self._clock())
+            logs.log(_log, logging.WARNING, "image set pull failed; will retry", image=img.ref,
+                     sets=",".join(sorted(img.sets)), code=e.code.name, error=e.details, attempts=img.attempts,
+                     retry_in=round(delay, 3))
+            return
+        img.task = None
+        img.attempts, img.error = 0, ""
+        self._set(img, State.PRESENT, self._clock())
+        logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, seconds=round(self._clock() - t0, 3))
+
+    # ------------------------------------------------------------------ reporting
+
+    def _counts(self, s: ImageSet) -> dict[str, int]:
+        c = {"declared": len(s.refs), "present": 0, "pulling": 0, "queued": 0, "failed": 0}
+        images = self.images
+        for ref in s.refs:
+            img = images.get(ref)
+            if img is None:
+                continue
+            st = img.state
+            if st is State.PRESENT:
+                c["present"] += 1
+            elif st is State.PULLING:
+                c["pulling"] += 1
+            elif st is State.QUEUED:
+                c["queued"] += 1
+            elif st is State.FAILED:
+                c["failed"] += 1
+        return c
+
+    def _report(self) -> None:
+        gauge = self.metrics.image_set_images
+        for name in self._gauge_sets - self.sets.keys():
+            for state in STATES:
+                gauge.remove(name, state)
+            self._progress.pop(name, None)
+        self._gauge_sets = set(self.sets)
+        for name, s in self.sets.items():
+            c = self._counts(s)
+            for state in STATES:
+                gauge.labels(name, state).set(c[state])
+            if any(self.images.get(r) is not None and self.images[r].state is State.UNKNOWN for r in s.refs):
+                continue  # not listed yet: no progress to speak of
+            pct = 100 * c["present"] // c["declared"] if c["declared"] else 100
+            step = max([p for p in PROGRESS_STEPS if p <= pct], default=0)
+            gen, logged = self._progress.get(name, ("", 0))
+            if gen != s.generation:
+                logged = 0
+            if step > logged:
+                logs.log(_log, logging.INFO, "image set progress", set=name, generation=s.generation,
+                         percent=step, present=c["present"], declared=c["declared"], failed=c["failed"])
+            self._progress[name] = (s.generation, step)
+
+    def _last_error(self, s: ImageSet) -> str:
+        worst: _Image | None = None
+        for ref in s.refs:
+            img = self.images.get(ref)
+            if img is not None and img.error and (worst is None or img.since > worst.since):
+                worst = img
+        if worst is not None:
+            return f"{worst.ref}: {worst.error}"
+        return ""
+
+    def status(self) -> dict[str, Any]:
+        pins = self._pins() if self._pins is not None else None
+        now = self._clock()
+        sets: dict[str, Any] = {}
+        for name, s in sorted(self.sets.items()):
+            c = self._counts(s)
+            blocked = ""
+            if c["queued"] and self.disk_blocked:
+                blocked = self.disk_blocked
+            elif c["declared"] != c["present"] and self.runtime_error:
+                blocked = self.runtime_error
+            row: dict[str, Any] = {"kind": s.kind, "file": s.source, "generation": s.generation, "pin": s.pin,
+                                   **c, "last_error": self._last_error(s) or blocked}
+            if s.pin:
+                row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
+            if s.ignored:
+                row["ignored_fields"] = list(s.ignored)
+            sets[name] = row
+        failed = sorted((i for i in self.images.values() if i.state is State.FAILED), key=lambda i: i.retry_at)
+        return {
+            "sets": sets,
+            "images": {st: sum(1 for i in self.images.values() if i.state.value == st)
+                       for st in ("present", "pulling", "queued", "failed", "unknown")},
+            "failed": [{"image": i.ref, "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error,
+                        "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed[:20]],
+            "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
+                     "mountpoints": list(self._mounts), "blocked": self.disk_blocked},
+            "runtime_error": self.runtime_error,
+            "last_pass": dict(self.last_pass),
+            "background_pulls_started": self.pulls_started,
+        }
+
+
+def declared_refs(sets: Iterable[ImageSet]) -> set[str]:
+    return {r for s in sets for r in s.refs}
