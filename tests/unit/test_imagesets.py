@@ -22,7 +22,7 @@ from shim.metrics import Metrics
 from shim.pins import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
 from shim.upstream import Upstream
-from tests.support.fake_images import FakeImages
+from tests.support.prefetch_store import FakeImages
 from tests.support.fake_runtime import FakeRuntime, socket_in
 
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -352,4 +352,4 @@ async def test_sets_removed_and_restored_share_images(runtime, store, tmp_path) 
         (tmp_path / "a.yaml").unlink()
         await eventually(lambda: "alpha" not in h.status()["sets"])
         assert h.pin_updates[-1] == [] and h.set_status("beta")["present"] == 1
-        assert h.gauge("alpha", "declared") is None  # gauge series of a removed set is gone
+        await eventually(lambda: h.gauge("alpha", "declared") is None, what="removed set's gauge series to go")
