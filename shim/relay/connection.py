@@ -109,6 +109,7 @@ class ClientConnection(asyncio.Protocol):
         self.client_initial_stream_window = h2.DEFAULT_WINDOW
         self.client_max_frame = h2.DEFAULT_MAX_FRAME
         self.owed = 0  # bytes of our own DATA the client has not yet refunded
+        self._unacked_client_settings: deque[bytes] = deque()
         self._held: deque[bytes] = deque()  # runtime frames waiting for the client's window
         self._window_waiters: list[asyncio.Future[None]] = []
         self.going_away = False
@@ -269,8 +270,8 @@ class ClientConnection(asyncio.Protocol):
                 elif ftype == h2.SETTINGS:
                     if flags & h2.ACK:
                         out.append(raw)
-                    else:
-                        self._client_settings(raw[9:])
+                    else:  # in force for us once the runtime's ACK reaches the client
+                        self._unacked_client_settings.append(raw[9:])
                         out.append(h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(raw[9:])))
                 elif ftype == h2.RST_STREAM:
                     s = self.local.get(sid)
@@ -366,8 +367,11 @@ class ClientConnection(asyncio.Protocol):
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
                 continue
-            if ftype == h2.SETTINGS and not flags & h2.ACK:
-                raw = h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(raw[9:]))
+            if ftype == h2.SETTINGS:
+                if not flags & h2.ACK:
+                    raw = h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(raw[9:]))
+                elif self._unacked_client_settings:
+                    self._client_settings(self._unacked_client_settings.popleft())
             elif sid and (ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA))):
                 self.relayed_open.discard(sid)
             if ftype == h2.DATA and length:

@@ -36,7 +36,10 @@ def metadata(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str | b
             continue
         key = name.decode("latin-1")
         if key.endswith("-bin"):
-            out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+            if value[:1] == b"\x00":  # grpc-core's true-binary form (when the runtime allows it)
+                out.append((key, value[1:]))
+            else:
+                out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
         else:
             out.append((key, value.decode("latin-1")))
     return tuple(out)

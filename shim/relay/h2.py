@@ -221,8 +221,9 @@ class Decoder:
             if full:
                 headers.append((name, value))
             if indexing:
+                had_entries = bool(self.dynamic)
                 self._insert(name, value)
-                inserted = True
+                inserted = inserted or had_entries or bool(self.dynamic)  # a 0-size table stays empty
         return path, headers, inserted
 
 
