@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,5 @@ def shim_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Shi
 
     factory = ShimFactory(default_upstream, tmp_path)
     yield factory
-    problems = factory.close()
-    for p in problems:
-        print(p)
+    for problem in factory.close():
+        warnings.warn(problem, stacklevel=1)
