@@ -299,6 +299,24 @@ def test_shim_factory_with_passthrough(shim_factory, containerd: Containerd, mak
     assert "passthrough shim stopping" in shim.log_text()
 
 
+def test_shim_factory_with_real_shim(shim_factory, containerd: Containerd, make_image, cri_call) -> None:
+    """Smoke test of the ``python -m shim serve`` contract with the real shim."""
+    shim = shim_factory({})
+    for method, req in (("Version", cri.version_request()), ("ImageFsInfo", b"")):
+        via_shim = cri_call(shim.socket, method, req, 10)
+        direct = cri_call(containerd.socket, method, req, 10)
+        assert via_shim.ok and direct.ok, (via_shim, direct)
+        if method == "Version":
+            assert via_shim.response == direct.response
+    img = make_image()
+    pulled = cri_call(shim.socket, "PullImage", cri.pull_image_request(img.ref), 60)
+    assert pulled.ok, pulled
+    assert cri.decode_pull_image_response(pulled.response) == img.image_id
+    req = cri.image_status_request(img.ref)
+    assert cri_call(shim.socket, "ImageStatus", req, 10).response == cri_call(containerd.socket, "ImageStatus", req, 10).response
+    assert shim.stop() == 0 and not shim.killed
+
+
 def test_shim_factory_reports_early_exit(shim_factory) -> None:
     with pytest.raises(RuntimeError, match="exited with") as info:
         shim_factory({}, module="tests.support.no_such_module_for_harness_test")
