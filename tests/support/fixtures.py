@@ -12,6 +12,7 @@ report of a failing test (see ``tests/conftest.py``).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import re
@@ -76,12 +77,8 @@ def _start_registry(
     tmp_path_factory: pytest.TempPathFactory, fast_tmp: Path, name: str, credentials: tuple[str, str] | None
 ) -> RegistryWithProxy:
     binary = binaries.require("docker-registry")
-    if credentials is not None:
-        try:
-            import bcrypt  # noqa: F401
-        except ImportError:
-            if shutil.which("htpasswd") is None:
-                binaries.require_module("bcrypt", "pip install bcrypt")
+    if credentials is not None and importlib.util.find_spec("bcrypt") is None and not shutil.which("htpasswd"):
+        binaries.require_module("bcrypt", "pip install bcrypt")
     workdir = tmp_path_factory.mktemp(name)
     reg = RegistryWithProxy(workdir, binary=binary, credentials=credentials)
     reg.registry.storage = fast_tmp / name
