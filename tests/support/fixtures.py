@@ -186,7 +186,7 @@ def containerd(
     the end); its log stays in pytest's temp dir (``containerd.log``).
     """
     binary = binaries.require("containerd")
-    workdir = _short_tmpdir("ctd-")
+    workdir = _short_tmpdir("e2e-ctd-")
     log = tmp_path_factory.mktemp("containerd") / "containerd.log"
     ctd = Containerd(workdir, binary=binary, registries=[registry.host], log_path=log)
     try:
@@ -205,7 +205,7 @@ class ContainerdFactory(_Logs):
         self.instances: list[Containerd] = []
 
     def __call__(self, *, start: bool = True, registries: Sequence[str] | None = None, **kwargs: Any) -> Containerd:
-        workdir = _short_tmpdir("ctd-")
+        workdir = _short_tmpdir("e2e-ctd-")
         kwargs.setdefault("log_path", self.log_dir / f"containerd-{len(self.instances) + 1}.log")
         ctd = Containerd(
             workdir,
@@ -282,7 +282,7 @@ class ShimFactory(_Logs):
         log_level: str = "debug",
         module: str = "shim",
     ) -> ShimProcess:
-        sockdir = _short_tmpdir("shim-")
+        sockdir = _short_tmpdir("e2e-shim-")
         self._dirs.append(sockdir)
         workdir = self.log_dir / f"shim-{len(self.shims) + 1}"
         shim = ShimProcess(
