@@ -10,6 +10,7 @@ A *resolve* is an answered manifest request by tag: containerd makes one per Pul
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import time
@@ -261,3 +262,26 @@ def test_short_deadline_caller_leaves_others_get_the_image(
     assert proxy.stats().blob_bytes == img.image.size  # the pull went on: downloaded once
     assert metric(port, "cri_shim_pulls_total") == 1
 
+
+# ---------------------------------------------------------------------------- one connection
+
+
+async def test_waves_of_answers_on_one_connection(
+    containerd: Containerd, shim_factory, make_image, proxy: CountingProxy
+) -> None:
+    """kubelet sends all its image calls on one connection. Pull answers arriving one
+    after another make the client PING; containerd must not close that connection for
+    "too many pings" (the pulls still waiting on it would fail or start over)."""
+    shim, port = start_shim(shim_factory, max_parallel=1)
+    imgs = [make_image(filler_bytes=150_000) for _ in range(10)]
+    proxy.set_throttle(600_000)  # ~0.25 s per image, one at a time: ten waves of answers
+    async with grpc.aio.insecure_channel(f"unix://{shim.socket}") as channel:
+        pull = channel.unary_unary("/runtime.v1.ImageService/PullImage")
+        calls = [pull(cri.pull_image_request(img.ref), timeout=60) for _ in range(2) for img in imgs]
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [a for a in answers if isinstance(a, BaseException)]
+    assert not errors, errors
+    assert [cri.decode_pull_image_response(a) for a in answers] == [img.image_id for img in imgs] * 2
+    assert [resolves(proxy, img) for img in imgs] == [1] * 10  # no pull cancelled and started over
+    assert metric(port, "cri_shim_pulls_total") == 10
+    assert "runtime not reachable" not in shim.log_text()
