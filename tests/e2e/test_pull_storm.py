@@ -52,7 +52,16 @@ def start_shim(shim_factory: Callable[..., ShimProcess], max_parallel: int = 4) 
         "pulls": {"max_parallel": max_parallel},
         "metrics": {"address": f"127.0.0.1:{port}"},
     })
+    wait_for(lambda: _answers(port), timeout=10, what="the shim's metrics endpoint")  # starts after the socket
     return shim, port
+
+
+def _answers(port: int) -> bool:
+    try:
+        metric(port, "cri_shim_pull_requests_total")
+    except OSError:
+        return False
+    return True
 
 
 def metric(port: int, name: str) -> float:
