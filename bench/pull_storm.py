@@ -105,6 +105,8 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
         return {
             "manifest_resolves": manifest_resolves(records),
             "manifest_requests": stats.manifest_requests,
+            "manifest_heads": stats.manifest_heads,
+            "manifest_gets": stats.manifest_gets,
             "blob_requests": stats.blob_requests,
             "blob_bytes": stats.blob_bytes,
             "max_concurrent_images": stats.max_concurrent_images,
