@@ -7,12 +7,14 @@ from __future__ import annotations
 from functools import partial
 
 from .config import Config
+from .handlers import HandlerResolver
 from .images import pull_image
 from .images.service import PULL_IMAGE, ImageService
 from .metrics import Metrics
 from .pins import PinSet
 from .proxy import Handler, Proxy
 from .pulls.scheduler import PullScheduler
+from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
 from .upstream import Upstream
 
 
@@ -26,12 +28,14 @@ class App:
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
                                        dedup=cfg.pulls.dedup, observer=self.metrics)
         self.images = ImageService(self.upstream, self.scheduler, self.metrics)
+        self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self._configure(cfg)
         self.proxy = Proxy(self.upstream, self.table())
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
         pins = PinSet.build(cfg.pins.images)
+        self.handlers.configure(cfg.runtime_handlers)
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
         self.images.pins = pins
@@ -41,9 +45,13 @@ class App:
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
         svc = self.images
-        return {
+        table: dict[str, Handler] = {
             PULL_IMAGE: partial(pull_image.pull_image, svc),
         }
+        if self.handlers.learn:
+            table[RUN_POD_SANDBOX] = partial(run_pod_sandbox, self.handlers)
+            table[REMOVE_POD_SANDBOX] = partial(remove_pod_sandbox, self.handlers)
+        return table
 
     async def start(self) -> None:
         self.upstream.start_watch()
