@@ -175,6 +175,9 @@ class PodCache:
     def __len__(self) -> int:
         return len(self._pods)
 
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._pods
+
     def get(self, uid: str) -> Pod | None:
         pod = self._pods.get(uid)
         if pod is not None:
@@ -365,7 +368,7 @@ class HandlerResolver:
             if s.metadata.uid:  # matched here: the request carried no filter to trust
                 by_uid.setdefault(s.metadata.uid, []).append(s)
         for other, sandboxes in by_uid.items():
-            if other != uid and self.pods.get(other) is None:
+            if other != uid and other not in self.pods:
                 _put_listed(self.pods, other, sandboxes, evict=False)
         if uid in by_uid:
             _put_listed(self.pods, uid, by_uid[uid], evict=True)

@@ -87,6 +87,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
 {images}]
   snapshotter = "native"
+  # the transfer service only unpacks into snapshotters listed in its unpack_config
+  # (by default overlayfs alone); the local pull path unpacks into any
+  use_local_image_pull = true
   {images}.registry]
     config_path = {_q(d / "certs.d")}
 {rt}]
