@@ -25,13 +25,19 @@ LIST = "/runtime.v1.RuntimeService/ListPodSandbox"
 TRACEPARENT = "00-" + "c" * 32 + "-" + "d" * 16 + "-01"
 
 
-@pytest.fixture
-async def runtime(tmp_path):
+@pytest.fixture(params=["relay", "grpc"])
+async def runtime(tmp_path, request):
+    """The scripted runtime; each test runs through both passthrough engines."""
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    rt.engine = request.param  # type: ignore[attr-defined]
     rt.unary[PULL] = pb.PullImageResponse(image_ref="sha256:" + "a" * 64).SerializeToString()
     rt.unary[LIST] = b""
     yield rt
     await rt.stop()
+
+
+def serve(rt: FakeRuntime, settings: dict | None = None):
+    return running_shim(rt.endpoint, settings, engine=rt.engine)  # type: ignore[attr-defined]
 
 
 def sandbox_config(uid: str = "", namespace: str = "default", labels: dict | None = None,
@@ -66,7 +72,7 @@ def received_handlers(rt: FakeRuntime) -> list[str]:
 
 
 async def test_rule_by_namespace(runtime: FakeRuntime) -> None:
-    async with running_shim(runtime.endpoint, rules({"handler": "gvisor", "namespaces": ["untrusted"]})) as shim:
+    async with serve(runtime, rules({"handler": "gvisor", "namespaces": ["untrusted"]})) as shim:
         await pull(shim, pull_request("nginx:1", sandbox_config("u1", "untrusted")))
         await pull(shim, pull_request("nginx:2", sandbox_config("u2", "default")))
         await pull(shim, pull_request("nginx:3"))  # no pod at all: a namespace rule cannot match
@@ -76,7 +82,7 @@ async def test_rule_by_namespace(runtime: FakeRuntime) -> None:
 async def test_rule_by_image_on_the_normalized_reference(runtime: FakeRuntime) -> None:
     settings = rules({"handler": "nvidia", "images": ["registry.example.com/gpu/*"]},
                      {"handler": "kata", "images": ["busybox:*"]})  # = docker.io/library/busybox:*
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with serve(runtime, settings) as shim:
         await pull(shim, pull_request("registry.example.com/gpu/cuda:12.4"))
         await pull(shim, pull_request("docker.io/library/busybox:1.36", sandbox_config("u1")))
         await pull(shim, pull_request("busybox:1.36"))
@@ -87,7 +93,7 @@ async def test_rule_by_image_on_the_normalized_reference(runtime: FakeRuntime) -
 async def test_rule_by_labels_and_annotations_all_must_match(runtime: FakeRuntime) -> None:
     settings = rules({"handler": "kata", "pod_labels": {"tier": "secure"},
                       "pod_annotations": {"example.com/isolation": "vm"}})
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with serve(runtime, settings) as shim:
         both = sandbox_config("u1", labels={"tier": "secure", "app": "x"}, annotations={"example.com/isolation": "vm"})
         label_only = sandbox_config("u2", labels={"tier": "secure"})
         wrong_value = sandbox_config("u3", labels={"tier": "secure"}, annotations={"example.com/isolation": "no"})
@@ -104,7 +110,7 @@ async def test_first_matching_rule_wins_and_source_is_logged(runtime: FakeRuntim
                      {"handler": "second", "namespaces": ["ml"]},
                      {"handler": "third"})
     caplog.set_level("INFO", logger="cri_shim")
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with serve(runtime, settings) as shim:
         await pull(shim, pull_request("quay.io/gpu/train:1", sandbox_config("u1", "ml")))
         await pull(shim, pull_request("quay.io/cpu/train:1", sandbox_config("u2", "ml")))
         await pull(shim, pull_request("quay.io/cpu/train:2", sandbox_config("u3", "web")))
@@ -116,7 +122,7 @@ async def test_first_matching_rule_wins_and_source_is_logged(runtime: FakeRuntim
 
 async def test_explicit_handler_is_kept_byte_for_byte(runtime: FakeRuntime) -> None:
     request = pull_request("nginx", sandbox_config("u1", "untrusted"), handler="runc")
-    async with running_shim(runtime.endpoint, rules({"handler": "gvisor"})) as shim:
+    async with serve(runtime, rules({"handler": "gvisor"})) as shim:
         await pull(shim, request)
     assert runtime.calls("PullImage")[0].request == request
 
@@ -131,7 +137,7 @@ async def test_sandbox_config_and_every_other_byte_unchanged(runtime: FakeRuntim
     spec = pb.ImageSpec(image="nginx:1.27", annotations={"k": "v"}).SerializeToString() + wire.string_field(77, "x")
     auth = pb.AuthConfig(username="u", password="secret-pw").SerializeToString()
     request = wire.len_field(1, spec) + wire.len_field(2, auth) + wire.len_field(3, config)
-    async with running_shim(runtime.endpoint, rules({"handler": "gvisor", "namespaces": ["untrusted"]})) as shim:
+    async with serve(runtime, rules({"handler": "gvisor", "namespaces": ["untrusted"]})) as shim:
         await pull(shim, request)
     got = runtime.calls("PullImage")[0].request
     assert pb.PullImageRequest.FromString(got).image.runtime_handler == "gvisor"
@@ -158,7 +164,7 @@ async def call(shim, method: str, request: bytes) -> bytes:
 
 async def test_learned_from_run_pod_sandbox_and_forgotten_on_remove(runtime: FakeRuntime) -> None:
     runtime.unary[RUN] = pb.RunPodSandboxResponse(pod_sandbox_id="sb-1").SerializeToString()
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         run = run_request("u1", "kata")
         assert await call(shim, RUN, run) == runtime.unary[RUN]
         await pull(shim, pull_request("nginx", sandbox_config("u1")))
@@ -172,7 +178,7 @@ async def test_learned_from_run_pod_sandbox_and_forgotten_on_remove(runtime: Fak
 
 async def test_default_handler_pod_gets_none_and_no_lookup(runtime: FakeRuntime) -> None:
     runtime.unary[RUN] = pb.RunPodSandboxResponse(pod_sandbox_id="sb-1").SerializeToString()
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         await call(shim, RUN, run_request("u1", ""))
         request = pull_request("nginx", sandbox_config("u1"))
         await pull(shim, request)
@@ -182,7 +188,7 @@ async def test_default_handler_pod_gets_none_and_no_lookup(runtime: FakeRuntime)
 
 async def test_failed_run_pod_sandbox_teaches_nothing(runtime: FakeRuntime) -> None:
     runtime.unary[RUN] = (grpc.StatusCode.UNKNOWN, "cni failed", (("x-why", "net"),))
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call(shim, RUN, run_request("u1", "kata"))
         await pull(shim, pull_request("nginx", sandbox_config("u1")))
@@ -203,9 +209,9 @@ async def test_found_by_list_pod_sandbox_after_restart(runtime: FakeRuntime) -> 
         sandbox("u1", "sb-new", "kata", created=2),
     ]).SerializeToString()
     runtime.unary[RUN] = pb.RunPodSandboxResponse(pod_sandbox_id="sb-x").SerializeToString()
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         await call(shim, RUN, run_request("before-restart", "wasm"))
-    async with running_shim(runtime.endpoint) as shim:  # a new process: it knows nothing
+    async with serve(runtime) as shim:  # a new process: it knows nothing
         await pull(shim, pull_request("nginx", sandbox_config("u1")), metadata=(("traceparent", TRACEPARENT),))
         await pull(shim, pull_request("redis", sandbox_config("u1")))
         await pull(shim, pull_request("redis", sandbox_config("other")))  # listed in the same answer
@@ -221,7 +227,7 @@ async def test_concurrent_lookups_share_one_call(runtime: FakeRuntime) -> None:
         await asyncio.sleep(0.3)
         return pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
     runtime.unary[LIST] = slow_list
-    async with running_shim(runtime.endpoint, {"pulls": {"dedup": False}}) as shim:
+    async with serve(runtime, {"pulls": {"dedup": False}}) as shim:
         await asyncio.gather(*(pull(shim, pull_request(f"img{i}", sandbox_config("u1"))) for i in range(20)))
     assert received_handlers(runtime) == ["kata"] * 20
     assert len(runtime.calls("ListPodSandbox")) == 1
@@ -229,7 +235,7 @@ async def test_concurrent_lookups_share_one_call(runtime: FakeRuntime) -> None:
 
 async def test_unknown_pod_gets_no_handler_and_the_answer_is_cached_briefly(runtime: FakeRuntime) -> None:
     runtime.unary[LIST] = pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         shim.app.handlers.pods.negative_ttl = 0.3
         request = pull_request("nginx", sandbox_config("ghost"))
         await pull(shim, request)
@@ -246,7 +252,7 @@ async def test_unknown_pod_gets_no_handler_and_the_answer_is_cached_briefly(runt
 
 async def test_lookup_failure_does_not_fail_the_pull(runtime: FakeRuntime) -> None:
     runtime.unary[LIST] = grpc.StatusCode.UNAVAILABLE
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime) as shim:
         request = pull_request("nginx", sandbox_config("u1"))
         assert pb.PullImageResponse.FromString(await pull(shim, request)).image_ref.startswith("sha256:")
     assert runtime.calls("PullImage")[0].request == request
@@ -255,7 +261,7 @@ async def test_lookup_failure_does_not_fail_the_pull(runtime: FakeRuntime) -> No
 async def test_learning_off_means_rules_only(runtime: FakeRuntime) -> None:
     runtime.unary[RUN] = pb.RunPodSandboxResponse(pod_sandbox_id="sb-1").SerializeToString()
     runtime.unary[LIST] = pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
-    async with running_shim(runtime.endpoint, rules(learn_from_sandboxes=False)) as shim:
+    async with serve(runtime, rules(learn_from_sandboxes=False)) as shim:
         await call(shim, RUN, run_request("u1", "kata"))
         await pull(shim, pull_request("nginx", sandbox_config("u1")))
     assert received_handlers(runtime) == [""]
@@ -264,7 +270,7 @@ async def test_learning_off_means_rules_only(runtime: FakeRuntime) -> None:
 
 async def test_reload_replaces_rules_and_keeps_learned_pods(runtime: FakeRuntime) -> None:
     runtime.unary[RUN] = pb.RunPodSandboxResponse(pod_sandbox_id="sb-1").SerializeToString()
-    async with running_shim(runtime.endpoint, rules({"handler": "old", "namespaces": ["ml"]})) as shim:
+    async with serve(runtime, rules({"handler": "old", "namespaces": ["ml"]})) as shim:
         await call(shim, RUN, run_request("u1", "kata"))
         await pull(shim, pull_request("a", sandbox_config("u2", "ml")))
         new = config_mod.from_dict({**rules({"handler": "new", "namespaces": ["ml"]}),
@@ -309,7 +315,7 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
                      {"handler": "by-label", "pod_labels": {"a": "b"}},
                      {"handler": "by-annotation", "pod_annotations": {"example.com/rc": "kata"}},
                      {"handler": "by-image", "images": ["quay.io/gpu/*"]})
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with serve(runtime, settings) as shim:
         svc = shim.app.images
         status = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1"), verbose=True).SerializeToString()
         out = inject_image_handler(svc, status)
