@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from functools import partial
 
-from .config import Config
-from .images import pull_image
-from .images.service import PULL_IMAGE, ImageService
+from .config import Config, ConfigError
+from .images import image_status, list_images, pull_image, remove_image
+from .images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE, STREAM_IMAGES, ImageService
 from .metrics import Metrics
-from .pins import PinSet
 from .proxy import Handler, Proxy
 from .pulls.scheduler import PullScheduler
 from .upstream import Upstream
@@ -31,11 +30,12 @@ class App:
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
-        pins = PinSet.build(cfg.pins.images)
+        try:
+            self.images.set_pins(cfg.pins.images, enforce=cfg.pins.mode == "enforce")
+        except ValueError as e:
+            raise ConfigError("pins.images", str(e)) from None
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
-        self.images.pins = pins
-        self.images.pins_enforce = cfg.pins.mode == "enforce"
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
 
     def table(self) -> dict[str, Handler]:
@@ -43,6 +43,10 @@ class App:
         svc = self.images
         return {
             PULL_IMAGE: partial(pull_image.pull_image, svc),
+            REMOVE_IMAGE: partial(remove_image.remove_image, svc),
+            IMAGE_STATUS: partial(image_status.image_status, svc),
+            LIST_IMAGES: partial(list_images.list_images, svc),
+            STREAM_IMAGES: partial(list_images.stream_images, svc),
         }
 
     async def start(self) -> None:

@@ -1,0 +1,17 @@
+"""ImageStatus: the runtime's answer, with the image marked pinned if a pin protects it.
+
+The request goes to the runtime unchanged. A missing image is an empty response (no
+``image``), not an error, and passes through as it is.
+"""
+
+from __future__ import annotations
+
+from ..proxy import Call
+from .pinned import mark_status
+from .service import ImageService, counting_upstream_errors
+
+
+async def image_status(svc: ImageService, request: bytes, call: Call) -> bytes:
+    with counting_upstream_errors(svc, "ImageStatus"):
+        response = await call.forward(request)
+    return mark_status(svc.pins, response)
