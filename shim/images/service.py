@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+from .. import logs
 from ..errors import RpcError, invalid_request
 from ..metrics import Metrics
 from ..pins import PinSet
@@ -23,6 +25,7 @@ REMOVE_IMAGE = "/runtime.v1.ImageService/RemoveImage"
 IMAGE_FS_INFO = "/runtime.v1.ImageService/ImageFsInfo"
 
 M = TypeVar("M", bound=Message)
+_log = logs.get("pins")
 
 
 @dataclass
@@ -41,6 +44,9 @@ class ImageService:
         """Apply pins.images and pins.mode. Raises ValueError (nothing changed) on a bad pattern."""
         patterns = tuple(patterns)
         self.pins = PinSet.build(patterns, self.declared_pins)
+        if (patterns, enforce) != (self.pin_patterns, self.pins_enforce):
+            logs.log(_log, logging.INFO, "pins in force", patterns=len(patterns), declared=len(self.declared_pins),
+                     mode="enforce" if enforce else "mark-only")
         self.pin_patterns = patterns
         self.pins_enforce = enforce
 

@@ -1,7 +1,7 @@
 """How long marking pinned images costs per ListImages response, and what a
 RemoveImage check costs, for a node with many images.
 
-    python bench/bench_pins.py [images]
+    python bench/pins.py [images]
 
 Prints the time to mark a ListImagesResponse of N images (runtime-shaped names:
 normalized tags and digests, an unknown field per image) with no pins, with exact
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
-from shim import wire
-from shim.images.pinned import mark_images
-from shim.pins import PinSet, image_names
-from shim.proto.runtime.v1 import api_pb2
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shim import wire  # noqa: E402
+from shim.images.pinned import mark_images  # noqa: E402
+from shim.pins import PinSet, image_names  # noqa: E402
+from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 
 
 def response(n: int) -> bytes:
