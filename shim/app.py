@@ -27,6 +27,7 @@ class App:
         self.images = ImageService(self.upstream, self.scheduler, self.metrics)
         self._configure(cfg)
         self.proxy = Proxy(self.upstream, self.table())
+        self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
@@ -41,13 +42,17 @@ class App:
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
         svc = self.images
-        return {
+        table: dict[str, Handler] = {
             PULL_IMAGE: partial(pull_image.pull_image, svc),
-            REMOVE_IMAGE: partial(remove_image.remove_image, svc),
-            IMAGE_STATUS: partial(image_status.image_status, svc),
-            LIST_IMAGES: partial(list_images.list_images, svc),
-            STREAM_IMAGES: partial(list_images.stream_images, svc),
         }
+        if svc.pins:  # without pins these calls are relayed untouched
+            table |= {
+                REMOVE_IMAGE: partial(remove_image.remove_image, svc),
+                IMAGE_STATUS: partial(image_status.image_status, svc),
+                LIST_IMAGES: partial(list_images.list_images, svc),
+                STREAM_IMAGES: partial(list_images.stream_images, svc),
+            }
+        return table
 
     async def start(self) -> None:
         self.upstream.start_watch()

@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
@@ -39,6 +39,7 @@ class ImageService:
     handlers: object | None = None  # shim.handlers.HandlerResolver, when configured
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
+    on_pins_changed: Callable[[], None] | None = None  # App: re-evaluate the interception table
 
     def set_pins(self, patterns: Iterable[str], *, enforce: bool) -> None:
         """Apply pins.images and pins.mode. Raises ValueError (nothing changed) on a bad pattern."""
@@ -58,6 +59,8 @@ class ImageService:
         declared = tuple(declared)
         self.pins = PinSet.build(self.pin_patterns, declared)
         self.declared_pins = declared
+        if self.on_pins_changed is not None:
+            self.on_pins_changed()
 
 
 def decode(cls: type[M], data: bytes) -> M:

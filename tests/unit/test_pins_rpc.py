@@ -5,6 +5,7 @@ mark-only mode, image-set pins and reloads."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tests.support.inproc import running_shim
 
 D_NGINX = "sha256:" + "d1" * 32
 D_APP = "sha256:" + "a2" * 32
+REMOVE = SVC + "RemoveImage"
 UNKNOWN_FIELD = wire.string_field(99, "from-the-future")  # a field we do not declare
 
 
@@ -34,6 +36,12 @@ def app() -> StoredImage:
 
 def pause() -> StoredImage:
     return StoredImage(image_id(3), ["registry.k8s.io/pause:3.10"], [], pinned=True)
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def serve(request):
+    """running_shim on each engine: both must intercept the same way."""
+    return functools.partial(running_shim, engine=request.param)
 
 
 @pytest.fixture
@@ -80,8 +88,8 @@ def denied(shim) -> float:
     f"docker.io/library/nginx@{D_NGINX}",  # digest reference
     image_id(1),  # what kubelet's image GC sends
 ])
-async def test_pinned_image_is_not_removed(runtime, store, name) -> None:
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx:latest"]}}) as shim:
+async def test_pinned_image_is_not_removed(serve, runtime, store, name) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx:latest"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, name)
@@ -101,8 +109,8 @@ async def test_pinned_image_is_not_removed(runtime, store, name) -> None:
     ("docker.io/library/nginx:1.*", image_id(1)),  # glob on the other tag, removal by ID
     ("index.docker.io/library/nginx:1.27", "nginx"),  # docker.io alias
 ])
-async def test_pin_patterns_protect(runtime, store, pattern, victim) -> None:
-    async with running_shim(runtime.endpoint, {"pins": {"images": [pattern]}}) as shim:
+async def test_pin_patterns_protect(serve, runtime, store, pattern, victim) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": [pattern]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, victim)
@@ -111,9 +119,9 @@ async def test_pin_patterns_protect(runtime, store, pattern, victim) -> None:
     assert runtime.calls("RemoveImage") == []
 
 
-async def test_unpinned_image_is_removed_with_request_bytes_unchanged(runtime, store) -> None:
+async def test_unpinned_image_is_removed_with_request_bytes_unchanged(serve, runtime, store) -> None:
     request = remove_request("quay.io/org/app:v1", runtime_handler="kata") + UNKNOWN_FIELD
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx", "registry.k8s.io/*"]}}) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "registry.k8s.io/*"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(SVC + "RemoveImage")(request, timeout=5)
         assert denied(shim) == 0
@@ -124,9 +132,9 @@ async def test_unpinned_image_is_removed_with_request_bytes_unchanged(runtime, s
     assert store.resolve("quay.io/org/app:v1") is None
 
 
-async def test_unknown_image_reaches_the_runtime(runtime, store) -> None:
+async def test_unknown_image_reaches_the_runtime(serve, runtime, store) -> None:
     runtime.unary[SVC + "RemoveImage"] = (grpc.StatusCode.NOT_FOUND, "no such image", ())
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, "ghost:1")
@@ -134,9 +142,9 @@ async def test_unknown_image_reaches_the_runtime(runtime, store) -> None:
     assert [r.request for r in runtime.calls("RemoveImage")] == [remove_request("ghost:1")]
 
 
-async def test_failed_lookup_removes_nothing(runtime, store) -> None:
+async def test_failed_lookup_removes_nothing(serve, runtime, store) -> None:
     runtime.unary[SVC + "ImageStatus"] = (grpc.StatusCode.UNAVAILABLE, "runtime restarting", ())
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, "quay.io/org/app:v1")
@@ -147,8 +155,8 @@ async def test_failed_lookup_removes_nothing(runtime, store) -> None:
     assert errors == 1
 
 
-async def test_mark_only_marks_but_removes(runtime, store) -> None:
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx"], "mode": "mark-only"}}) as shim:
+async def test_mark_only_marks_but_removes(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"], "mode": "mark-only"}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert (await listed(ch))[image_id(1)] is True
             await remove(ch, "nginx")
@@ -157,15 +165,32 @@ async def test_mark_only_marks_but_removes(runtime, store) -> None:
     assert len(runtime.calls("RemoveImage")) == 1
 
 
-async def test_without_pins_nothing_is_looked_up_or_changed(runtime, store) -> None:
+async def test_without_pins_nothing_is_looked_up_or_changed(serve, runtime, store) -> None:
     store.list_extra = UNKNOWN_FIELD
-    async with running_shim(runtime.endpoint) as shim:
+    async with serve(runtime.endpoint) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
             status = await ch.unary_unary(SVC + "ImageStatus")(status_request("nginx"), timeout=5)
             assert status == wire.len_field(1, nginx().encode())
             await remove(ch, "nginx")
     assert [r.method.rsplit("/", 1)[1] for r in runtime.received] == ["ListImages", "ImageStatus", "RemoveImage"]
+
+
+async def test_image_set_pins_switch_interception_on_and_off(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
+            assert REMOVE not in shim.app.proxy.table  # no pins: relayed, never decoded
+            shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
+            assert (await listed(ch))[image_id(2)] is True
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, "quay.io/org/app:v1")
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            shim.app.images.set_declared_pins([])
+            assert REMOVE not in shim.app.proxy.table
+            assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
+            await remove(ch, "quay.io/org/app:v1")
+    assert store.resolve("quay.io/org/app:v1") is None
 
 
 # --------------------------------------------------------------------------- marking
@@ -175,10 +200,10 @@ def split_images(raw: bytes) -> list[bytes]:
     return [raw[vs:end] for number, _, _, vs, end in wire.fields(raw) if number == 1]
 
 
-async def test_list_images_marks_pinned_and_keeps_every_other_byte(runtime, store) -> None:
+async def test_list_images_marks_pinned_and_keeps_every_other_byte(serve, runtime, store) -> None:
     store.list_extra = UNKNOWN_FIELD
     before = [img.encode() for img in store.images]
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["docker.io/library/nginx:1.27"]}}) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["docker.io/library/nginx:1.27"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             raw = await ch.unary_unary(SVC + "ListImages")(b"", timeout=5)
     resp = api_pb2.ListImagesResponse.FromString(raw)
@@ -192,8 +217,8 @@ async def test_list_images_marks_pinned_and_keeps_every_other_byte(runtime, stor
     assert list(marked.repo_tags) == nginx().tags and marked.pinned
 
 
-async def test_stream_images_marks_each_message(runtime, store) -> None:
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["quay.io/org/*"]}}) as shim:
+async def test_stream_images_marks_each_message(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["quay.io/org/*"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             msgs = [m async for m in ch.unary_stream(SVC + "StreamImages")(b"", timeout=5)]
     images = [img for m in msgs for img in api_pb2.StreamImagesResponse.FromString(m).images]
@@ -201,9 +226,9 @@ async def test_stream_images_marks_each_message(runtime, store) -> None:
     assert [(i.id, i.pinned) for i in images] == [(image_id(1), False), (image_id(2), True), (image_id(3), True)]
 
 
-async def test_image_status_marks_pinned_keeps_info_order_and_misses(runtime, store) -> None:
+async def test_image_status_marks_pinned_keeps_info_order_and_misses(serve, runtime, store) -> None:
     store.status_info = [("zeta", "1"), ("alpha", "2")]  # not the order a re-encoder would write
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             call = ch.unary_unary(SVC + "ImageStatus")
             pinned = await call(status_request("nginx:1.27", verbose=True), timeout=5)
@@ -221,8 +246,8 @@ async def test_image_status_marks_pinned_keeps_info_order_and_misses(runtime, st
 # --------------------------------------------------------------------------- image sets and reload
 
 
-async def test_declared_image_set_pins(runtime, store) -> None:
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["registry.k8s.io/pause:*"]}}) as shim:
+async def test_declared_image_set_pins(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["registry.k8s.io/pause:*"]}}) as shim:
         shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert (await listed(ch))[image_id(2)] is True
@@ -252,14 +277,14 @@ def write_config(path: Path, pins: list[str]) -> None:
     path.write_text(yaml.safe_dump({"pins": {"images": pins}}))
 
 
-async def test_reload_unpins_and_bad_config_keeps_pins(runtime, store, tmp_path) -> None:
+async def test_reload_unpins_and_bad_config_keeps_pins(serve, runtime, store, tmp_path) -> None:
     cfg = tmp_path / "config.yaml"
     write_config(cfg, ["nginx", "quay.io/org/app:v1"])
     log = logging.getLogger("cri_shim.server")
     lines = Lines()
     log.addHandler(lines)
     try:
-        async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx", "quay.io/org/app:v1"]}},
+        async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "quay.io/org/app:v1"]}},
                                 config_path=str(cfg)) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 write_config(cfg, ["nginx", "Bad:Pattern"])
@@ -280,10 +305,10 @@ async def test_reload_unpins_and_bad_config_keeps_pins(runtime, store, tmp_path)
         log.removeHandler(lines)
 
 
-async def test_config_file_change_reloads_pins(runtime, store, tmp_path) -> None:
+async def test_config_file_change_reloads_pins(serve, runtime, store, tmp_path) -> None:
     cfg = tmp_path / "config.yaml"
     write_config(cfg, ["nginx"])
-    async with running_shim(runtime.endpoint, {"pins": {"images": ["nginx"]}}, config_path=str(cfg)) as shim:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}, config_path=str(cfg)) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert (await listed(ch))[image_id(1)] is True
             write_config(cfg, ["quay.io/org/*"])  # the watcher polls the file every second
