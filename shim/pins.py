@@ -4,11 +4,13 @@ A pattern is one of:
 - an image reference, normalized (``nginx`` = ``docker.io/library/nginx:latest``);
 - a digest reference, ``repo@sha256:...`` (``repo:tag@sha256:...`` pins the digest);
 - an image ID, ``sha256:<64 hex>``;
-- a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``.
+- a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``
+  (fnmatch rules: ``*`` also crosses ``/``; docker.io defaults apply to the
+  repository part, so ``pause:*`` means ``docker.io/library/pause:*``).
 
 An image matches when any of its names (ID, repo tags, repo digests) matches a
-pattern. Exact patterns are a set lookup; globs are one combined regex, so marking
-20,000 images stays cheap.
+pattern. Exact patterns are a set lookup; globs are one combined regex; each runtime
+name's answer is cached per PinSet, so marking a ListImages of 20,000 images stays cheap.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The request may name the image by tag, by digest reference or by ID (kubelet's i
 GC sends the ID). The runtime resolves it (ImageStatus with the request's own
 ImageSpec, so a runtime handler or annotations set by the client or the shim apply to
 the lookup too) to the image's ID, tags and digests. If a pin matches any of them the
-call fails with FAILED_PRECONDITION naming the image and the pin; a runtime removes
-every name of an image at once, so a pinned tag protects its untagged siblings too.
+call fails with FAILED_PRECONDITION naming the image and the pin. A runtime removes
+every name of an image at once, so a pin on any one name protects the image under all.
 
 With ``pins.mode: mark-only`` the removal goes ahead (and is logged). An image the
 runtime does not know, and every call made while there are no pins, reaches the
@@ -32,16 +32,24 @@ _log = logs.get("pins")
 IMAGE_FIELD = 1  # RemoveImageRequest.image and ImageStatusRequest.image (both ImageSpec)
 
 
-def status_request(remove_request: bytes) -> bytes:
-    """An ImageStatusRequest for the image a RemoveImageRequest names: its ImageSpec bytes as they are."""
-    return b"".join(remove_request[start:end] for number, wtype, start, _, end in wire.fields(remove_request)
-                    if number == IMAGE_FIELD and wtype == wire.LEN)
+def status_request(remove_request: bytes, parsed: api_pb2.RemoveImageRequest) -> bytes:
+    """An ImageStatusRequest for the image a RemoveImageRequest names: its ImageSpec bytes as they are.
+
+    (Re-encoded from ``parsed`` only if the request holds something our wire scanner
+    does not read, e.g. a deprecated group field.)
+    """
+    try:
+        return b"".join(remove_request[start:end] for number, wtype, start, _, end in wire.fields(remove_request)
+                        if number == IMAGE_FIELD and wtype == wire.LEN)
+    except wire.WireError:
+        return api_pb2.ImageStatusRequest(image=parsed.image).SerializeToString()
 
 
-async def lookup(svc: ImageService, remove_request: bytes, call: Call) -> api_pb2.Image | None:
+async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageRequest,
+                 call: Call) -> api_pb2.Image | None:
     """The image a RemoveImage request names, as the runtime knows it; None if it does not."""
     with counting_upstream_errors(svc, "ImageStatus"):
-        raw = await svc.upstream.unary(IMAGE_STATUS, status_request(remove_request), metadata=call.metadata,
+        raw = await svc.upstream.unary(IMAGE_STATUS, status_request(request, parsed), metadata=call.metadata,
                                        timeout=call.context.time_remaining())
     try:
         resp = api_pb2.ImageStatusResponse.FromString(raw)
@@ -56,7 +64,7 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     if pins:
         req = decode(api_pb2.RemoveImageRequest, request)
         name = req.image.image
-        image = await lookup(svc, request, call) if name else None
+        image = await lookup(svc, request, req, call) if name else None
         pin = pin_of(pins, image) if image is not None else None
         if image is not None and pin is not None:
             tags = ",".join(image.repo_tags) or "<none>"

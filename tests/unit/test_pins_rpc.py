@@ -318,3 +318,25 @@ async def test_config_file_change_reloads_pins(serve, runtime, store, tmp_path) 
                 await asyncio.sleep(0.1)
             assert await listed(ch) == {image_id(1): False, image_id(2): True, image_id(3): True}
             await remove(ch, "nginx")
+
+
+async def test_malformed_remove_request_is_invalid_argument(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            for bad in (b"\x0a\x05ab", b"\x0a\x02\x0a\x05"):  # truncated field, truncated inside ImageSpec
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary(REMOVE)(bad, timeout=5)
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "RemoveImageRequest" in e.value.details()
+    assert runtime.calls("RemoveImage") == []
+
+
+async def test_request_with_a_group_field_is_still_checked(serve, runtime, store) -> None:
+    """A deprecated group (wire type 3) the runtime would skip must not open a way around a pin."""
+    request = remove_request("nginx") + b"\x1b\x1c"  # field 3: an empty group
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(REMOVE)(request, timeout=5)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert runtime.calls("RemoveImage") == []
