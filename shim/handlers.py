@@ -260,11 +260,17 @@ class HandlerResolver:
         self.pods = PodCache(cfg.pod_cache_size, negative_ttl, clock)
         self._inflight: dict[str, asyncio.Task[Pod | None]] = {}
 
-    def configure(self, cfg: RuntimeHandlersConfig) -> None:
-        """Apply a reloaded config; the pod cache is kept. Raises ConfigError before changing anything."""
-        rules = compile_rules(cfg.rules)
+    def configure(self, cfg: RuntimeHandlersConfig, rules: tuple[Rule, ...] | None = None) -> None:
+        """Apply a reloaded config (``rules``: already compiled from it); the pod cache is kept.
+        Raises ConfigError before changing anything."""
+        rules = compile_rules(cfg.rules) if rules is None else rules
         self.rules, self.learn = rules, cfg.learn_from_sandboxes
         self.pods.resize(cfg.pod_cache_size)
+
+    @property
+    def applies_to_images(self) -> bool:
+        """Some rule can match ImageStatus / RemoveImage (one without pod matchers)."""
+        return any(not r.needs_pod for r in self.rules)
 
     # ---- deciding
 
@@ -401,9 +407,12 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
     ``image`` ImageSpec), to save decoding it again.
     """
     resolver = svc.handlers
-    if not isinstance(resolver, HandlerResolver) or not resolver.rules:
+    if not isinstance(resolver, HandlerResolver) or not resolver.applies_to_images:
         return request
-    spec = decoded_req.image if decoded_req is not None else image_spec(request)  # type: ignore[attr-defined]
+    try:
+        spec = decoded_req.image if decoded_req is not None else image_spec(request)  # type: ignore[attr-defined]
+    except (wire.WireError, DecodeError):
+        return request  # malformed: the runtime (or the pins check) answers it as it is
     if spec.runtime_handler:
         return request
     decision = resolver.for_image(spec)

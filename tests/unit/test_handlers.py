@@ -333,3 +333,29 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
         assert inject_image_handler(svc, plain) == plain  # pod rules cannot match without a pod
         explicit = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1", runtime_handler="runc"))
         assert inject_image_handler(svc, explicit.SerializeToString()) == explicit.SerializeToString()
+
+
+async def test_image_status_and_remove_image_reach_the_runtime_with_a_rule_handler(runtime: FakeRuntime) -> None:
+    status_m, remove_m = "/runtime.v1.ImageService/ImageStatus", "/runtime.v1.ImageService/RemoveImage"
+    settings = rules({"handler": "pod-only", "namespaces": ["ml"]}, {"handler": "kata", "images": ["quay.io/vm/*"]})
+    status = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/vm/app:1"), verbose=True).SerializeToString()
+    remove = pb.RemoveImageRequest(image=pb.ImageSpec(image="quay.io/vm/app:1")).SerializeToString()
+    other = pb.RemoveImageRequest(image=pb.ImageSpec(image="nginx")).SerializeToString()
+    async with serve(runtime, settings) as shim:
+        await call(shim, status_m, status)
+        await call(shim, remove_m, remove)
+        await call(shim, remove_m, other)
+    got_status, = runtime.calls("ImageStatus")
+    got_remove, got_other = runtime.calls("RemoveImage")
+    assert pb.ImageStatusRequest.FromString(got_status.request).image.runtime_handler == "kata"
+    assert pb.ImageStatusRequest.FromString(got_status.request).verbose
+    assert got_remove.request == wire.append_to_submessage(remove, 1, wire.string_field(19, "kata"))
+    assert got_other.request == other
+
+
+async def test_pod_rules_leave_image_status_untouched(runtime: FakeRuntime) -> None:
+    async with serve(runtime, rules({"handler": "pod-only", "namespaces": ["ml"]})) as shim:
+        assert "/runtime.v1.ImageService/ImageStatus" not in shim.app.table()  # relayed, not decoded
+        request = pb.ImageStatusRequest(image=pb.ImageSpec(image="nginx")).SerializeToString()
+        await call(shim, "/runtime.v1.ImageService/ImageStatus", request)
+    assert runtime.calls("ImageStatus")[0].request == request
