@@ -15,7 +15,7 @@ import base64
 import re
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -25,7 +25,7 @@ from tests.support import cri
 from tests.support.containerd import Containerd
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
 from tests.support.oci import PushedImage
-from tests.support.proxy import CountingProxy, ProxyStats
+from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy, free_port
 from tests.support.shim import ShimProcess
 
@@ -99,7 +99,7 @@ def results(futures: Sequence[Future[cri.CallResult]]) -> list[cri.CallResult]:
 
 
 @pytest.fixture
-def pool() -> ThreadPoolExecutor:
+def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(max_workers=16) as ex:
         yield ex
 
