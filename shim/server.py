@@ -111,6 +111,7 @@ class ShimServer:
     async def start(self) -> App:
         """Bind the socket and start serving (no signal handlers: see run())."""
         self.app = app = App(self.cfg)
+        await app.start()  # metrics and status are up before the first CRI call can arrive
         prepare_socket(self.path)
         self.server: grpc.aio.Server | None = None
         self.relay: Relay | None = None
@@ -127,7 +128,6 @@ class ShimServer:
         os.chmod(self.path, self.cfg.server.socket_mode)
         if self.cfg.server.socket_group:
             os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
-        await app.start()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  engine=self.cfg.server.engine,
