@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import sys
 
 from . import config as config_mod
@@ -51,6 +53,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cri-shim: bad config {args.config}: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg.log.level, cfg.log.format)
+    if not os.path.exists(args.config):
+        logs.log(logs.get("cli"), logging.WARNING, "config file not found; using defaults", config=args.config)
     if cfg.server.uvloop:
         try:
             import uvloop
@@ -66,8 +70,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    import os
-
     if not os.path.exists(args.file):
         print(f"cri-shim: {args.file}: no such file", file=sys.stderr)
         return 1

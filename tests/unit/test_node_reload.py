@@ -1,0 +1,124 @@
+"""Reload of a running shim process (SIGHUP or a changed config file) under traffic:
+the runtime sees the new pull cap, no call fails, a bad config is refused and logged."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import grpc
+import pytest
+
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.shim_process import shim_process
+from tests.support.slow_pulls import PULL, VERSION, SlowPulls, Storm, pull_request
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    rt.unary[VERSION] = b"\x0a\x050.1.0"
+    yield rt
+    await rt.stop()
+
+
+def settings(max_parallel: int, **extra) -> dict:
+    return {"pulls": {"max_parallel": max_parallel}, "server": {"admin_socket": ""}, **extra}
+
+
+async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: FakeRuntime, tmp_path) -> None:
+    pulls = runtime.unary[PULL] = SlowPulls(0.2)
+    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            storm = Storm(ch, workers=8).start()
+            try:
+                await pulls.wait_current(2)
+                await asyncio.sleep(1.0)
+                assert pulls.max == 2  # the cap from the file at start
+
+                # SIGHUP raises the cap: queued pulls start at once.
+                shim.write_config(settings(5))
+                shim.reload()
+                mark = await shim.wait_log('msg="config reloaded" reason=SIGHUP')
+                await pulls.wait_current(5)
+                pulls.reset_max()
+                await asyncio.sleep(1.0)
+                assert pulls.max == 5
+
+                # A changed file alone (no signal) lowers it: running pulls finish, no new ones start.
+                shim.write_config(settings(1))
+                await shim.wait_log('msg="config reloaded" reason="config file changed"', after=mark)
+                await pulls.wait_at_most(1)
+                pulls.reset_max()
+                await asyncio.sleep(1.0)
+                assert pulls.max == 1
+            finally:
+                await storm.stop()
+    assert storm.errors == []
+    assert storm.ok >= 20 and storm.versions_ok >= 20
+    assert pulls.cancelled == []
+
+
+async def test_bad_config_is_logged_and_ignored(runtime: FakeRuntime, tmp_path) -> None:
+    pulls = runtime.unary[PULL] = SlowPulls(0.2)
+    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            storm = Storm(ch, workers=6).start()
+            try:
+                await pulls.wait_current(2)
+                shim.write_config(settings(-1))
+                shim.reload()
+                await shim.wait_log("config reload rejected")
+                line = next(ln for ln in shim.logs().splitlines() if "config reload rejected" in ln)
+                assert "pulls.max_parallel" in line and "level=error" in line
+
+                shim.write_config("pulls: [unclosed\n")
+                shim.reload()
+                await shim.wait_log("is not valid YAML")
+
+                pulls.reset_max()
+                await asyncio.sleep(1.0)
+                assert pulls.max == 2  # the running config is still in force
+                assert shim.proc.poll() is None
+            finally:
+                await storm.stop()
+    assert storm.errors == []
+    assert "Traceback" not in shim.logs()
+
+
+async def test_restart_only_keys_are_logged_and_keep_running_value(runtime: FakeRuntime, tmp_path) -> None:
+    pulls = runtime.unary[PULL] = SlowPulls(0.05)
+    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+        new = settings(3)
+        new["server"].update(shutdown_grace_seconds=1, max_message_bytes="8MiB")
+        new["metrics"] = {"address": "127.0.0.1:1"}
+        shim.write_config(new)
+        shim.reload()
+        await shim.wait_log('msg="config reloaded"')
+        logs = shim.logs()
+        for key in ("server.shutdown_grace_seconds", "server.max_message_bytes", "metrics.address"):
+            assert re.search(rf'needs a restart.* key={re.escape(key)} ', logs), logs
+        reloaded = next(ln for ln in logs.splitlines() if "config reloaded" in ln)
+        assert "max_parallel_pulls=3" in reloaded  # the reloadable part was applied
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await asyncio.gather(*(ch.unary_unary(PULL)(_req(i), timeout=10) for i in range(6)))
+        assert pulls.max == 3
+        exit_code = await shim.stop()
+    assert exit_code == 0
+    # the running grace (10 s default), not the configured 1 s, is what shutdown used
+    assert "grace_seconds=10.0" in shim.logs()
+
+
+def _req(i: int) -> bytes:
+    return pull_request(f"registry.test/restart/{i}:1")
+
+
+async def test_config_file_deleted_keeps_running_config(runtime: FakeRuntime, tmp_path) -> None:
+    pulls = runtime.unary[PULL] = SlowPulls(0.2)
+    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+        shim.config_path.unlink()
+        shim.reload()
+        await shim.wait_log("config file missing; keeping the running config")
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await asyncio.gather(*(ch.unary_unary(PULL)(_req(i), timeout=10) for i in range(6)))
+    assert pulls.max == 2  # not the default of 4
