@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from . import config as config_mod
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A reload request (SIGHUP) before the server installs its handler must not kill
+    # us; the config is read below, after this, so nothing is missed.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from .server import ShimServer, StartupError
 
     overrides = {"listen": args.listen, "upstream": args.upstream,

@@ -157,6 +157,7 @@ class ShimServer:
         self._socket_id: tuple[int, int] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._watcher: asyncio.Task[None] | None = None
+        self._reload_pending = False
 
     def _stamp(self) -> tuple[int, int, int] | None:
         """What tells us the file changed: inode (atomic rename), mtime and size."""
@@ -232,21 +233,30 @@ class ShimServer:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        # Handlers go in before start: a SIGTERM while starting stops us cleanly right
+        # after, and a SIGHUP while starting reloads right after (never kills us).
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        app = await self.start()
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup, app)
-        sdnotify.ready(f"serving {self.cfg.listen} -> {self.cfg.upstream}")
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
+            await self.start()
+            sdnotify.ready(f"serving {self.cfg.listen} -> {self.cfg.upstream}")
+            if self._reload_pending:
+                self._on_sighup()
             await self._stop.wait()
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
-            await self.shutdown()
+        await self.shutdown()
         return 0
 
-    def _on_sighup(self, app: App) -> None:
+    def _on_sighup(self) -> None:
         if self._stopping:
             return
+        app = getattr(self, "app", None)
+        if app is None or self._watcher is None:  # still starting
+            self._reload_pending = True
+            return
+        self._reload_pending = False
         task = asyncio.get_running_loop().create_task(self.reload(app, "SIGHUP"), name="reload")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
