@@ -190,22 +190,23 @@ class ShimServer:
             st = os.stat(self.path)
             self._socket_id = (st.st_dev, st.st_ino)
         except OSError as e:
-            await server.stop(0)
-            await app.close()
-            self._unlink_socket()
+            await self._abort_start()
             raise StartupError(f"cannot set owner/mode of {self.path}: {e.strerror}") from None
         try:
             await app.start()
         except OSError as e:  # e.g. metrics.address already in use
-            await server.stop(0)
-            await app.close()
-            self._unlink_socket()
+            await self._abort_start()
             where = f"metrics.address {self.cfg.metrics.address}" if self.cfg.metrics.address else "start"
             raise StartupError(f"{where}: {e.strerror or e}") from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  max_parallel_pulls=self.cfg.pulls.max_parallel, pins=len(self.cfg.pins.images))
         return app
+
+    async def _abort_start(self) -> None:
+        await self.server.stop(0)
+        await self.app.close()
+        self._unlink_socket()
 
     def _unlink_socket(self) -> None:
         """Remove our socket file; not one that another process has put there since."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import socket
 import tempfile
 
@@ -154,3 +155,24 @@ async def test_systemd_notifications(runtime: FakeRuntime, tmp_path) -> None:
     finally:
         sink.close()
         await shim.stop()
+
+
+async def test_socket_mode_and_group(runtime: FakeRuntime, tmp_path) -> None:
+    import grp
+
+    group = grp.getgrgid(os.getgid() if os.getgid() != 0 else 1)  # 'daemon' (gid 1) when we are root
+    shim = await start_shim(runtime.endpoint, tmp_path,
+                            {"server": {"socket_mode": "0640", "socket_group": group.gr_name}})
+    try:
+        st = os.stat(shim.path)
+        assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == group.gr_gid
+    finally:
+        assert await shim.stop() == 0
+
+
+async def test_unknown_socket_group_is_refused(runtime: FakeRuntime, tmp_path) -> None:
+    shim = await start_shim(runtime.endpoint, tmp_path, {"server": {"socket_group": "no-such-group-xyz"}},
+                            wait=False)
+    assert await shim.wait_exit(20) == 1
+    assert "server.socket_group: no such group 'no-such-group-xyz'" in shim.logs()
+    assert not os.path.exists(shim.path)
