@@ -31,6 +31,7 @@ from . import config as config_mod
 from . import logs, sdnotify
 from .app import App
 from .config import Config, ConfigError
+from .relay.listener import Relay
 
 _log = logs.get("server")
 
@@ -174,15 +175,23 @@ class ShimServer:
         gid = _gid(self.cfg.server.socket_group) if self.cfg.server.socket_group else None
         prepare_socket(self.path)
         self.app = app = App(self.cfg)
-        self.server = server = grpc.aio.server(options=server_options(self.cfg))
-        server.add_generic_rpc_handlers((app.proxy,))
+        self.server: grpc.aio.Server | None = None
+        self.relay: Relay | None = None
         try:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
-                server.add_insecure_port(f"unix:{self.path}")
-        except RuntimeError:
+                if self.cfg.server.engine == "relay":
+                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
+                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes)
+                    await self.relay.start(self.path)
+                else:
+                    self.server = grpc.aio.server(options=server_options(self.cfg))
+                    self.server.add_generic_rpc_handlers((app.proxy,))
+                    self.server.add_insecure_port(f"unix:{self.path}")
+                    await self.server.start()
+        except (RuntimeError, OSError) as e:  # grpc raises RuntimeError, asyncio OSError
             await app.close()
-            raise StartupError(f"cannot listen on {self.path} (is the directory writable?)") from None
-        await server.start()
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "is the directory writable?"
+            raise StartupError(f"cannot listen on {self.path} ({reason})") from None
         try:
             os.chmod(self.path, self.cfg.server.socket_mode)
             if gid is not None:
@@ -200,11 +209,19 @@ class ShimServer:
             raise StartupError(f"{where}: {e.strerror or e}") from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
+                 engine=self.cfg.server.engine,
                  max_parallel_pulls=self.cfg.pulls.max_parallel, pins=len(self.cfg.pins.images))
         return app
 
+    async def _stop_serving(self, grace: float) -> None:
+        """Stop accepting; give calls in progress up to ``grace`` seconds, then cut them."""
+        if self.relay is not None:
+            await self.relay.shutdown(grace)
+        if self.server is not None:
+            await self.server.stop(grace)
+
     async def _abort_start(self) -> None:
-        await self.server.stop(0)
+        await self._stop_serving(0)
         await self.app.close()
         self._unlink_socket()
 
@@ -227,7 +244,7 @@ class ShimServer:
         logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
         sdnotify.stopping(f"draining (grace {grace:g}s)")
         self.app.begin_shutdown()
-        await self.server.stop(grace)
+        await self._stop_serving(grace)
         await self.app.close()
         self._unlink_socket()
         logs.log(_log, logging.INFO, "stopped")

@@ -22,13 +22,15 @@ async def runtime(tmp_path):
     await rt.stop()
 
 
-def settings(max_parallel: int, **extra) -> dict:
-    return {"pulls": {"max_parallel": max_parallel}, "server": {"admin_socket": ""}, **extra}
+def settings(max_parallel: int, engine: str = "relay") -> dict:
+    return {"pulls": {"max_parallel": max_parallel}, "server": {"admin_socket": "", "engine": engine}}
 
 
-async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: FakeRuntime, tmp_path) -> None:
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: FakeRuntime, tmp_path,
+                                                                       engine: str) -> None:
     pulls = runtime.unary[PULL] = SlowPulls(0.2)
-    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+    async with shim_process(runtime.endpoint, tmp_path, settings(2, engine)) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             storm = Storm(ch, workers=8).start()
             try:
@@ -37,7 +39,7 @@ async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: 
                 assert pulls.max == 2  # the cap from the file at start
 
                 # SIGHUP raises the cap: queued pulls start at once.
-                shim.write_config(settings(5))
+                shim.write_config(settings(5, engine))
                 shim.reload()
                 mark = await shim.wait_log('msg="config reloaded" reason=SIGHUP')
                 await pulls.wait_current(5)
@@ -46,7 +48,7 @@ async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: 
                 assert pulls.max == 5
 
                 # A changed file alone (no signal) lowers it: running pulls finish, no new ones start.
-                shim.write_config(settings(1))
+                shim.write_config(settings(1, engine))
                 await shim.wait_log('msg="config reloaded" reason="config file changed"', after=mark)
                 await pulls.wait_at_most(1)
                 pulls.reset_max()

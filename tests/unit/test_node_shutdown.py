@@ -16,6 +16,12 @@ from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, pull_request
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both ways the shim serves (server.engine) must shut down the same way."""
+    return request.param
+
+
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
@@ -32,7 +38,7 @@ async def _outcome(call) -> tuple[str, float]:
         return e.code().name, time.monotonic()
 
 
-async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path) -> None:
+async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path, engine: str) -> None:
     pulls = runtime.unary[PULL] = SlowPulls(1.5)
 
     async def slow_version(request: bytes, context) -> bytes:
@@ -42,7 +48,8 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path) -> None:
 
     grace = 5.0
     async with shim_process(runtime.endpoint, tmp_path,
-                            {"pulls": {"max_parallel": 2}, "server": {"shutdown_grace_seconds": grace}}) as shim:
+                            {"pulls": {"max_parallel": 2},
+                             "server": {"shutdown_grace_seconds": grace, "engine": engine}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull, version = ch.unary_unary(PULL), ch.unary_unary(VERSION)
             calls = [asyncio.ensure_future(_outcome(pull(pull_request(f"registry.test/storm/{i}:1"), timeout=30)))
@@ -79,11 +86,11 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path) -> None:
     assert "shutting down" in log and "msg=stopped" in log and "Traceback" not in log
 
 
-async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRuntime, tmp_path) -> None:
+async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRuntime, tmp_path, engine: str) -> None:
     pulls = runtime.unary[PULL] = SlowPulls(60)
     grace = 1.0
     async with shim_process(runtime.endpoint, tmp_path,
-                            {"server": {"shutdown_grace_seconds": grace}}) as shim:
+                            {"server": {"shutdown_grace_seconds": grace, "engine": engine}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             call = asyncio.ensure_future(_outcome(ch.unary_unary(PULL)(pull_request("registry.test/huge:1"),
                                                                        timeout=60)))
@@ -104,9 +111,9 @@ async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRun
     assert not os.path.exists(shim.path)
 
 
-async def test_queued_pull_gets_retryable_message(runtime: FakeRuntime, tmp_path) -> None:
+async def test_queued_pull_gets_retryable_message(runtime: FakeRuntime, tmp_path, engine: str) -> None:
     pulls = runtime.unary[PULL] = SlowPulls(1.0)
-    async with shim_process(runtime.endpoint, tmp_path, {"pulls": {"max_parallel": 1}}) as shim:
+    async with shim_process(runtime.endpoint, tmp_path, {"pulls": {"max_parallel": 1}, "server": {"engine": engine}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             first = asyncio.ensure_future(pull(pull_request("registry.test/a:1"), timeout=30))
