@@ -176,3 +176,18 @@ async def test_unknown_socket_group_is_refused(runtime: FakeRuntime, tmp_path) -
     assert await shim.wait_exit(20) == 1
     assert "server.socket_group: no such group 'no-such-group-xyz'" in shim.logs()
     assert not os.path.exists(shim.path)
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+async def test_connect_and_close_probes_leave_no_error(runtime: FakeRuntime, tmp_path, engine: str) -> None:
+    """Health checks and a second shim's live-socket probe connect and hang up at once."""
+    shim = await start_shim(runtime.endpoint, tmp_path, {"server": {"engine": engine}})
+    try:
+        for _ in range(40):
+            assert connectable(shim.path)
+            await asyncio.sleep(0.005)
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert await ch.unary_unary(VERSION)(b"", timeout=5) == b"\x0a\x050.1.0"
+    finally:
+        assert await shim.stop() == 0
+    assert "Traceback" not in shim.logs() and "Fatal error" not in shim.logs(), shim.logs()
