@@ -9,6 +9,8 @@ import re
 import grpc
 import pytest
 
+from shim.proto.runtime.v1 import api_pb2
+from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, Storm, pull_request
@@ -124,3 +126,46 @@ async def test_config_file_deleted_keeps_running_config(runtime: FakeRuntime, tm
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await asyncio.gather(*(ch.unary_unary(PULL)(_req(i), timeout=10) for i in range(6)))
     assert pulls.max == 2  # not the default of 4
+
+
+async def test_reload_applies_pins_and_handler_rules(runtime: FakeRuntime, tmp_path) -> None:
+    """Pins and runtime-handler rules come and go with a reload, no restart."""
+    store = FakeImageStore([StoredImage(image_id(1), ["docker.io/library/keep:1"]),
+                            StoredImage(image_id(2), ["docker.io/library/keep:2"])])
+    store.install(runtime)
+    pulled: list[str] = []
+
+    async def pull(request: bytes, context) -> bytes:
+        pulled.append(api_pb2.PullImageRequest.FromString(request).image.runtime_handler)
+        return api_pb2.PullImageResponse(image_ref=image_id(9)).SerializeToString()
+    runtime.unary[PULL] = pull
+    remove = "/runtime.v1.ImageService/RemoveImage"
+
+    def remove_req(name: str) -> bytes:
+        return api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=name)).SerializeToString()
+
+    async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await ch.unary_unary(PULL)(pull_request("registry.test/app:1"), timeout=10)
+            assert pulled == [""]  # no rule yet
+
+            new = settings(2)
+            new["pins"] = {"images": ["keep:*"]}
+            new["runtime_handlers"] = {"rules": [{"handler": "kata", "images": ["registry.test/app:*"]}]}
+            shim.write_config(new)
+            shim.reload()
+            mark = await shim.wait_log('msg="config reloaded"')
+
+            await ch.unary_unary(PULL)(pull_request("registry.test/app:1"), timeout=10)
+            assert pulled[-1] == "kata"
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(remove)(remove_req("keep:1"), timeout=10)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "pin" in e.value.details()
+
+            shim.write_config(settings(2))  # both gone again
+            shim.reload()
+            await shim.wait_log('msg="config reloaded"', after=mark)
+            await ch.unary_unary(PULL)(pull_request("registry.test/app:1"), timeout=10)
+            assert pulled[-1] == ""
+            await ch.unary_unary(remove)(remove_req("keep:1"), timeout=10)
+    assert [img.tags for img in store.images] == [["docker.io/library/keep:2"]]
