@@ -57,7 +57,11 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path, engine: str)
             await pulls.wait_current(2)
             in_flight = list(pulls.started)
             slow = asyncio.ensure_future(_outcome(version(b"", timeout=30)))
-            await asyncio.sleep(0.2)  # the Version call is in the runtime now
+            for _ in range(500):  # wait until the Version call is in the runtime
+                if runtime.calls("Version"):
+                    break
+                await asyncio.sleep(0.01)
+            assert runtime.calls("Version")
 
             t_term = time.monotonic()
             shim.terminate()
@@ -70,20 +74,20 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path, engine: str)
             t_late = time.monotonic()
             late = await _outcome(ch.unary_unary(VERSION)(b"", timeout=10))
 
+    log = shim.logs()
     statuses = [r[0] for r in results]
-    assert statuses.count("OK") == 2, statuses  # the two in-flight pulls finished
+    assert statuses.count("OK") == 2, (statuses, log)  # the two in-flight pulls finished
     assert statuses.count("UNAVAILABLE") == 6, statuses  # the queued ones: kubelet will retry
     refused_after = max(t for s, t in results if s == "UNAVAILABLE") - t_term
-    assert refused_after < 1.0, "queued pulls must be refused at once, not after the in-flight ones"
+    assert refused_after < 1.0, ("queued pulls must be refused at once, not after the in-flight ones", log)
     assert sorted(pulls.finished) == sorted(in_flight) and pulls.cancelled == []
     assert len(pulls.started) == 2  # no queued pull reached the runtime after SIGTERM
-    assert version_result[0] == "OK"  # an in-flight passthrough call finished too
+    assert version_result[0] == "OK", (version_result, log)  # an in-flight passthrough call finished too
     assert code == 0
-    assert exited_after < grace  # everything finished early: no need to wait the whole grace
+    assert exited_after < grace, log  # everything finished early: no need to wait the whole grace
     assert late[0] == "UNAVAILABLE" and late[1] - t_late < 5
     assert not os.path.exists(shim.path)
-    log = shim.logs()
-    assert "shutting down" in log and "msg=stopped" in log and "Traceback" not in log
+    assert "shutting down" in log and "msg=stopped" in log and "Traceback" not in log, log
 
 
 async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRuntime, tmp_path, engine: str) -> None:
