@@ -396,6 +396,8 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ runtime -> client
 
     def from_upstream(self, data: bytes) -> None:
+        if self.mode == "closed":  # the client left (a connect-and-close probe); the runtime's bytes have nowhere to go
+            return
         buf = self._ubuf + data if self._ubuf else data
         out: list[bytes] = []
         i, n = 0, len(buf)
@@ -436,7 +438,7 @@ class ClientConnection(asyncio.Protocol):
                 continue
             out.append(raw)
         self._ubuf = buf[i:]
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _flush_held(self) -> None:
@@ -449,7 +451,7 @@ class ClientConnection(asyncio.Protocol):
                     break
                 self.client_window -= length
             out.append(self._held.popleft())
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out))
 
     # ------------------------------------------------------------------ locally answered streams
