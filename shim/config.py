@@ -37,6 +37,7 @@ class ServerConfig:
     shutdown_grace_seconds: float = 10.0
     admin_socket: str = DEFAULT_ADMIN_SOCKET  # for `cri-shim status`; empty: off
     uvloop: bool = True
+    engine: str = "relay"  # relay: HTTP/2 frame relay (fast); grpc: grpc.aio generic proxy
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
             "server.shutdown_grace_seconds", d.get("shutdown_grace_seconds", c.shutdown_grace_seconds)),
         admin_socket=_str("server.admin_socket", d.get("admin_socket", c.admin_socket)),
         uvloop=_bool("server.uvloop", d.get("uvloop", c.uvloop)),
+        engine=_str("server.engine", d.get("engine", c.engine), ("relay", "grpc")),
     )
 
 
@@ -300,10 +302,18 @@ def _rule(i: int, d: Any) -> HandlerRule:
     handler = _str(f"{key}.handler", d["handler"])
     if not handler:
         raise ConfigError(f"{key}.handler", "must not be empty")
+    images = _str_list(f"{key}.images", d.get("images", []))
+    from .pins import validate_pattern  # image patterns are normalized like pins
+
+    for j, pattern in enumerate(images):
+        try:
+            validate_pattern(pattern)
+        except ValueError as e:
+            raise ConfigError(f"{key}.images[{j}]", f"{e} (got {pattern!r})") from None
     return HandlerRule(
         handler=handler,
         namespaces=_str_list(f"{key}.namespaces", d.get("namespaces", [])),
-        images=_str_list(f"{key}.images", d.get("images", [])),
+        images=images,
         pod_labels=_str_map(f"{key}.pod_labels", d.get("pod_labels", {})),
         pod_annotations=_str_map(f"{key}.pod_annotations", d.get("pod_annotations", {})),
     )
