@@ -72,6 +72,16 @@ class _Image:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    """Wait for ``event`` at most ``timeout`` seconds. (Not asyncio.wait_for: on 3.11 it can
+    swallow a cancellation that arrives as the event is set, and the task would never stop.)"""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
 def _fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -185,10 +195,7 @@ class Reconciler:
                 self._report()
                 timeout = self._next_wake() - self._clock()
                 if timeout > 0 and not self._wake.is_set():
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout)
-                    except TimeoutError:
-                        pass
+                    await _wait(self._wake, timeout)
         finally:
             self.halt()
 

@@ -132,7 +132,8 @@ class DirWatcher:
             watching = self._ensure_watch()
             timeout = self.safety_poll_seconds if watching else self.poll_seconds
             try:
-                await asyncio.wait_for(self._event.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel on 3.11
+                    await self._event.wait()
             except TimeoutError:
                 stamps = self._stamps()
                 if stamps != self._last:
@@ -153,7 +154,8 @@ class DirWatcher:
         deadline = loop.time() + (max_delay if max_delay is not None else max(10 * debounce, 2.0))
         while (left := deadline - loop.time()) > 0:
             try:
-                await asyncio.wait_for(self.wait(), min(debounce, left))
+                async with asyncio.timeout(min(debounce, left)):
+                    await self.wait()
             except TimeoutError:
                 return
 

@@ -57,6 +57,7 @@ class FakeImages:
         self.rt.unary[SERVICE + "ListImages"] = self._list
         self.rt.unary[SERVICE + "PullImage"] = self._pull
         self.rt.unary[SERVICE + "ImageFsInfo"] = self._fs_info
+        self.rt.unary[SERVICE + "ImageStatus"] = self._status
         return self
 
     def add(self, *refs: str) -> None:
@@ -90,6 +91,13 @@ class FakeImages:
             await context.abort(self.list_error, "fake runtime cannot list images")
         self.changed.set()
         return api_pb2.ListImagesResponse(images=list(self.images.values())).SerializeToString()
+
+    async def _status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        name = api_pb2.ImageStatusRequest.FromString(request).image.image
+        for img in self.images.values():
+            if name == img.id or normalize(name) in (*img.repo_tags, *img.repo_digests):
+                return api_pb2.ImageStatusResponse(image=img).SerializeToString()
+        return b""
 
     async def _fs_info(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         fs = api_pb2.FilesystemUsage(fs_id=api_pb2.FilesystemIdentifier(mountpoint=self.mountpoint))

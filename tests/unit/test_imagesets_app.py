@@ -1,0 +1,122 @@
+"""Image sets wired into a running shim: pins seen through CRI, kubelet never waits for a
+reconcile, reloads start, reconfigure and stop image sets."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+
+from shim import config as config_mod
+from shim.proto.runtime.v1 import api_pb2
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+from tests.support.prefetch_store import FakeImages, image_id
+from tests.unit.test_imagesets import eventually, own, pinned, write
+
+LIST = "/runtime.v1.ImageService/ListImages"
+PULL = "/runtime.v1.ImageService/PullImage"
+REMOVE = "/runtime.v1.ImageService/RemoveImage"
+
+
+async def start_runtime(tmp_path: Path) -> tuple[FakeRuntime, FakeImages]:
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    return rt, FakeImages(rt).install()
+
+
+def settings(directory: Path, **extra) -> dict:
+    return {"image_sets": {"dir": str(directory), "debounce_seconds": 0.05, "retry_initial_seconds": 0.05,
+                           "retry_max_seconds": 0.1, **extra}}
+
+
+async def listed_pins(ch: grpc.aio.Channel) -> dict[str, bool]:
+    raw = await ch.unary_unary(LIST)(b"", timeout=5)
+    return {i.repo_tags[0]: i.pinned for i in api_pb2.ListImagesResponse.FromString(raw).images}
+
+
+async def test_declared_pins_show_in_list_images_and_block_removal(tmp_path: Path) -> None:
+    rt, store = await start_runtime(tmp_path)
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    store.add("registry.local/a:1", "registry.local/b:1", "registry.local/other:1")
+    write(sets / "p.yaml", pinned("release", ["registry.local/a:1", "registry.local/b:1"]))
+    write(sets / "w.yaml", own("warm", ["registry.local/other:1"]))
+    try:
+        async with running_shim(rt.endpoint, settings(sets)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                await eventually(lambda: shim.app.image_sets_status().get("sets", {}).get("release", {})
+                                 .get("pinned") == 2)
+                assert await listed_pins(ch) == {"registry.local/a:1": True, "registry.local/b:1": True,
+                                                 "registry.local/other:1": False}
+                rm = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image="registry.local/a:1"))
+                try:
+                    await ch.unary_unary(REMOVE)(rm.SerializeToString(), timeout=5)
+                    raise AssertionError("a pinned image was removed")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() is grpc.StatusCode.FAILED_PRECONDITION and "pinned by image set 'release'" in e.details()
+
+                write(sets / "p.yaml", pinned("release", ["registry.local/a:1"]))  # b dropped: unpinned
+                async def b_unpinned() -> bool:
+                    return (await listed_pins(ch))["registry.local/b:1"] is False
+                for _ in range(200):
+                    if await b_unpinned():
+                        break
+                    await asyncio.sleep(0.02)
+                assert (await listed_pins(ch))["registry.local/a:1"] is True
+                assert store.has("registry.local/b:1") and not rt.calls("RemoveImage")
+    finally:
+        await rt.stop()
+
+
+async def test_kubelet_pulls_are_served_while_a_reconcile_waits_on_the_runtime(tmp_path: Path) -> None:
+    rt, store = await start_runtime(tmp_path)
+    store.list_gate = asyncio.Event()  # the reconciler's ListImages hangs
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    write(sets / "w.yaml", own("warm", ["registry.local/a:1"]))
+    try:
+        async with running_shim(rt.endpoint, settings(sets)) as shim:
+            await eventually(lambda: store.lists >= 1, what="reconciler to ask for the image list")
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                req = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="registry.local/kubelet:1"))
+                raw = await ch.unary_unary(PULL)(req.SerializeToString(), timeout=5)
+                assert api_pb2.PullImageResponse.FromString(raw).image_ref == image_id("registry.local/kubelet:1")
+            assert store.pulls == ["registry.local/kubelet:1"]
+            store.list_gate.set()
+            await eventually(lambda: store.has("registry.local/a:1"))
+    finally:
+        await rt.stop()
+
+
+async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path) -> None:
+    rt, store = await start_runtime(tmp_path)
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    store.add("registry.local/a:1", "registry.local/b:1")
+    write(first / "p.yaml", pinned("one", ["registry.local/a:1"]))
+    write(second / "p.yaml", pinned("two", ["registry.local/b:1"]))
+    try:
+        async with running_shim(rt.endpoint, settings(first)) as shim:
+            app = shim.app
+            await eventually(lambda: app.image_sets_status().get("sets", {}).get("one", {}).get("pinned") == 1)
+            assert app.images.pins.match(["registry.local/a:1"]) is not None
+
+            await app.reload(config_mod.from_dict({**settings(first, max_parallel=3, cooldown_seconds=0.5),
+                                                   "listen": shim.endpoint, "upstream": rt.endpoint}))
+            assert app.scheduler.background_max_parallel == 3
+            assert app.image_sets is not None and app.image_sets.reconciler.cfg.cooldown_seconds == 0.5
+
+            await app.reload(config_mod.from_dict({**settings(second), "listen": shim.endpoint,
+                                                   "upstream": rt.endpoint}))
+            await eventually(lambda: "two" in app.image_sets_status().get("sets", {}))
+            assert app.images.pins.match(["registry.local/a:1"]) is None
+            assert app.images.pins.match(["registry.local/b:1"]) is not None
+
+            await app.reload(config_mod.from_dict({"listen": shim.endpoint, "upstream": rt.endpoint}))
+            assert app.image_sets_status() == {"enabled": False}
+            assert not app.images.pins  # nothing pinned any more
+            assert store.has("registry.local/a:1") and store.has("registry.local/b:1")
+    finally:
+        await rt.stop()
