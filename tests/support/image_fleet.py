@@ -25,6 +25,10 @@ def push_fleet(registry: RegistryWithProxy, prefix: str, count: int, *, start: i
     shared = oci.make_layer({"fleet.txt": prefix.encode()})
     items = [(oci.make_image([shared], unique=f"{prefix}-{i}"), f"{prefix}/r{i // per_repo}", f"v{i}")
              for i in range(start, start + count)]
+    # the shared layer into every repository first, one at a time: concurrent first pushes
+    # into a new repository can get a 500 from docker-registry
+    for repo in dict.fromkeys(repo for _, repo, _ in items):
+        registry.client.push_blob(repo, shared.blob)
     return registry.push_many(items, workers=8)
 
 
@@ -51,3 +55,51 @@ def pinned_set(name: str, refs: Sequence[str]) -> str:
     return (f"apiVersion: machineconfiguration.openshift.io/v1\nkind: PinnedImageSet\n"
             f"metadata:\n  name: {name}\n  labels:\n    machineconfiguration.openshift.io/role: worker\n"
             f"spec:\n  pinnedImages:\n{items}")
+
+
+def metric(port: int, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """One sample from the shim's Prometheus endpoint (None when the series does not exist)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted((labels or {}).items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        base, _, rest = series.partition("{")
+        if base != name:
+            continue
+        got = ",".join(sorted(p for p in rest.rstrip("}").split(",") if p))
+        if got == want:
+            return float(value)
+    return None
+
+
+class Presence:
+    """Asks containerd directly (one kept channel) whether images are present."""
+
+    def __init__(self, socket: str) -> None:
+        self._channel = grpc.insecure_channel(cri.target(socket))
+        self._status = self._channel.unary_unary("/runtime.v1.ImageService/ImageStatus")
+
+    def present(self, ref: str) -> bool:
+        return cri.decode_image_status_response(self._status(cri.image_status_request(ref), timeout=10)) is not None
+
+    def wait_all(self, refs: Sequence[str], timeout: float, interval: float = 0.01) -> float | None:
+        """Seconds until every ref is present (None on timeout), polling every ``interval``."""
+        import time
+
+        t0 = time.monotonic()
+        missing = list(refs)
+        while missing:
+            missing = [r for r in missing if not self.present(r)]
+            if not missing:
+                break
+            if time.monotonic() - t0 > timeout:
+                return None
+            time.sleep(interval)
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self._channel.close()
