@@ -41,7 +41,7 @@ class Metrics:
         self.rpc_duration = Histogram("cri_shim_rpc_duration_seconds", "Duration of intercepted CRI calls "
                                       "through the shim.", ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
         self.image_set_images = Gauge("cri_shim_image_set_images", "Images of a declared image set, by state "
-                                      "(declared, present, pulling, failed).", ["set", "state"], registry=r)
+                                      "(declared, present, pulling, queued, failed).", ["set", "state"], registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
         self._server: Any = None

@@ -107,9 +107,15 @@ def test_2000_declared_present_then_append_and_drop(fleet, proxy, shim_factory, 
         # drop 10 of the original ones: unpinned, still present
         dropped = fleet.refs[:10]
         atomic_write(release, pinned_set("release", fleet.refs[10:] + new))
-        wait_for(lambda: not any(pinned_through_shim(shim)[i] for i in fleet.ids[:10]), 30, "10 unpinned")
+
+        def dropped_unpinned() -> bool:
+            listed = pinned_through_shim(shim)
+            return not any(listed[i] for i in fleet.ids[:10])
+
+        wait_for(dropped_unpinned, 30, "10 unpinned")
         assert all(presence.present(r) for r in dropped)
-        assert all(pinned_through_shim(shim)[i] for i in fleet.ids[10:])
+        listed = pinned_through_shim(shim)
+        assert all(listed[i] for i in fleet.ids[10:])
         assert metric(port, "cri_shim_image_set_images", {"set": "release", "state": "declared"}) == PRESENT
         assert metric(port, "cri_shim_pull_requests_total", {"priority": "background"}) == EXTRA
     finally:
