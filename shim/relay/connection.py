@@ -13,6 +13,9 @@ the relay keeps the client's real window itself: the runtime's DATA waits in ord
 when the client's window is short, and client WINDOW_UPDATEs that repay the relay's
 own DATA are not passed on to the runtime.
 
+PINGs from the client are answered here, not relayed (see the PING branch of
+``from_client``); the runtime's PINGs and the client's answers to them pass through.
+
 When the runtime can't be reached, the connection is answered locally: every call
 gets UNAVAILABLE at once, and GOAWAY sends the client back as soon as the runtime
 is reachable again.
@@ -212,7 +215,7 @@ class ClientConnection(asyncio.Protocol):
     def _protocol_error(self, e: H2Error) -> None:
         logs.log(_log, logging.WARNING, "closing connection: HTTP/2 protocol error", error=str(e))
         if self.client is not None and not self.client.is_closing():
-            self.client.write(h2.goaway(self.last_sid, h2.PROTOCOL_ERROR, str(e).encode()[:200]))
+            self.client.write(h2.goaway(self.last_sid, e.code, str(e).encode()[:200]))
             self.client.close()
         if self.upstream is not None:
             self.upstream.close()
@@ -285,7 +288,17 @@ class ClientConnection(asyncio.Protocol):
                 elif ftype == h2.PRIORITY:
                     if sid not in self.local and sid not in self.dropped_upstream:
                         out.append(raw)
-                else:  # PING, GOAWAY, unknown extension frames
+                elif ftype == h2.PING:
+                    if length != 8:
+                        raise H2Error(f"PING frame of {length} bytes", h2.FRAME_SIZE_ERROR)
+                    if flags & h2.ACK:
+                        out.append(raw)  # the client answers the runtime's PING
+                    else:
+                        # Answered here: a runtime closes a connection on which it gets PINGs
+                        # while sending nothing (too_many_pings), and the streams we answer
+                        # ourselves make clients PING with nothing from the runtime in between.
+                        self._write(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
+                else:  # GOAWAY, unknown extension frames
                     out.append(raw)
         except H2Error as e:
             self._protocol_error(e)
