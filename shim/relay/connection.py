@@ -431,8 +431,9 @@ class ClientConnection(asyncio.Protocol):
         body = h2.data_payload(flags, payload)
         s.body += body
         if len(s.body) > self.relay.max_message_bytes + 5:
+            limit = self.relay.max_message_bytes
             self._answer_error(s, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"cri-shim: request larger than {self.relay.max_message_bytes} bytes"))
+                                           f"cri-shim: request larger than server.max_message_bytes ({limit} bytes)"))
             return
         if payload and self.client is not None:  # give the client its windows back at once
             self.client.write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
