@@ -111,23 +111,34 @@ class ShimServer:
     async def start(self) -> App:
         """Bind the socket and start serving (no signal handlers: see run())."""
         self.app = app = App(self.cfg)
-        prepare_socket(self.path)
         self.server: grpc.aio.Server | None = None
         self.relay: Relay | None = None
-        with _umask(0o777 & ~self.cfg.server.socket_mode):
-            if self.cfg.server.engine == "relay":
-                self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, lambda: app.proxy.table,
-                                   self.cfg.server.max_message_bytes)
-                await self.relay.start(self.path)
-            else:
-                self.server = grpc.aio.server(options=server_options(self.cfg))
-                self.server.add_generic_rpc_handlers((app.proxy,))
-                self.server.add_insecure_port(f"unix:{self.path}")
-                await self.server.start()
-        os.chmod(self.path, self.cfg.server.socket_mode)
+        try:
+            prepare_socket(self.path)
+            with _umask(0o777 & ~self.cfg.server.socket_mode):
+                if self.cfg.server.engine == "relay":
+                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
+                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes)
+                    await self.relay.start(self.path)
+                else:
+                    self.server = grpc.aio.server(options=server_options(self.cfg))
+                    self.server.add_generic_rpc_handlers((app.proxy,))
+                    self.server.add_insecure_port(f"unix:{self.path}")
+                    await self.server.start()
+            os.chmod(self.path, self.cfg.server.socket_mode)
+        except (OSError, RuntimeError) as e:  # grpc reports a failed bind as RuntimeError
+            raise StartupError(f"listen: cannot serve on {self.path}: {getattr(e, 'strerror', None) or e}") from None
         if self.cfg.server.socket_group:
-            os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
-        await app.start()
+            try:
+                os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
+            except OSError as e:
+                raise StartupError(f"server.socket_group: cannot give {self.path} to group "
+                                   f"{self.cfg.server.socket_group!r}: {e.strerror}") from None
+        try:
+            await app.start()
+        except OSError as e:
+            raise StartupError(f"metrics.address: cannot listen on {self.cfg.metrics.address}: "
+                               f"{e.strerror or e}") from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  engine=self.cfg.server.engine,
