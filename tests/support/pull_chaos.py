@@ -74,42 +74,52 @@ class Tally:
         return sum(n for k, n in self.outcomes.items() if k.startswith("wait:"))
 
 
+async def one_caller(chans: list[grpc.aio.Channel], rng: random.Random, n: int, tally: Tally,
+                     names: list[str], wait_share: float = 0.4) -> None:
+    """One caller of the storm, with a random image, credentials and fate; its outcome goes in ``tally``."""
+    r = rng.random()
+    fate = "wait" if r < wait_share else "deadline" if r < (1 + wait_share) / 2 else "cancel"
+    # A third of those who give up want an image nobody else does: their leaving cancels the pull.
+    solo = fate != "wait" and rng.random() < 1 / 3
+    image, user = f"reg/solo{n}:1" if solo else rng.choice(names), rng.choice(USERS)
+    req = api_pb2.PullImageRequest()
+    req.image.image = image
+    if user:
+        req.auth.username, req.auth.password = user, f"{user}-pw"
+    timeout = 30.0 if fate != "deadline" else rng.uniform(0.005, 0.15)
+    call = rng.choice(chans).unary_unary(PULL)(req.SerializeToString(), timeout=timeout)
+    if fate == "cancel":
+        asyncio.get_running_loop().call_later(rng.uniform(0, 0.1), call.cancel)
+    try:
+        response = await call
+        code, got = grpc.StatusCode.OK, response
+    except asyncio.CancelledError:
+        code, got = grpc.StatusCode.CANCELLED, None
+    except grpc.aio.AioRpcError as e:
+        code, got = e.code(), e.details()
+    tally.outcomes[f"{fate}:{code.name}"] += 1
+    if fate == "wait" and (code, got) != expected(image, user):
+        tally.wrong.append(f"{image} as {user or '-'}: {code.name} {got!r}")
+
+
+def image_names(images: int = 12) -> list[str]:
+    return [f"reg/img{i}:1" for i in range(images - 1)] + ["reg/bad:1"]
+
+
 async def storm(endpoint: str, *, callers: int | None = None, seconds: float | None = None, seed: int = 0,
                 images: int = 12, channels: int = 4, max_in_progress: int = 200, wait_share: float = 0.4) -> Tally:
     """Run callers until ``callers`` were sent or ``seconds`` passed (whichever is given)."""
     rng = random.Random(seed)
     chans = [grpc.aio.insecure_channel(endpoint) for _ in range(channels)]
-    names = [f"reg/img{i}:1" for i in range(images - 1)] + ["reg/bad:1"]
+    names = image_names(images)
     tally = Tally()
     slots = asyncio.Semaphore(max_in_progress)
-    loop = asyncio.get_running_loop()
 
     async def caller(n: int) -> None:
-        r = rng.random()
-        fate = "wait" if r < wait_share else "deadline" if r < (1 + wait_share) / 2 else "cancel"
-        # A third of those who give up want an image nobody else does: their leaving cancels the pull.
-        solo = fate != "wait" and rng.random() < 1 / 3
-        image, user = f"reg/solo{n}:1" if solo else rng.choice(names), rng.choice(USERS)
-        req = api_pb2.PullImageRequest()
-        req.image.image = image
-        if user:
-            req.auth.username, req.auth.password = user, f"{user}-pw"
-        timeout = 30.0 if fate != "deadline" else rng.uniform(0.005, 0.15)
-        call = rng.choice(chans).unary_unary(PULL)(req.SerializeToString(), timeout=timeout)
-        if fate == "cancel":
-            loop.call_later(rng.uniform(0, 0.1), call.cancel)
         try:
-            response = await call
-            code, got = grpc.StatusCode.OK, response
-        except asyncio.CancelledError:
-            code, got = grpc.StatusCode.CANCELLED, None
-        except grpc.aio.AioRpcError as e:
-            code, got = e.code(), e.details()
+            await one_caller(chans, rng, n, tally, names, wait_share)
         finally:
             slots.release()
-        tally.outcomes[f"{fate}:{code.name}"] += 1
-        if fate == "wait" and (code, got) != expected(image, user):
-            tally.wrong.append(f"{image} as {user or '-'}: {code.name} {got!r}")
 
     t0 = time.monotonic()
     tasks = []
