@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from .. import logs, wire
 from ..errors import RpcError
+from ..handlers import inject_image_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
 from .pinned import pin_of
@@ -60,6 +61,7 @@ async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageR
 
 
 async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
+    request = inject_image_handler(svc, request)  # a runtime_handlers rule's handler, for the lookup too
     pins = svc.pins
     if pins:
         req = decode(api_pb2.RemoveImageRequest, request)
