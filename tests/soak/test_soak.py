@@ -250,14 +250,24 @@ async def test_soak(tmp_path, shim_factory, engine: str) -> None:
         t0 = loop.time()
         until = t0 + seconds
         runner = asyncio.ensure_future(run_load(load, pulls, until, gate, CALLS, PULLS, seconds))
-        await asyncio.sleep(min(max(3.0, seconds * 0.15), seconds / 3))  # warm-up
+        warm_up = min(max(3.0, seconds * 0.15), seconds / 3)
+        await asyncio.sleep(warm_up)
         await quiet(load, gate)
         calls_before = sum(load.done.values())
         rss0, fds0 = rss_and_fds(shim.pid)
+        series = [(calls_before, rss0, fds0)]  # (calls, RSS, fds) at quiet moments
         gate.set()
+        for i in range(1, 4):  # three more quiet looks along the way
+            await asyncio.wait([runner], timeout=max(0.0, t0 + warm_up + (seconds - warm_up) * i / 4 - loop.time()))
+            if runner.done():
+                break
+            await quiet(load, gate)
+            series.append((sum(load.done.values()), *rss_and_fds(shim.pid)))
+            gate.set()
         await runner
         await quiet(load, gate)
         rss1, fds1 = rss_and_fds(shim.pid)
+        series.append((sum(load.done.values()), rss1, fds1))
         elapsed = loop.time() - t0
         for ch in chans:
             await ch.close()
@@ -272,6 +282,8 @@ async def test_soak(tmp_path, shim_factory, engine: str) -> None:
               f"[{engine}] RSS {rss0 / 2**20:.1f} MiB -> {rss1 / 2**20:.1f} MiB ({growth / 2**20:+.1f} MiB), "
               f"{growth / max(1, calls - calls_before):+.0f} bytes per call after the warm-up; "
               f"fds {fds0} -> {fds1}; pull gauges after: {gauges}\n"
+              f"[{engine}] (calls, RSS MiB, fds) along the way: "
+              f"{[(c, round(r / 2**20, 1), f) for c, r, f in series]}\n"
               f"[{engine}] calls by kind: {dict(load.done)}")
         assert load.unexpected == []
         assert pulls.wrong == []
