@@ -3,7 +3,10 @@
 * Malformed or truncated protobuf (hypothesis mutates valid requests: truncation,
   flipped and inserted bytes, random bytes) is refused with INVALID_ARGUMENT and a
   message naming the request type, never reaches the runtime, and the shim keeps
-  serving. A request that still parses is served as usual.
+  serving. A request that still parses is served as usual. RunPodSandbox and
+  RemovePodSandbox are intercepted only to learn pods' runtime handlers, after the
+  runtime has answered: whatever their bytes, the runtime's answer reaches the client
+  (shim/sandboxes.py), and the shim keeps serving.
 * A request over ``server.max_message_bytes`` is refused with RESOURCE_EXHAUSTED
   naming the limit, and the connection goes on serving other calls.
 * A ListImages of 20,000 images (pins configured) passes, with exactly the pinned
@@ -29,6 +32,8 @@ from tests.support.inproc import running_shim
 PULL, REMOVE, STATUS, LIST, STREAM = (SVC + m for m in ("PullImage", "RemoveImage", "ImageStatus", "ListImages",
                                                         "StreamImages"))
 VERSION = "/runtime.v1.RuntimeService/Version"
+RUN_SB, REMOVE_SB = "/runtime.v1.RuntimeService/RunPodSandbox", "/runtime.v1.RuntimeService/RemovePodSandbox"
+SANDBOX = {RUN_SB: api_pb2.RunPodSandboxRequest, REMOVE_SB: api_pb2.RemovePodSandboxRequest}
 REQUEST = {PULL: api_pb2.PullImageRequest, REMOVE: api_pb2.RemoveImageRequest, STATUS: api_pb2.ImageStatusRequest,
            LIST: api_pb2.ListImagesRequest, STREAM: api_pb2.StreamImagesRequest}
 PINS = {"pins": {"images": ["nginx", "registry.k8s.io/pause:*"]}}  # pins: the image calls are intercepted too
@@ -52,6 +57,8 @@ def env(tmp_path_factory):
     FakeImageStore([nginx()]).install(rt)
     rt.unary[PULL] = api_pb2.PullImageResponse(image_ref="sha256:" + "0" * 64).SerializeToString()
     rt.unary[VERSION] = b"v"
+    rt.unary[RUN_SB] = api_pb2.RunPodSandboxResponse(pod_sandbox_id="sb-1").SerializeToString()
+    rt.unary[REMOVE_SB] = b""
     loop.run_until_complete(rt.start())
     shims, cms = {}, []
     for engine in ENGINES:
@@ -80,6 +87,11 @@ VALID = {
     STATUS: st.builds(api_pb2.ImageStatusRequest, image=specs, verbose=st.booleans()),
     LIST: st.builds(lambda spec: api_pb2.ListImagesRequest(filter=api_pb2.ImageFilter(image=spec)), specs),
     STREAM: st.builds(lambda spec: api_pb2.StreamImagesRequest(filter=api_pb2.ImageFilter(image=spec)), specs),
+    RUN_SB: st.builds(lambda uid, handler, labels: api_pb2.RunPodSandboxRequest(
+        config=api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(name="p", uid=uid, namespace="ns"),
+                                        labels=labels), runtime_handler=handler),
+        text, text, st.dictionaries(text, text, max_size=3)),
+    REMOVE_SB: st.builds(api_pb2.RemovePodSandboxRequest, pod_sandbox_id=text),
 }
 
 
@@ -148,6 +160,20 @@ def test_malformed_requests_are_invalid_argument(env, engine: str, method: str, 
         assert code is grpc.StatusCode.INVALID_ARGUMENT, details
         assert details.startswith(f"cri-shim: malformed {REQUEST[method].DESCRIPTOR.full_name.split('.')[-1]}: ")
         assert len(rt.received) == seen  # nothing reached the runtime
+    assert loop.run_until_complete(still_serves(shim.endpoint))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("method", list(SANDBOX), ids=lambda m: m.rsplit("/", 1)[1])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_sandbox_calls_get_the_runtimes_answer_whatever_their_bytes(env, engine: str, method: str, data) -> None:
+    loop, rt, shims = env
+    shim = shims[engine]
+    request = data.draw(mutated(method))
+    code, details = loop.run_until_complete(call(shim.endpoint, method, request))
+    assert code is grpc.StatusCode.OK, details
+    assert rt.received[-1].request == request
     assert loop.run_until_complete(still_serves(shim.endpoint))
 
 
