@@ -188,12 +188,11 @@ class ShimServer:
                 logs.log(_log, logging.ERROR, "config reload rejected; keeping the running config",
                          reason=why, error=str(e))
                 return
-            for key in ("listen", "upstream"):
-                if getattr(new, key) != getattr(self.cfg, key):
-                    logs.log(_log, logging.WARNING, "config key needs a restart; keeping the running value",
-                             key=key, running=getattr(self.cfg, key), configured=getattr(new, key))
+            for key, running, configured in _restart_only_changes(self.cfg, new):
+                logs.log(_log, logging.WARNING, "config key needs a restart; keeping the running value",
+                         key=key, running=running, configured=configured)
             new = dataclasses.replace(new, listen=self.cfg.listen, upstream=self.cfg.upstream,
-                                      server=self.cfg.server)
+                                      server=self.cfg.server, metrics=self.cfg.metrics)
             try:
                 await app.reload(new)
             except ConfigError as e:
@@ -203,3 +202,13 @@ class ShimServer:
             self.cfg = new
             logs.setup(new.log.level, new.log.format)
             logs.log(_log, logging.INFO, "config reloaded", reason=why)
+
+
+def _restart_only_changes(running: Config, new: Config) -> list[tuple[str, object, object]]:
+    """(key, running value, configured value) for each changed key a reload does not apply."""
+    changes = [(k, getattr(running, k), getattr(new, k)) for k in ("listen", "upstream")]
+    for section in ("server", "metrics"):
+        old_s, new_s = getattr(running, section), getattr(new, section)
+        changes += [(f"{section}.{f.name}", getattr(old_s, f.name), getattr(new_s, f.name))
+                    for f in dataclasses.fields(old_s)]
+    return [(k, a, b) for k, a, b in changes if a != b]

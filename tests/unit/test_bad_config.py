@@ -376,3 +376,38 @@ def test_startup_failures_are_one_line(tmp_path: Path) -> None:
     finally:
         taken.close()
         live.close()
+
+
+async def test_reload_names_keys_that_need_a_restart(tmp_path: Path) -> None:
+    """A valid reload that changes the socket, the engine or the metrics address: logged by key, not applied."""
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"pulls": {"max_parallel": 3}}))
+    lines = Lines()
+    log = logging.getLogger("cri_shim.server")
+    log.addHandler(lines)
+    try:
+        async with running_shim(rt.endpoint, {"pulls": {"max_parallel": 3}}, config_path=str(path)) as shim:
+            running = shim.server.cfg
+            path.write_text(yaml.safe_dump({
+                "listen": running.listen, "upstream": running.upstream, "pulls": {"max_parallel": 5},
+                "metrics": {"address": "127.0.0.1:9464"},
+                "server": {"socket_mode": "0600", "engine": "grpc", "admin_socket": ""}}))
+            await shim.server.reload(shim.app, "test")
+            restart = {r.fields["key"]: r.fields["configured"] for r in lines.records  # type: ignore[attr-defined]
+                       if r.getMessage().startswith("config key needs a restart")}
+            assert restart == {"server.socket_mode": 0o600, "server.engine": "grpc",
+                               "metrics.address": "127.0.0.1:9464"}
+            assert shim.app.scheduler.max_parallel == 5  # the rest is applied
+            assert shim.server.cfg.server.socket_mode == 0o660 and shim.server.cfg.metrics.address == ""
+            assert stat_mode(shim.path) == 0o660
+    finally:
+        log.removeHandler(lines)
+        await rt.stop()
+
+
+def stat_mode(path: str) -> int:
+    import os
+    import stat
+
+    return stat.S_IMODE(os.stat(path).st_mode)
