@@ -235,7 +235,7 @@ async def runtime_stats(endpoint: str) -> dict:
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
-async def test_soak(tmp_path, shim_factory, engine: str) -> None:
+async def test_soak(tmp_path, shim_factory, soak_report, engine: str) -> None:
     seconds = BUDGET / 2
     rt = RuntimeProcess(tmp_path / "rt.sock", soak=True).start()
     try:
@@ -275,7 +275,7 @@ async def test_soak(tmp_path, shim_factory, engine: str) -> None:
         stats = await runtime_stats(rt.endpoint)
         calls = sum(load.done.values())
         growth = rss1 - rss0
-        print(f"\n[{engine}] soak {elapsed:.1f}s (budget {seconds:.0f}s): {calls} mixed calls "
+        soak_report(f"\n[{engine}] soak {elapsed:.1f}s (budget {seconds:.0f}s): {calls} mixed calls "
               f"({calls / elapsed:.0f}/s; {calls - calls_before} after the warm-up), {pulls.callers} pulls "
               f"({dict(sorted(pulls.outcomes.items()))}); runtime pulls {stats['calls']}, at most "
               f"{stats['max_active']} at once (cap {CAP}), {stats['cancelled']} cancelled there\n"
