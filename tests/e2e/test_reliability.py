@@ -4,6 +4,7 @@
   every caller gets UNAVAILABLE at once; restarted: the shim serves again within seconds.
 * the shim started before containerd, with a storm arriving meanwhile: UNAVAILABLE at once,
   then served (collapsed, capped) as soon as containerd is up.
+* containerd stuck on a slow registry: pulls end at their callers' deadlines.
 * a pinned image cannot be removed through the shim by any name containerd resolves:
   tags, digest references, IDs with and without ``sha256:``, short ID prefixes, and
   Docker Hub short names (``x`` / ``library/x`` / ``docker.io/library/x`` /
@@ -144,6 +145,32 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
         assert [c for c, _, _ in results] == [grpc.StatusCode.OK] * 9
         assert stats.max_concurrent_images <= 2
         assert t_version < 5.0
+
+
+async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_image, proxy, shim_factory,
+                                                           engine) -> None:
+    """containerd stuck on a registry: a pull in flight, one joined to it and one queued behind it all
+    end at their own deadlines, and the slots come back."""
+    a, b = make_image(), make_image()
+    port = free_port()
+    shim = shim_factory({"server": {"engine": engine}, "pulls": {"max_parallel": 1},
+                         "metrics": {"address": f"127.0.0.1:{port}"}})
+    proxy.hold_blobs()
+    async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+        pull = ch.unary_unary(PULL)
+        first = asyncio.ensure_future(timed(pull(cri.pull_image_request(a.ref), timeout=1.5)))
+        await until(lambda: proxy.stats().inflight_blob_gets > 0)
+        others = await asyncio.gather(timed(pull(cri.pull_image_request(a.ref), timeout=0.5)),  # joined
+                                      timed(pull(cri.pull_image_request(b.ref), timeout=0.5)))  # queued
+        code, seconds, _ = await first
+        results = [(code, seconds)] + [(c, s) for c, s, _ in others]
+        print(f"\n[{engine}] registry stuck: in flight (1.5s), joined (0.5s), queued (0.5s) -> "
+              + ", ".join(f"{c.name} after {s:.2f}s" for c, s in results))
+        assert [c for c, _ in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
+        assert 1.5 <= results[0][1] < 2.5 and all(0.5 <= s < 1.5 for _, s in results[1:])
+        await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0})
+        proxy.release_blobs()
+        assert (await timed(pull(cri.pull_image_request(b.ref), timeout=60)))[0] is grpc.StatusCode.OK
 
 
 # --------------------------------------------------------------------------- pins by every name
