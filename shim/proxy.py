@@ -12,6 +12,7 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
@@ -48,6 +49,62 @@ class Call:
     def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
         return self.upstream.server_stream(self.method, request, metadata=self.metadata,
                                            timeout=self.context.time_remaining())
+
+
+# What grpc.aio puts in place of a call's status when writing a request message fails.
+_WRITE_FAILED = "Internal error from Core"
+
+
+class StreamedCallStatus:
+    """The runtime's own status for a call whose request messages we stream upstream.
+
+    grpc.aio replaces a call's status with INTERNAL "Internal error from Core" when a
+    request write fails because the runtime has already answered and reset the stream.
+    grpc-go does exactly that for a method it doesn't know: UNIMPLEMENTED on the HEADERS
+    frame, before our copy of the request arrives. The runtime's status is set on the call
+    too, before or after the write failure: a done callback sees the first status set, the
+    call keeps the last one, and the one that is not the write failure is the runtime's.
+    """
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self._call = call
+        self._first: RpcError | None = None
+        call.add_done_callback(self._done)
+
+    def _done(self, call: grpc.aio.Call) -> None:
+        # Runs inside grpc.aio when the first status is set, which is already there:
+        # its coroutines complete without suspending.
+        code, details, trailers = _now(call.code()), _now(call.details()), _now(call.trailing_metadata())
+        if code is not None:
+            self._first = RpcError(code, details or "", tuple(trailers or ()), from_upstream=True)
+
+    async def error(self, wait: float = 1.0) -> RpcError | None:
+        """The runtime's error, None if it answered OK. Call once the call is done."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            first = self._first
+            if first is not None and first.details != _WRITE_FAILED:
+                return None if first.code is grpc.StatusCode.OK else first
+            code, details = await self._call.code(), await self._call.details()
+            if details != _WRITE_FAILED:  # the runtime's status replaced the write failure
+                if code is grpc.StatusCode.OK:
+                    return None
+                md = await self._call.trailing_metadata()
+                return RpcError(code, details or "", tuple(md or ()), from_upstream=True)
+            if loop.time() >= deadline:  # never seen: report what grpc.aio says
+                return RpcError(code, details or "", from_upstream=True)
+            await asyncio.sleep(0.005)
+
+
+def _now(coro: Any) -> Any:
+    """Run a coroutine that completes without suspending; None if it would suspend."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    return None
 
 
 UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
@@ -146,10 +203,11 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def client_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            status = StreamedCallStatus(call)
             try:
                 response = await call
             except grpc.aio.AioRpcError as e:
-                await _fail(context, RpcError.from_aio(e))
+                await _fail(context, await status.error() or RpcError.from_aio(e))
                 raise
             trailers = await call.trailing_metadata()
             if trailers:
@@ -163,14 +221,17 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            status = StreamedCallStatus(call)
             try:
                 initial = await call.initial_metadata()
                 if initial:
                     await context.send_initial_metadata(initial)
                 async for msg in call:
                     yield msg
-            except grpc.aio.AioRpcError as e:
-                await _fail(context, RpcError.from_aio(e))
+            except grpc.aio.AioRpcError:
+                error = await status.error()
+                if error is not None:  # else the runtime answered OK and only our write failed
+                    await _fail(context, error)
             finally:
                 call.cancel()
             trailers = await call.trailing_metadata()
