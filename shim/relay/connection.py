@@ -291,7 +291,7 @@ class ClientConnection(asyncio.Protocol):
             self._protocol_error(e)
             return
         self._cbuf = buf[i:]
-        if out and self.upstream is not None:
+        if out and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _client_settings(self, payload: bytes) -> None:
@@ -384,8 +384,8 @@ class ClientConnection(asyncio.Protocol):
                 continue
             out.append(raw)
         self._ubuf = buf[i:]
-        if out and self.client is not None:
-            self.client.write(b"".join(out) if len(out) > 1 else out[0])
+        if out:
+            self._write(b"".join(out) if len(out) > 1 else out[0])
 
     def _flush_held(self) -> None:
         out = []
@@ -397,8 +397,8 @@ class ClientConnection(asyncio.Protocol):
                     break
                 self.client_window -= length
             out.append(self._held.popleft())
-        if out and self.client is not None:
-            self.client.write(b"".join(out))
+        if out:
+            self._write(b"".join(out))
 
     # ------------------------------------------------------------------ locally answered streams
 
@@ -418,8 +418,8 @@ class ClientConnection(asyncio.Protocol):
             self._answer_error(s, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                            f"cri-shim: request larger than {self.relay.max_message_bytes} bytes"))
             return
-        if payload and self.client is not None:  # give the client its windows back at once
-            self.client.write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
+        if payload:  # give the client its windows back at once
+            self._write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
         if flags & h2.END_STREAM and s.task is None:
             self._dispatch(s, s.handler)
 
@@ -503,6 +503,9 @@ class ClientConnection(asyncio.Protocol):
         self.local.pop(s.sid, None)
 
     def _write(self, data: bytes) -> None:
+        # Never write to a transport that is closing: the peer may be gone before
+        # connection_lost has run, and uvloop raises there (a "fatal error" that would
+        # also close the other side).
         if self.client is not None and not self.client.is_closing():
             self.client.write(data)
 
