@@ -290,6 +290,9 @@ class ClientConnection(asyncio.Protocol):
         except H2Error as e:
             self._protocol_error(e)
             return
+        except Exception as e:  # malformed input we did not foresee: drop this connection only
+            self._protocol_error(H2Error(f"malformed frame: {e!r}"))
+            return
         self._cbuf = buf[i:]
         if out and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.write(b"".join(out) if len(out) > 1 else out[0])
@@ -570,8 +573,8 @@ class ClientConnection(asyncio.Protocol):
                         self._header_sid = sid
                 elif ftype == h2.GOAWAY:
                     pass
-        except H2Error as e:
-            self._protocol_error(e)
+        except Exception as e:
+            self._protocol_error(e if isinstance(e, H2Error) else H2Error(f"malformed frame: {e!r}"))
             return
         self._cbuf = buf[i:]
         if out:
