@@ -379,7 +379,7 @@ def _version(channel: grpc.Channel, timeout: float = 2) -> grpc.StatusCode:
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_shim_started_before_containerd(engine: str, containerd_factory, shim_factory) -> None:
+def test_shim_started_before_containerd(engine: str, containerd_factory, shim_factory, make_image) -> None:
     ctd = containerd_factory(start=False)
     shim = shim_factory(ENGINES[engine], upstream=ctd.socket)
     with grpc.insecure_channel(cri.target(shim.socket)) as kubelet:  # one long-lived channel, like kubelet
@@ -391,7 +391,9 @@ def test_shim_started_before_containerd(engine: str, containerd_factory, shim_fa
             assert _version(kubelet) == grpc.StatusCode.UNAVAILABLE
         ctd.start()
         took = wait_for(lambda: _version(kubelet) == grpc.StatusCode.OK, 5, "shim serves once containerd is up")
-    assert pull(shim.socket, "garbage!!!").code == grpc.StatusCode.UNKNOWN  # containerd's own answer
+    # An intercepted call right away works too (the shim's own channel to containerd).
+    img = make_image()
+    assert cri.decode_pull_image_response(pull(shim.socket, img.ref).unwrap()) == img.image_id
     print(f"{engine}: served {took:.2f}s after containerd was ready")
     assert_clean_log(shim)
 
@@ -414,6 +416,8 @@ def test_containerd_restarted_under_the_shim(engine: str, containerd_factory, sh
             print(f"{engine}: served {took:.2f}s after containerd restart ({how})")
             status = cri.call(shim.socket, "ImageStatus", cri.image_status_request(img.ref), 10)
             assert cri.decode_image_status_response(status.unwrap()).id == img.image_id
+            fresh = make_image()  # an intercepted call right away works too
+            assert cri.decode_pull_image_response(pull(shim.socket, fresh.ref).unwrap()) == fresh.image_id
     assert shim.running
     assert_clean_log(shim)
 
