@@ -5,6 +5,12 @@ serializers), so a method we don't intercept costs one upstream call and nothing
 else. Known CRI methods use their real cardinality; a method we have never heard
 of is proxied as a bidirectional stream, which carries any gRPC call shape.
 
+Observability (``on_call`` for the rpc duration metric, ``tracing`` for spans) is
+applied on the interception path. With tracing off the passthrough handlers are
+exactly the plain ones; with tracing on, unary and server-streaming passthrough calls
+that arrive with a ``traceparent`` get a SERVER span too (calls without one are not
+traced: the shim never starts a trace for kubelet's routine polling).
+
 Intercepted methods are looked up in ``table``: method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
 one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
@@ -12,7 +18,9 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
 
@@ -21,6 +29,7 @@ import grpc
 from . import logs
 from .errors import Metadata, RpcError
 from .methods import Cardinality, cardinality
+from .tracing import NOOP_SPAN, Span, Tracing, has_trace_context
 from .upstream import Upstream
 
 _log = logs.get("proxy")
@@ -39,6 +48,7 @@ class Call:
     timeout: float | None  # seconds left before the caller's deadline, None = none
     context: grpc.aio.ServicerContext
     upstream: Upstream
+    span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
 
     async def forward(self, request: bytes, method: str | None = None) -> bytes:
         """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline."""
@@ -69,11 +79,12 @@ class Proxy(grpc.GenericRpcHandler):
     """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
 
     def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
-                 on_call: CallObserver | None = None) -> None:
+                 on_call: CallObserver | None = None, tracing: Tracing | None = None) -> None:
         self.upstream = upstream
         self.table: Mapping[str, Handler] = dict(table or {})
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
         self._on_call = on_call
+        self.tracing = tracing if tracing is not None and tracing.enabled else None
 
     def set_table(self, table: Mapping[str, Handler]) -> None:
         self.table = dict(table)
@@ -95,10 +106,14 @@ class Proxy(grpc.GenericRpcHandler):
         if card is Cardinality.UNARY:
             if handler is not None:
                 return grpc.unary_unary_rpc_method_handler(self._intercepted_unary(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_unary_rpc_method_handler(self._traced_passthrough_unary(method))
             return grpc.unary_unary_rpc_method_handler(self._passthrough_unary(method))
         if card is Cardinality.SERVER_STREAM:
             if handler is not None:
                 return grpc.unary_stream_rpc_method_handler(self._intercepted_stream(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_stream_rpc_method_handler(self._traced_passthrough_server_stream(method))
             return grpc.unary_stream_rpc_method_handler(self._passthrough_server_stream(method))
         if card is Cardinality.CLIENT_STREAM:
             return grpc.stream_unary_rpc_method_handler(self._passthrough_client_stream(method))
@@ -179,24 +194,111 @@ class Proxy(grpc.GenericRpcHandler):
 
         return bidi
 
+    # ------------------------------------------------------------------ passthrough, traced
+
+    def _traced_passthrough_unary(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        plain = self._passthrough_unary(method)
+        mc = self.upstream.unary_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            md = forward_metadata(context)
+            if not has_trace_context(md):
+                return await plain(request, context)
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            try:
+                call = mc(request, metadata=md, timeout=context.time_remaining())
+                try:
+                    response = await call
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details()
+                    await _fail(context, RpcError.from_aio(e))
+                    raise
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+                return response
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                tracing.end(span, code, details)
+
+        return unary
+
+    def _traced_passthrough_server_stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        plain = self._passthrough_server_stream(method)
+        mc = self.upstream.stream_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            md = forward_metadata(context)
+            if not has_trace_context(md):
+                async for msg in plain(request, context):
+                    yield msg
+                return
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            call = mc(request, metadata=md, timeout=context.time_remaining())
+            try:
+                async for msg in call:
+                    yield msg
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+                await _fail(context, RpcError.from_aio(e))
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                call.cancel()
+                tracing.end(span, code, details)
+
+        return server_stream
+
     # ------------------------------------------------------------------ interception
 
     def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
-        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
+        call = Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
+        if self.tracing is not None:
+            call.span, call.metadata = self.tracing.server_span(method, call.metadata)
+        return call
+
+    def _done(self, call: Call, started: float, code: grpc.StatusCode, details: str | None) -> None:
+        """Observe the duration and end the span of an intercepted call."""
+        if self._on_call is not None:
+            self._on_call(call.method, time.perf_counter() - started, code)
+        if self.tracing is not None:
+            self.tracing.end(call.span, code, details)
 
     def _intercepted_unary(self, method: str, handler: Handler) -> Callable[[bytes, Any], Awaitable[bytes]]:
         h: UnaryHandler = handler  # type: ignore[assignment]
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            started = time.perf_counter()
+            call = self._call(method, context)
+            code, details = grpc.StatusCode.OK, None
             try:
-                return await h(request, self._call(method, context))
+                return await h(request, call)
             except RpcError as e:
+                code, details = e.code, e.details
                 await _fail(context, e)
                 raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
             except Exception:
+                code, details = grpc.StatusCode.INTERNAL, "internal error"
                 _log.error("handler failed", extra={"fields": {"method": method}}, exc_info=True)
                 await context.abort(grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {method}")
                 raise
+            finally:
+                self._done(call, started, code, details)
 
         return unary
 
@@ -204,10 +306,19 @@ class Proxy(grpc.GenericRpcHandler):
         h: StreamHandler = handler  # type: ignore[assignment]
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            started = time.perf_counter()
+            call = self._call(method, context)
+            code, details = grpc.StatusCode.OK, None
             try:
-                async for msg in h(request, self._call(method, context)):
+                async for msg in h(request, call):
                     yield msg
             except RpcError as e:
+                code, details = e.code, e.details
                 await _fail(context, e)
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                self._done(call, started, code, details)
 
         return server_stream

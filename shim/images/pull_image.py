@@ -37,17 +37,36 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
     key = PullKey(image=image, handler=handler, auth=auth_key(req.auth), namespace=namespace)
     svc.metrics.pull_requests_total.labels("foreground").inc()
+    span = call.span
+    if span.is_recording():
+        span.set_attributes({"cri_shim.image": image, "cri_shim.runtime_handler": handler,
+                             "cri_shim.runtime_handler.source": how})
 
-    async def run() -> bytes:
-        return await svc.upstream.unary(PULL_IMAGE, request, metadata=call.metadata)
+    async def run() -> bytes:  # runs once per flight, for the caller that started it
+        if span.is_recording():  # the caller may have gone (deadline) while others still wait
+            span.add_event("pull slot acquired")
+        with svc.tracing.client_span(PULL_IMAGE, span, call.metadata) as metadata:
+            try:
+                return await svc.upstream.unary(PULL_IMAGE, request, metadata=metadata)
+            except RpcError as e:
+                svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
+                raise
 
     try:
         outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining())
     except RpcError as e:
+        if span.is_recording():
+            span.set_attribute("cri_shim.pull.result", e.code.name)
         if e.from_upstream:
-            svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
-        logs.log(_log, logging.DEBUG, "pull failed", image=image, handler=handler, code=e.code.name)
+            logs.log(_log, logging.DEBUG, "pull failed", image=image, handler=handler, code=e.code.name)
+        else:  # the shim's own answer: a deadline spent waiting for a slot, shutdown, cancel
+            logs.log(_log, logging.INFO, "pull refused", image=image, handler=handler, code=e.code.name,
+                     reason=e.details)
         raise
+    if span.is_recording():
+        span.set_attributes({"cri_shim.pull.joined": outcome.joined,
+                             "cri_shim.pull.queued_seconds": round(outcome.queued_seconds, 6),
+                             "cri_shim.pull.result": "OK"})
     if outcome.joined:
         logs.log(_log, logging.INFO, "pull collapsed", image=image, handler=handler)
     logs.log(_log, logging.DEBUG, "pull done", image=image, handler=handler, handler_source=how,

@@ -12,6 +12,7 @@ from ..errors import invalid_request
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
+from ..tracing import Tracing
 from ..upstream import Upstream
 
 PULL_IMAGE = "/runtime.v1.ImageService/PullImage"
@@ -33,6 +34,7 @@ class ImageService:
     pins_enforce: bool = True
     dedup_per_namespace: bool = False
     handlers: object | None = None  # shim.handlers.HandlerResolver, when configured
+    tracing: Tracing = field(default_factory=Tracing.off)
 
 
 def decode(cls: type[M], data: bytes) -> M:
