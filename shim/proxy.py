@@ -8,8 +8,8 @@ of is proxied as a bidirectional stream, which carries any gRPC call shape.
 Observability (``on_call`` for the rpc duration metric, ``tracing`` for spans) is
 applied on the interception path. With tracing off the passthrough handlers are
 exactly the plain ones; with tracing on, unary and server-streaming passthrough calls
-that arrive with a ``traceparent`` get a SERVER span too (calls without one are not
-traced: the shim never starts a trace for kubelet's routine polling).
+that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
+too; others pass as they are (the shim never starts a trace for kubelet's polling).
 
 Intercepted methods are looked up in ``table``: method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
@@ -29,7 +29,7 @@ import grpc
 from . import logs
 from .errors import Metadata, RpcError
 from .methods import Cardinality, cardinality
-from .tracing import NOOP_SPAN, Span, Tracing, has_trace_context
+from .tracing import NOOP_SPAN, Span, Tracing
 from .upstream import Upstream
 
 _log = logs.get("proxy")
@@ -204,7 +204,7 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             md = forward_metadata(context)
-            if not has_trace_context(md):
+            if not tracing.wants_passthrough_span(md):
                 return await plain(request, context)
             span, md = tracing.server_span(method, md)
             code, details = grpc.StatusCode.OK, None
@@ -236,7 +236,7 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             md = forward_metadata(context)
-            if not has_trace_context(md):
+            if not tracing.wants_passthrough_span(md):
                 async for msg in plain(request, context):
                     yield msg
                 return

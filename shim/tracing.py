@@ -73,11 +73,14 @@ class _MetadataGetter(Getter[Metadata]):
 _GETTER = _MetadataGetter()
 
 
-def has_trace_context(metadata: Metadata) -> bool:
-    for k, _ in metadata:
-        if k == "traceparent":
-            return True
-    return False
+def _sampled_flag(traceparent: str | bytes) -> bool | None:
+    """The sampled flag of a version-00 traceparent; None if it is not one."""
+    if not isinstance(traceparent, str) or len(traceparent) != 55 or not traceparent.startswith("00-"):
+        return None
+    try:
+        return bool(int(traceparent[53:], 16) & 1)
+    except ValueError:
+        return None
 
 
 def rpc_attributes(method: str) -> dict[str, str]:
@@ -114,6 +117,9 @@ class Tracing:
         self.description: dict[str, str] = {}  # exporter, protocol, endpoint: for logs and status
         self._tracer = provider.get_tracer("cri-shim", shim_version()) if provider is not None else None
         self._propagator = TraceContextTextMapPropagator()
+        # The parentbased_* samplers (the default) record nothing under an unsampled parent.
+        self._parent_decides = os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower() \
+            .startswith("parentbased_")
 
     @classmethod
     def off(cls) -> "Tracing":
@@ -144,6 +150,16 @@ class Tracing:
         return tracing
 
     # ------------------------------------------------------------------ spans
+
+    def wants_passthrough_span(self, metadata: Metadata) -> bool:
+        """Whether a passthrough call gets a span: only when it continues the caller's trace
+        and the sampler may record it. The shim never starts a trace for routine polling,
+        and an unsampled caller's context goes upstream as it is (nothing would be recorded).
+        """
+        for k, v in metadata:
+            if k == "traceparent":
+                return not self._parent_decides or _sampled_flag(v) is not False
+        return False
 
     def server_span(self, method: str, metadata: Metadata) -> tuple[Span, Metadata]:
         """Start the SERVER span of an incoming call, child of the context in ``metadata``.

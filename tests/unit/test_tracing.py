@@ -188,6 +188,18 @@ async def test_passthrough_continues_caller_trace_and_starts_none(runtime: FakeR
     assert "traceparent" not in untraced.metadata
 
 
+async def test_passthrough_from_unsampled_caller_is_forwarded_as_sent(runtime: FakeRuntime,
+                                                                      collector: OtlpCollector):
+    runtime.unary[VERSION] = b"\x0a\x020.1"
+    md = (("traceparent", traceparent(flags="00")), ("tracestate", "k8s=1"))
+    async with running_shim(runtime.endpoint) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await ch.unary_unary(VERSION)(b"", metadata=md, timeout=5)
+    assert collector.spans == []
+    got = runtime.calls("Version")[0].metadata
+    assert (got["traceparent"], got["tracestate"]) == (md[0][1], md[1][1])
+
+
 async def test_tracing_off_forwards_trace_headers_unchanged(runtime: FakeRuntime, monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         monkeypatch.delenv(var, raising=False)
