@@ -37,6 +37,7 @@ class ServerConfig:
     shutdown_grace_seconds: float = 10.0
     admin_socket: str = DEFAULT_ADMIN_SOCKET  # for `cri-shim status`; empty: off
     uvloop: bool = True
+    engine: str = "relay"  # relay: HTTP/2 frame relay (fast); grpc: grpc.aio generic proxy
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
             "server.shutdown_grace_seconds", d.get("shutdown_grace_seconds", c.shutdown_grace_seconds)),
         admin_socket=_str("server.admin_socket", d.get("admin_socket", c.admin_socket)),
         uvloop=_bool("server.uvloop", d.get("uvloop", c.uvloop)),
+        engine=_str("server.engine", d.get("engine", c.engine), ("relay", "grpc")),
     )
 
 

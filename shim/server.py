@@ -28,6 +28,7 @@ from . import config as config_mod
 from . import logs
 from .app import App
 from .config import Config, ConfigError
+from .relay.listener import Relay
 
 _log = logs.get("server")
 
@@ -110,18 +111,26 @@ class ShimServer:
     async def start(self) -> App:
         """Bind the socket and start serving (no signal handlers: see run())."""
         self.app = app = App(self.cfg)
-        self.server = server = grpc.aio.server(options=server_options(self.cfg))
-        server.add_generic_rpc_handlers((app.proxy,))
         prepare_socket(self.path)
+        self.server: grpc.aio.Server | None = None
+        self.relay: Relay | None = None
         with _umask(0o777 & ~self.cfg.server.socket_mode):
-            server.add_insecure_port(f"unix:{self.path}")
-            await server.start()
+            if self.cfg.server.engine == "relay":
+                self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, lambda: app.proxy.table,
+                                   self.cfg.server.max_message_bytes)
+                await self.relay.start(self.path)
+            else:
+                self.server = grpc.aio.server(options=server_options(self.cfg))
+                self.server.add_generic_rpc_handlers((app.proxy,))
+                self.server.add_insecure_port(f"unix:{self.path}")
+                await self.server.start()
         os.chmod(self.path, self.cfg.server.socket_mode)
         if self.cfg.server.socket_group:
             os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
         await app.start()
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
+                 engine=self.cfg.server.engine,
                  max_parallel_pulls=self.cfg.pulls.max_parallel, pins=len(self.cfg.pins.images))
         return app
 
@@ -131,7 +140,10 @@ class ShimServer:
         grace = self.cfg.server.shutdown_grace_seconds
         logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
         self.app.begin_shutdown()
-        await self.server.stop(grace)
+        if self.relay is not None:
+            await self.relay.shutdown(grace)
+        if self.server is not None:
+            await self.server.stop(grace)
         await self.app.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)

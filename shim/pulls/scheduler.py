@@ -79,6 +79,7 @@ class Flight:
     waiters: int = 0
     started_at: float | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    result: str | None = None  # success | error | cancelled, once finished
 
     @property
     def queued(self) -> bool:
@@ -229,26 +230,33 @@ class PullScheduler:
         self._running.add(flight)
         self._observer.started(flight.key, flight.priority, flight.started_at - flight.enqueued_at)
         flight.task = asyncio.get_running_loop().create_task(self._run(flight), name=f"pull {flight.key.image}")
+        # Cleanup in a done callback, not a finally: a task cancelled before its first
+        # step never runs its body, and its slot must still come back.
+        flight.task.add_done_callback(lambda task: self._finished(flight, task))
 
     async def _run(self, flight: Flight) -> None:
-        result = "error"
         try:
             response = await flight.run()
-            result = "success"
-            self._settle(flight, response)
-        except asyncio.CancelledError:
-            result = "cancelled"
-            self._settle(flight, RpcError(grpc.StatusCode.CANCELLED,
-                                          f"cri-shim: pull of {flight.key.image} cancelled"))
         except RpcError as e:
             self._settle(flight, e)
+            flight.result = "error"
+        except asyncio.CancelledError:
+            raise
         except Exception as e:  # a bug of ours: still answer every waiter
             self._settle(flight, RpcError(grpc.StatusCode.INTERNAL, f"cri-shim: pull failed: {e}"))
-        finally:
-            self._running.discard(flight)
-            self._observer.finished(flight.key, result, self._clock() - (flight.started_at or self._clock()))
-            self._dispatch()
-            self._changed()
+            flight.result = "error"
+        else:
+            self._settle(flight, response)
+            flight.result = "success"
+
+    def _finished(self, flight: Flight, task: asyncio.Task[None]) -> None:
+        if flight.result is None:
+            flight.result = "cancelled"
+            self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
+        self._running.discard(flight)
+        self._observer.finished(flight.key, flight.result, self._clock() - (flight.started_at or self._clock()))
+        self._dispatch()
+        self._changed()
 
     def _settle(self, flight: Flight, outcome: bytes | RpcError) -> None:
         self._forget(flight)

@@ -26,11 +26,13 @@ class RunningShim:
 
 @contextlib.asynccontextmanager
 async def running_shim(upstream: str, settings: dict[str, Any] | None = None,
-                       config_path: str | None = None) -> AsyncIterator[RunningShim]:
+                       config_path: str | None = None, engine: str | None = None) -> AsyncIterator[RunningShim]:
     d = tempfile.mkdtemp(prefix="cri-shim-test-")
     path = os.path.join(d, "shim.sock")
     data = dict(settings or {})
     data.setdefault("server", {}).setdefault("admin_socket", "")
+    if engine is not None:
+        data["server"]["engine"] = engine
     data["listen"], data["upstream"] = f"unix://{path}", upstream
     cfg = config_mod.from_dict(data)
     srv = ShimServer(cfg, config_path, {})

@@ -17,6 +17,12 @@ VERSION = "/runtime.v1.RuntimeService/Version"
 EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both passthrough engines must behave the same."""
+    return request.param
+
+
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
@@ -24,10 +30,10 @@ async def runtime(tmp_path):
     await rt.stop()
 
 
-async def test_unary_bytes_and_metadata_pass_unchanged(runtime: FakeRuntime) -> None:
+async def test_unary_bytes_and_metadata_pass_unchanged(runtime: FakeRuntime, engine: str) -> None:
     payload = b"\x0a\x05hello\xfa\x01\x03odd"  # includes a field nobody declares
     runtime.unary[VERSION] = b"\x12\x0acontainerd\x9a\x05\x02zz"
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             call = ch.unary_unary(VERSION)(payload, metadata=(("traceparent", "00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
                                                                 ("x-custom-bin", b"\x00\x01")), timeout=5)
@@ -39,11 +45,11 @@ async def test_unary_bytes_and_metadata_pass_unchanged(runtime: FakeRuntime) -> 
     assert got.deadline is not None and 3 < got.deadline <= 5.05  # grpc-timeout rounds up
 
 
-async def test_runtime_error_keeps_code_details_and_trailers(runtime: FakeRuntime) -> None:
+async def test_runtime_error_keeps_code_details_and_trailers(runtime: FakeRuntime, engine: str) -> None:
     details_bin = b"\x08\x05\x12\x03nope"
     runtime.unary["/runtime.v1.ImageService/ImageFsInfo"] = (
         grpc.StatusCode.NOT_FOUND, "no such thing", (("grpc-status-details-bin", details_bin), ("x-why", "because")))
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary("/runtime.v1.ImageService/ImageFsInfo")(b"", timeout=5)
@@ -53,18 +59,18 @@ async def test_runtime_error_keeps_code_details_and_trailers(runtime: FakeRuntim
     assert md["grpc-status-details-bin"] == details_bin and md["x-why"] == "because"
 
 
-async def test_server_stream_passes_through(runtime: FakeRuntime) -> None:
+async def test_server_stream_passes_through(runtime: FakeRuntime, engine: str) -> None:
     async def events(request: bytes, context):
         for i in range(5):
             yield b"\x0a\x01" + bytes([48 + i])
     runtime.streams[EVENTS] = events
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             got = [m async for m in ch.unary_stream(EVENTS)(b"", timeout=5)]
     assert got == [b"\x0a\x01" + bytes([48 + i]) for i in range(5)]
 
 
-async def test_stream_cancel_reaches_runtime(runtime: FakeRuntime) -> None:
+async def test_stream_cancel_reaches_runtime(runtime: FakeRuntime, engine: str) -> None:
     cancelled = asyncio.Event()
 
     async def forever(request: bytes, context):
@@ -75,7 +81,7 @@ async def test_stream_cancel_reaches_runtime(runtime: FakeRuntime) -> None:
             cancelled.set()
             raise
     runtime.streams[EVENTS] = forever
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             call = ch.unary_stream(EVENTS)(b"")
             assert await call.read() == b"first"
@@ -83,9 +89,9 @@ async def test_stream_cancel_reaches_runtime(runtime: FakeRuntime) -> None:
             await asyncio.wait_for(cancelled.wait(), 5)
 
 
-async def test_unknown_method_passes_through_as_stream(runtime: FakeRuntime) -> None:
+async def test_unknown_method_passes_through_as_stream(runtime: FakeRuntime, engine: str) -> None:
     runtime.unary["/vendor.v9.Mystery/Ask"] = b"answer"
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary("/vendor.v9.Mystery/Ask")(b"q", timeout=5) == b"answer"
             bidi = ch.stream_stream("/fake.Bidi/Chat")(timeout=5)
@@ -97,12 +103,12 @@ async def test_unknown_method_passes_through_as_stream(runtime: FakeRuntime) -> 
     assert runtime.calls("Ask")[0].request == b"q"
 
 
-async def test_deadline_propagates_and_expires(runtime: FakeRuntime) -> None:
+async def test_deadline_propagates_and_expires(runtime: FakeRuntime, engine: str) -> None:
     async def slow(request: bytes, context) -> bytes:
         await asyncio.sleep(10)
         return b""
     runtime.unary[VERSION] = slow
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary(VERSION)(b"", timeout=0.3)
@@ -110,9 +116,9 @@ async def test_deadline_propagates_and_expires(runtime: FakeRuntime) -> None:
     assert 0 < runtime.calls("Version")[0].deadline <= 0.35  # grpc-timeout rounds up
 
 
-async def test_upstream_missing_fails_fast_then_recovers(tmp_path) -> None:
+async def test_upstream_missing_fails_fast_then_recovers(tmp_path, engine: str) -> None:
     path = socket_in(str(tmp_path))
-    async with running_shim(f"unix://{path}") as shim:
+    async with running_shim(f"unix://{path}", engine=engine) as shim:
         assert stat.S_IMODE(os.stat(shim.path).st_mode) == 0o660
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             loop = asyncio.get_running_loop()
@@ -138,10 +144,10 @@ async def test_upstream_missing_fails_fast_then_recovers(tmp_path) -> None:
     assert not os.path.exists(shim.path)
 
 
-async def test_16mib_messages_pass(runtime: FakeRuntime) -> None:
+async def test_16mib_messages_pass(runtime: FakeRuntime, engine: str) -> None:
     big = b"\x0a" + b"x" * (15 * 1024 * 1024)
     runtime.unary["/runtime.v1.RuntimeService/ListContainers"] = big
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         async with grpc.aio.insecure_channel(shim.endpoint, options=opts) as ch:
             assert await ch.unary_unary("/runtime.v1.RuntimeService/ListContainers")(big, timeout=10) == big

@@ -245,3 +245,18 @@ async def test_raising_the_cap_on_reload_starts_queued_pulls() -> None:
     for i in "abc":
         up.release(i)
     await asyncio.gather(*tasks)
+
+
+async def test_waiter_gone_before_the_pull_task_ever_ran_frees_the_slot() -> None:
+    up, s = Upstream(), PullScheduler(max_parallel=1)
+    t = asyncio.create_task(s.pull(key("a"), up.runner("a")))
+    await asyncio.sleep(0)  # the flight is dispatched; its task has not taken a step yet
+    t.cancel()
+    await settle()
+    assert s.in_flight == 0 and up.cancelled == up.calls  # nothing left running upstream
+    up.calls.clear()
+    t2 = asyncio.create_task(s.pull(key("b"), up.runner("b")))
+    await settle()
+    assert up.calls == ["b"]
+    up.release("b")
+    await t2

@@ -1,0 +1,335 @@
+"""pytest fixtures for end-to-end tests (imported by ``tests/e2e/conftest.py``).
+
+Session scoped: ``registry`` (docker-registry + counting proxy),
+``auth_registry`` (same, with htpasswd basic auth), ``containerd`` (pulling
+through both proxies).  Function scoped: ``proxy`` (the registry proxy with
+counters reset), ``make_image``, ``containerd_factory``, ``shim_factory``,
+``crictl``, ``crictl_factory``.  ``cri_call`` lives in ``tests/conftest.py``.
+
+Any fixture value with a ``log_tails()`` method gets its logs attached to the
+report of a failing test (see ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import binaries, oci
+from tests.support.containerd import Containerd
+from tests.support.crictl import Crictl
+from tests.support.oci import PushedImage
+from tests.support.proxy import CountingProxy
+from tests.support.registry import RegistryWithProxy
+from tests.support.shim import ShimProcess
+
+#: Credentials of the ``auth_registry`` fixture.
+AUTH_USER = "shim-user"
+AUTH_PASSWORD = "shim-pass-42"
+
+
+def _short_tmpdir(prefix: str) -> Path:
+    """A short directory for unix sockets (paths must stay < 108 bytes)."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def _fast_dir_base() -> str | None:
+    """tmpfs for registry storage when available (pushing is ~2x faster)."""
+    base = os.environ.get("CRI_SHIM_E2E_FAST_TMP", "/dev/shm")
+    return base if os.path.isdir(base) and os.access(base, os.W_OK) else None
+
+
+class _Logs:
+    """Mixin-free adapter: something with ``log_tails()`` for failure reports."""
+
+    def __init__(self, **sources: Callable[[], str]) -> None:
+        self.sources = sources
+
+    def log_tails(self) -> dict[str, str]:
+        return {name: fn() for name, fn in self.sources.items()}
+
+
+# --------------------------------------------------------------------------
+# registries
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def fast_tmp() -> Iterator[Path]:
+    """A session temp dir on tmpfs when possible (removed at the end)."""
+    base = _fast_dir_base()
+    path = Path(tempfile.mkdtemp(prefix="cri-shim-e2e-", dir=base))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start_registry(
+    tmp_path_factory: pytest.TempPathFactory, fast_tmp: Path, name: str, credentials: tuple[str, str] | None
+) -> RegistryWithProxy:
+    binary = binaries.require("docker-registry")
+    if credentials is not None and importlib.util.find_spec("bcrypt") is None and not shutil.which("htpasswd"):
+        binaries.require_module("bcrypt", "pip install bcrypt")
+    workdir = tmp_path_factory.mktemp(name)
+    reg = RegistryWithProxy(workdir, binary=binary, credentials=credentials)
+    reg.registry.storage = fast_tmp / name
+    return reg.start()
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory, fast_tmp: Path) -> Iterator[RegistryWithProxy]:
+    """docker-registry (no auth) with a counting proxy; ``registry.host`` is the proxy."""
+    reg = _start_registry(tmp_path_factory, fast_tmp, "registry", None)
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture(scope="session")
+def auth_registry(
+    tmp_path_factory: pytest.TempPathFactory, fast_tmp: Path, containerd: Containerd
+) -> Iterator[RegistryWithProxy]:
+    """A registry requiring basic auth (:data:`AUTH_USER` / :data:`AUTH_PASSWORD`).
+
+    Its proxy host is registered with the session ``containerd``.
+    """
+    reg = _start_registry(tmp_path_factory, fast_tmp, "auth-registry", (AUTH_USER, AUTH_PASSWORD))
+    containerd.add_registry_host(reg.host)
+    yield reg
+    reg.stop()
+
+
+@pytest.fixture
+def proxy(registry: RegistryWithProxy) -> CountingProxy:
+    """The session registry's counting proxy, counters reset for this test."""
+    assert registry.proxy is not None
+    registry.proxy.reset()
+    return registry.proxy
+
+
+@pytest.fixture(autouse=True)
+def _reset_proxies_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Undo throttles, holds and pending faults a test left on any proxy."""
+    yield
+    for name in ("registry", "auth_registry"):
+        if name in request.fixturenames:
+            reg: RegistryWithProxy = request.getfixturevalue(name)
+            if reg.proxy is not None:
+                reg.proxy.restore_defaults()
+
+
+# --------------------------------------------------------------------------
+# images
+# --------------------------------------------------------------------------
+
+_image_counter = itertools.count(1)
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return (s[:limit].strip("-")) or "image"
+
+
+MakeImage = Callable[..., PushedImage]
+
+
+@pytest.fixture
+def make_image(request: pytest.FixtureRequest, registry: RegistryWithProxy) -> MakeImage:
+    """``make_image(name=None, tag="v1", *, filler_bytes=0, registry=None, ...) -> PushedImage``.
+
+    Fabricates a unique image and pushes it (directly, uncounted) to
+    ``registry`` (default: the session registry).  The result's ``ref`` /
+    ``digest_ref`` point at the registry's counting proxy, ``image_id`` is the
+    config digest.  Without ``name`` a unique repository name derived from
+    the test name is used; a given ``name`` is used verbatim.
+    Extra keyword arguments go to :func:`tests.support.oci.make_image`
+    (``layers``, ``labels``, ``unique``, ...).
+    """
+    base = _slug(request.node.name)
+
+    def make(
+        name: str | None = None,
+        tag: str = "v1",
+        *,
+        filler_bytes: int = 0,
+        registry: RegistryWithProxy | None = None,
+        **image_kwargs: Any,
+    ) -> PushedImage:
+        reg = registry or request.getfixturevalue("registry")
+        repo = name or f"e2e/{base}-{os.getpid()}-{next(_image_counter)}"
+        image = oci.make_image(filler_bytes=filler_bytes, **image_kwargs)
+        return reg.push(image, repo, tag)
+
+    return make
+
+
+# --------------------------------------------------------------------------
+# containerd
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def containerd(
+    registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Containerd]:
+    """A session containerd whose registry hosts include ``registry.host`` (the proxy).
+
+    Its root/state live in a short /tmp dir (socket path limits, removed at
+    the end); its log stays in pytest's temp dir (``containerd.log``).
+    """
+    binary = binaries.require("containerd")
+    workdir = _short_tmpdir("e2e-ctd-")
+    log = tmp_path_factory.mktemp("containerd") / "containerd.log"
+    ctd = Containerd(workdir, binary=binary, registries=[registry.host], log_path=log)
+    try:
+        ctd.start()
+        yield ctd
+    finally:
+        ctd.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class ContainerdFactory(_Logs):
+    def __init__(self, registries: Sequence[str], log_dir: Path) -> None:
+        super().__init__()
+        self.registries = list(registries)
+        self.log_dir = log_dir
+        self.instances: list[Containerd] = []
+
+    def __call__(self, *, start: bool = True, registries: Sequence[str] | None = None, **kwargs: Any) -> Containerd:
+        workdir = _short_tmpdir("e2e-ctd-")
+        kwargs.setdefault("log_path", self.log_dir / f"containerd-{len(self.instances) + 1}.log")
+        ctd = Containerd(
+            workdir,
+            binary=binaries.require("containerd"),
+            registries=self.registries if registries is None else registries,
+            **kwargs,
+        )
+        self.instances.append(ctd)
+        self.sources[f"containerd {workdir}"] = ctd.log_tail
+        return ctd.start() if start else ctd
+
+    def close(self) -> None:
+        for ctd in self.instances:
+            ctd.stop()
+            shutil.rmtree(ctd.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def containerd_factory(registry: RegistryWithProxy, tmp_path: Path) -> Iterator[ContainerdFactory]:
+    """``containerd_factory(start=True, **Containerd kwargs) -> Containerd``: a private
+    containerd (for restarts/kills) pulling via ``registry``; stopped and its
+    root removed after the test (its log stays in ``tmp_path``)."""
+    factory = ContainerdFactory([registry.host], tmp_path)
+    yield factory
+    factory.close()
+
+
+# --------------------------------------------------------------------------
+# crictl
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def crictl_factory() -> Callable[..., Crictl]:
+    """``crictl_factory(runtime_endpoint, image_endpoint=None, timeout=30) -> Crictl``."""
+    binary = binaries.require("crictl")
+
+    def make(runtime_endpoint: str | os.PathLike[str], image_endpoint: str | os.PathLike[str] | None = None, *, timeout: float = 30.0) -> Crictl:
+        return Crictl(runtime_endpoint, image_endpoint, binary=binary, timeout=timeout)
+
+    return make
+
+
+@pytest.fixture
+def crictl(crictl_factory: Callable[..., Crictl], containerd: Containerd) -> Crictl:
+    """crictl talking directly to the session containerd."""
+    return crictl_factory(containerd.socket)
+
+
+# --------------------------------------------------------------------------
+# the shim
+# --------------------------------------------------------------------------
+
+
+class ShimFactory(_Logs):
+    """Starts shims; all are stopped (SIGTERM, then SIGKILL after 10 s) at teardown."""
+
+    def __init__(self, default_upstream: Callable[[], str], log_dir: Path) -> None:
+        super().__init__()
+        self._default_upstream = default_upstream
+        self.log_dir = log_dir
+        self.shims: list[ShimProcess] = []
+        self._dirs: list[Path] = []
+
+    def __call__(
+        self,
+        config: Mapping[str, object] | None = None,
+        *,
+        upstream: str | os.PathLike[str] | None = None,
+        start: bool = True,
+        timeout: float = 10.0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_level: str = "debug",
+        module: str = "shim",
+    ) -> ShimProcess:
+        sockdir = _short_tmpdir("e2e-shim-")
+        self._dirs.append(sockdir)
+        workdir = self.log_dir / f"shim-{len(self.shims) + 1}"
+        shim = ShimProcess(
+            workdir,
+            socket_path=sockdir / "shim.sock",
+            upstream=upstream if upstream is not None else self._default_upstream(),
+            config=config,
+            extra_args=extra_args,
+            env=env,
+            log_level=log_level,
+            module=module,
+        )
+        self.shims.append(shim)
+        self.sources[f"shim #{len(self.shims)} ({shim.log_path})"] = shim.log_tail
+        if start:
+            shim.start(timeout=timeout)
+        return shim
+
+    def close(self) -> list[str]:
+        """Stop all shims; returns complaints (e.g. needed SIGKILL)."""
+        problems = []
+        for shim in self.shims:
+            was_running = shim.running
+            shim.stop(timeout=10.0)
+            if was_running and shim.killed:
+                problems.append(f"shim {shim.socket} ignored SIGTERM for 10 s and was killed")
+        for d in self._dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        return problems
+
+
+@pytest.fixture
+def shim_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ShimFactory]:
+    """``shim_factory(config=None, *, upstream=None, start=True, timeout=10, extra_args=(), env=None, log_level="debug", module="shim") -> ShimProcess``.
+
+    Runs ``python -m shim serve --listen unix://SOCK --upstream UPSTREAM
+    --config CONFIG.yaml --log-level debug`` (cwd and PYTHONPATH = repo root),
+    with ``config`` written as YAML.  ``upstream`` defaults to the session
+    ``containerd`` socket.  Waits until SOCK accepts a connection.  Config
+    and ``shim.log`` (stdout+stderr) are in ``tmp_path/shim-N``; SOCK is in a
+    short /tmp dir.
+    """
+
+    def default_upstream() -> str:
+        return str(request.getfixturevalue("containerd").socket)
+
+    factory = ShimFactory(default_upstream, tmp_path)
+    yield factory
+    for problem in factory.close():
+        warnings.warn(problem, stacklevel=1)

@@ -1,0 +1,188 @@
+"""PullImage through the shim (both engines) against a scripted runtime: collapse,
+credentials, cap, deadlines, errors and bad input, as a CRI client sees them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from shim.proto.runtime.v1 import api_pb2
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+
+PULL = "/runtime.v1.ImageService/PullImage"
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    yield rt
+    await rt.stop()
+
+
+def pull_request(image: str, user: str = "", password: str = "", uid: str = "", ns: str = "") -> bytes:
+    req = api_pb2.PullImageRequest()
+    req.image.image = image
+    if user:
+        req.auth.username, req.auth.password = user, password
+    if uid:
+        req.sandbox_config.metadata.uid = uid
+        req.sandbox_config.metadata.namespace = ns
+    return req.SerializeToString()
+
+
+class SlowPulls:
+    """A runtime whose pulls take until released; counts concurrency."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.max_active = 0
+        self.release = asyncio.Event()
+
+    async def __call__(self, request: bytes, context) -> bytes:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            await self.release.wait()
+        finally:
+            self.active -= 1
+        image = api_pb2.PullImageRequest.FromString(request).image.image
+        return api_pb2.PullImageResponse(image_ref=f"sha256:{abs(hash(image)):064d}"[:71]).SerializeToString()
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not predicate():
+        if loop.time() > end:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.01)
+
+
+async def test_identical_pulls_collapse_and_credentials_split(runtime: FakeRuntime, engine: str) -> None:
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            calls = [pull(pull_request("reg/app:1"), timeout=10) for _ in range(10)]
+            calls += [pull(pull_request("reg/app:1", "alice", "s3cret"), timeout=10) for _ in range(2)]
+            tasks = [asyncio.ensure_future(c) for c in calls]
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
+            await asyncio.sleep(0.1)
+            slow.release.set()
+            responses = await asyncio.gather(*tasks)
+    assert len(runtime.calls("PullImage")) == 2  # one per credential group
+    assert len({r for r in responses}) == 1
+    assert api_pb2.PullImageResponse.FromString(responses[0]).image_ref.startswith("sha256:")
+
+
+async def test_cap_limits_concurrent_upstream_pulls(runtime: FakeRuntime, engine: str) -> None:
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    async with running_shim(runtime.endpoint, {"pulls": {"max_parallel": 2}}, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pull_request(f"reg/app{i}:1"), timeout=10)) for i in range(6)]
+            await wait_for(lambda: slow.active == 2)
+            await asyncio.sleep(0.1)
+            assert slow.active == 2 and shim.app.scheduler.queued == 4
+            slow.release.set()
+            await asyncio.gather(*tasks)
+    assert slow.max_active == 2 and len(runtime.calls("PullImage")) == 6
+
+
+async def test_deadline_while_queued_is_deadline_exceeded(runtime: FakeRuntime, engine: str) -> None:
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    async with running_shim(runtime.endpoint, {"pulls": {"max_parallel": 1}}, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            first = asyncio.ensure_future(pull(pull_request("reg/a:1"), timeout=10))
+            await wait_for(lambda: slow.active == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await pull(pull_request("reg/b:1"), timeout=0.3)
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await wait_for(lambda: shim.app.scheduler.queued == 0)  # the queued pull left with its caller
+            slow.release.set()
+            await first
+    assert [api_pb2.PullImageRequest.FromString(r.request).image.image for r in runtime.calls("PullImage")] == ["reg/a:1"]
+
+
+async def test_runtime_error_reaches_every_waiter_unchanged(runtime: FakeRuntime, engine: str) -> None:
+    gate = asyncio.Event()
+
+    async def failing(request: bytes, context) -> bytes:
+        await gate.wait()
+        await context.abort(grpc.StatusCode.NOT_FOUND, "failed to resolve reference: not found",
+                            (("grpc-status-details-bin", b"\x08\x05"),))
+        return b""
+    runtime.unary[PULL] = failing
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pull_request("reg/missing:1"), timeout=10)) for _ in range(3)]
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
+            await asyncio.sleep(0.05)
+            gate.set()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        assert isinstance(r, grpc.aio.AioRpcError)
+        assert r.code() is grpc.StatusCode.NOT_FOUND
+        assert r.details() == "failed to resolve reference: not found"
+        assert dict(r.trailing_metadata())["grpc-status-details-bin"] == b"\x08\x05"
+    assert len(runtime.calls("PullImage")) == 1
+
+
+async def test_cancelled_callers_cancel_the_upstream_pull(runtime: FakeRuntime, engine: str) -> None:
+    cancelled = asyncio.Event()
+
+    async def hang(request: bytes, context) -> bytes:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return b""
+    runtime.unary[PULL] = hang
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            calls = [pull(pull_request("reg/a:1"), timeout=10) for _ in range(2)]
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
+            for c in calls:
+                c.cancel()
+            await asyncio.wait_for(cancelled.wait(), 5)
+            await wait_for(lambda: shim.app.scheduler.in_flight == 0)
+
+
+async def test_malformed_request_is_invalid_argument(runtime: FakeRuntime, engine: str) -> None:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(PULL)(b"\x0a\xff\xff\xff", timeout=5)
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "PullImageRequest" in e.value.details()
+            # the shim is still serving
+            runtime.unary["/runtime.v1.RuntimeService/Version"] = b"ok"
+            assert await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5) == b"ok"
+    assert runtime.calls("PullImage") == []
+
+
+async def test_request_bytes_reach_runtime_unchanged(runtime: FakeRuntime, engine: str) -> None:
+    runtime.unary[PULL] = b"\x0a\x07sha256:x"
+    raw = pull_request("reg/a:1", uid="u1", ns="ns1") + b"\xfa\x3e\x03odd"  # a field we don't know (1000)
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            md = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+            assert await ch.unary_unary(PULL)(raw, timeout=5, metadata=md) == b"\x0a\x07sha256:x"
+    got = runtime.calls("PullImage")[0]
+    assert got.request == raw
+    assert got.metadata["traceparent"] == md[0][1]

@@ -1,0 +1,163 @@
+"""The HTTP/2 relay's own edges: flow control shared between relayed and locally
+answered streams, metadata and deadlines seen by handlers, streaming handlers,
+runtime loss mid-call, and HPACK decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from hpack import Encoder
+
+from shim.errors import RpcError
+from shim.relay import h2
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+
+BIG = "/runtime.v1.RuntimeService/ListContainers"
+LOCAL = "/runtime.v1.ImageService/ListImages"
+STREAM = "/runtime.v1.ImageService/StreamImages"
+OPTS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    yield rt
+    await rt.stop()
+
+
+async def test_big_local_and_relayed_responses_share_the_connection(runtime: FakeRuntime) -> None:
+    relayed = bytes(range(256)) * (3 * 4096)  # 3 MiB from the runtime
+    local = b"L" * (5 << 20)  # 5 MiB from the shim itself
+    runtime.unary[BIG] = relayed
+
+    async def big_local(request: bytes, call) -> bytes:
+        await asyncio.sleep(0)
+        return local + request
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({LOCAL: big_local})
+        async with grpc.aio.insecure_channel(shim.endpoint, options=OPTS) as ch:
+            calls = []
+            for i in range(4):
+                calls.append(ch.unary_unary(BIG)(b"", timeout=30))
+                calls.append(ch.unary_unary(LOCAL)(bytes([i]), timeout=30))
+            results = await asyncio.gather(*calls)
+    for i in range(4):
+        assert results[2 * i] == relayed
+        assert results[2 * i + 1] == local + bytes([i])
+
+
+async def test_handler_sees_metadata_and_deadline(runtime: FakeRuntime) -> None:
+    seen = {}
+
+    async def handler(request: bytes, call) -> bytes:
+        seen["md"] = dict(call.metadata)
+        seen["timeout"] = call.context.time_remaining()
+        return b"ok"
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({LOCAL: handler})
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            md = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("x-id-bin", b"\x00\xff"))
+            assert await ch.unary_unary(LOCAL)(b"", metadata=md, timeout=4) == b"ok"
+    assert seen["md"]["traceparent"] == md[0][1]
+    assert seen["md"]["x-id-bin"] == b"\x00\xff"
+    assert "user-agent" not in seen["md"] and "grpc-timeout" not in seen["md"]
+    assert 3 < seen["timeout"] <= 4.05
+
+
+async def test_local_error_carries_code_details_and_trailers(runtime: FakeRuntime) -> None:
+    async def refuse(request: bytes, call) -> bytes:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "cri-shim: image is pinned (100% sure)",
+                       (("grpc-status-details-bin", b"\x08\x09"), ("x-pin", "a")))
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({LOCAL: refuse})
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(LOCAL)(b"", timeout=5)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.details() == "cri-shim: image is pinned (100% sure)"
+    md = dict(e.value.trailing_metadata())
+    assert md["grpc-status-details-bin"] == b"\x08\x09" and md["x-pin"] == "a"
+
+
+async def test_local_handler_deadline_and_cancel(runtime: FakeRuntime) -> None:
+    cancelled = asyncio.Event()
+
+    async def slow(request: bytes, call) -> bytes:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return b""
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({LOCAL: slow})
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(LOCAL)(b"", timeout=0.2)
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(cancelled.wait(), 5)
+            cancelled.clear()
+            call = ch.unary_unary(LOCAL)(b"", timeout=30)
+            await asyncio.sleep(0.1)
+            call.cancel()
+            await asyncio.wait_for(cancelled.wait(), 5)
+
+
+async def test_streaming_handler(runtime: FakeRuntime) -> None:
+    async def stream(request: bytes, call):
+        for i in range(3):
+            yield bytes([i]) * 70000  # larger than a default stream window over three messages
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({STREAM: stream})
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            got = [m async for m in ch.unary_stream(STREAM)(b"", timeout=10)]
+    assert got == [bytes([i]) * 70000 for i in range(3)]
+
+
+async def test_runtime_dying_mid_call_fails_fast(tmp_path) -> None:
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    started = asyncio.Event()
+
+    async def hang(request: bytes, context) -> bytes:
+        started.set()
+        await asyncio.sleep(30)
+        return b""
+    rt.unary[BIG] = hang
+    async with running_shim(rt.endpoint, engine="relay") as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            call = ch.unary_unary(BIG)(b"", timeout=20)
+            await asyncio.wait_for(started.wait(), 5)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await rt.stop()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert loop.time() - t0 < 3
+
+
+def test_hpack_decoder_mirrors_dynamic_table() -> None:
+    enc = Encoder()
+    dec = h2.Decoder()
+    for i in range(5):
+        headers = [(":method", "POST"), (":path", "/runtime.v1.ImageService/PullImage"),
+                   ("traceparent", f"00-{i:032x}-{i:016x}-01"), ("x-bin", "v" * i)]
+        block = enc.encode(headers)
+        path, full, inserted = dec.decode(block, full=True)
+        assert path == b"/runtime.v1.ImageService/PullImage"
+        assert dict(full)[b"traceparent"] == f"00-{i:032x}-{i:016x}-01".encode()
+    enc.header_table_size = 0
+    path, _, inserted = dec.decode(enc.encode([(":path", "/x/Y")]))
+    assert path == b"/x/Y" and inserted  # a size update must still reach the runtime
+    path, _, inserted = dec.decode(enc.encode([(":path", "/x/Z"), ("a", "b")]))
+    assert path == b"/x/Z" and not inserted and dec.dynamic == []
+
+
+def test_hpack_rejects_garbage() -> None:
+    with pytest.raises(h2.H2Error):
+        h2.Decoder().decode(b"\xff\xff\xff\xff\xff\xff\xff")
+    with pytest.raises(h2.H2Error):
+        h2.Decoder().decode(b"\xbf")  # index 63: not in the tables
