@@ -19,10 +19,11 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Union
 
 import grpc
 
@@ -263,42 +264,51 @@ class Proxy(grpc.GenericRpcHandler):
 
     # ------------------------------------------------------------------ interception
 
-    def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
-        call = Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
-        if self.tracing is not None:
-            call.span, call.metadata = self.tracing.server_span(method, call.metadata)
-        return call
+    @contextlib.contextmanager
+    def observe(self, call: Call) -> Iterator[Call]:
+        """Around one intercepted call, in either engine: its SERVER span (``call.span``, and
+        ``call.metadata`` rewritten to carry it upstream) and its rpc duration, by final code."""
+        started = time.perf_counter()
+        tracing = self.tracing
+        if tracing is not None:
+            call.span, call.metadata = tracing.server_span(call.method, call.metadata)
+        code, details = grpc.StatusCode.OK, None
+        try:
+            yield call
+        except RpcError as e:
+            code, details = e.code, e.details
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = call.context.time_remaining()
+            expired = remaining is not None and remaining <= 0.001
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code, details = grpc.StatusCode.INTERNAL, "internal error"
+            raise
+        finally:
+            if self._on_call is not None:
+                self._on_call(call.method, time.perf_counter() - started, code)
+            if tracing is not None:
+                tracing.end(call.span, code, details)
 
-    def _done(self, call: Call, started: float, code: grpc.StatusCode, details: str | None) -> None:
-        """Observe the duration and end the span of an intercepted call."""
-        if self._on_call is not None:
-            self._on_call(call.method, time.perf_counter() - started, code)
-        if self.tracing is not None:
-            self.tracing.end(call.span, code, details)
+    def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
+        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
 
     def _intercepted_unary(self, method: str, handler: Handler) -> Callable[[bytes, Any], Awaitable[bytes]]:
         h: UnaryHandler = handler  # type: ignore[assignment]
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            started = time.perf_counter()
-            call = self._call(method, context)
-            code, details = grpc.StatusCode.OK, None
             try:
-                return await h(request, call)
+                with self.observe(self._call(method, context)) as call:
+                    return await h(request, call)
             except RpcError as e:
-                code, details = e.code, e.details
                 await _fail(context, e)
                 raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
             except Exception:
-                code, details = grpc.StatusCode.INTERNAL, "internal error"
                 _log.error("handler failed", extra={"fields": {"method": method}}, exc_info=True)
                 await context.abort(grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {method}")
                 raise
-            finally:
-                self._done(call, started, code, details)
 
         return unary
 
@@ -306,19 +316,11 @@ class Proxy(grpc.GenericRpcHandler):
         h: StreamHandler = handler  # type: ignore[assignment]
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            started = time.perf_counter()
-            call = self._call(method, context)
-            code, details = grpc.StatusCode.OK, None
             try:
-                async for msg in h(request, call):
-                    yield msg
+                with self.observe(self._call(method, context)) as call:
+                    async for msg in h(request, call):
+                        yield msg
             except RpcError as e:
-                code, details = e.code, e.details
                 await _fail(context, e)
-            except (asyncio.CancelledError, GeneratorExit):
-                code = grpc.StatusCode.CANCELLED
-                raise
-            finally:
-                self._done(call, started, code, details)
 
         return server_stream

@@ -37,6 +37,12 @@ class GatedPulls:
         return api_pb2.PullImageResponse(image_ref="sha256:" + "2" * 64).SerializeToString()
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both engines intercept the same way."""
+    return request.param
+
+
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
@@ -53,12 +59,12 @@ async def until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_metrics_after_a_storm(runtime: FakeRuntime) -> None:
+async def test_metrics_after_a_storm(engine: str, runtime: FakeRuntime) -> None:
     pulls = GatedPulls()
     runtime.unary[PULL] = pulls
     address = f"127.0.0.1:{free_port()}"
     settings = {"pulls": {"max_parallel": 2}, "metrics": {"address": address}}
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             # 12 pods want the same image; then 3 other images arrive.
@@ -104,11 +110,11 @@ async def test_metrics_after_a_storm(runtime: FakeRuntime) -> None:
     assert after.value("cri_shim_upstream_errors_total", method="PullImage", code="NOT_FOUND") == 0
 
 
-async def test_upstream_error_counts_once_per_runtime_call(runtime: FakeRuntime) -> None:
+async def test_upstream_error_counts_once_per_runtime_call(engine: str, runtime: FakeRuntime) -> None:
     pulls = GatedPulls()
     runtime.unary[PULL] = pulls
     address = f"127.0.0.1:{free_port()}"
-    async with running_shim(runtime.endpoint, {"metrics": {"address": address}}) as shim:
+    async with running_shim(runtime.endpoint, {"metrics": {"address": address}}, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             calls = [asyncio.ensure_future(ch.unary_unary(PULL)(pull_request("missing:1"), timeout=10))
                      for _ in range(5)]
@@ -127,9 +133,9 @@ async def test_upstream_error_counts_once_per_runtime_call(runtime: FakeRuntime)
     assert after.value("cri_shim_rpc_duration_seconds_count", method="PullImage", code="NOT_FOUND") == 5
 
 
-async def test_refused_and_malformed_calls_are_timed_with_their_code(runtime: FakeRuntime) -> None:
+async def test_refused_and_malformed_calls_are_timed_with_their_code(engine: str, runtime: FakeRuntime) -> None:
     address = f"127.0.0.1:{free_port()}"
-    async with running_shim(runtime.endpoint, {"metrics": {"address": address}}) as shim:
+    async with running_shim(runtime.endpoint, {"metrics": {"address": address}}, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary(PULL)(b"\xff\xff", timeout=5)

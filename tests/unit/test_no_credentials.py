@@ -36,6 +36,12 @@ def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image), auth=auth).SerializeToString()
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both engines intercept the same way."""
+    return request.param
+
+
 @pytest.fixture
 def captured_logs():
     """Every record the shim and the OpenTelemetry SDK log, rendered in both formats, at debug."""
@@ -65,7 +71,7 @@ def leaks(text: str | bytes) -> list[str]:
     return [k for k, v in SECRETS.items() if v in text]
 
 
-async def test_credentials_appear_nowhere(tmp_path, monkeypatch, captured_logs) -> None:
+async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, captured_logs) -> None:
     collector = await OtlpCollector().start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
@@ -86,7 +92,7 @@ async def test_credentials_appear_nowhere(tmp_path, monkeypatch, captured_logs) 
                 "server": {"admin_socket": admin}}
     status_out: list[str] = []
     try:
-        async with running_shim(runtime.endpoint, settings) as shim:
+        async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 call = ch.unary_unary(PULL)
                 md = (("traceparent", TRACEPARENT),)

@@ -25,6 +25,12 @@ def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both engines intercept the same way."""
+    return request.param
+
+
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
@@ -43,7 +49,8 @@ async def status(path: str, as_json: bool) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-async def test_status_shows_queue_in_flight_waiters_and_upstream(runtime: FakeRuntime, admin_socket: str) -> None:
+async def test_status_shows_queue_in_flight_waiters_and_upstream(engine: str,
+                                                                 runtime: FakeRuntime, admin_socket: str) -> None:
     gate = asyncio.Event()
 
     async def slow(request: bytes, context) -> bytes:
@@ -52,7 +59,7 @@ async def test_status_shows_queue_in_flight_waiters_and_upstream(runtime: FakeRu
 
     runtime.unary[PULL] = slow
     settings = {"pulls": {"max_parallel": 1}, "server": {"admin_socket": admin_socket}}
-    async with running_shim(runtime.endpoint, settings) as shim:
+    async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
         assert stat.S_IMODE(os.stat(admin_socket).st_mode) == 0o600
         shim.app.status_sources["image_sets"] = lambda: {"sets": [{"name": "base", "images": 3, "present": 2}]}
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
@@ -93,11 +100,12 @@ async def test_status_shows_queue_in_flight_waiters_and_upstream(runtime: FakeRu
     assert not os.path.exists(admin_socket)
 
 
-async def test_a_failing_status_source_does_not_hide_the_rest(runtime: FakeRuntime, admin_socket: str) -> None:
+async def test_a_failing_status_source_does_not_hide_the_rest(engine: str,
+                                                              runtime: FakeRuntime, admin_socket: str) -> None:
     def broken() -> dict:
         raise RuntimeError("boom")
 
-    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}) as shim:
+    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}, engine=engine) as shim:
         shim.app.status_sources["image_sets"] = broken
         code, text = await status(admin_socket, as_json=True)
     doc = json.loads(text)
@@ -113,15 +121,15 @@ async def test_status_when_the_shim_is_not_there(admin_socket: str, capsys) -> N
     assert "server.admin_socket" in err
 
 
-async def test_status_through_the_cli(runtime: FakeRuntime, admin_socket: str, capsys) -> None:
-    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}):
+async def test_status_through_the_cli(engine: str, runtime: FakeRuntime, admin_socket: str, capsys) -> None:
+    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}, engine=engine):
         assert await asyncio.to_thread(cli.main, ["status", "--admin-socket", admin_socket, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pid"] == os.getpid() and doc["pulls"] == {"max_parallel": 4, "dedup": True, "queued": [],
                                                           "in_flight": []}
 
 
-async def test_admin_socket_answers_only_get_status(runtime: FakeRuntime, admin_socket: str) -> None:
+async def test_admin_socket_answers_only_get_status(engine: str, runtime: FakeRuntime, admin_socket: str) -> None:
     async def ask(raw: bytes) -> bytes:
         reader, writer = await asyncio.open_unix_connection(admin_socket)
         writer.write(raw)
@@ -130,25 +138,25 @@ async def test_admin_socket_answers_only_get_status(runtime: FakeRuntime, admin_
         writer.close()
         return data
 
-    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}):
+    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}, engine=engine):
         assert (await ask(b"GET /nope HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 404 ")
         assert (await ask(b"POST /status HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 405 ")
         assert (await ask(b"garbage\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
         assert (await ask(b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
 
 
-async def test_stale_admin_socket_is_replaced_and_a_busy_one_left_alone(runtime: FakeRuntime,
+async def test_stale_admin_socket_is_replaced_and_a_busy_one_left_alone(engine: str, runtime: FakeRuntime,
                                                                          admin_socket: str) -> None:
     import socket
 
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(admin_socket)
     stale.close()  # a socket file nobody listens on, as a crash leaves it
-    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}):
+    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}, engine=engine):
         assert (await status(admin_socket, as_json=True))[0] == 0
         # A second shim configured with the same admin socket still serves CRI; status stays with the first.
-        async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}},
-                                ) as second, grpc.aio.insecure_channel(second.endpoint) as ch:
+        second_shim = running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}, engine=engine)
+        async with second_shim as second, grpc.aio.insecure_channel(second.endpoint) as ch:
             await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5)
         # The second did not take over or remove the first's socket.
         assert (await status(admin_socket, as_json=True))[0] == 0

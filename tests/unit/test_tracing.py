@@ -44,6 +44,12 @@ def pulled(ref: str = "sha256:" + "1" * 64) -> bytes:
     return api_pb2.PullImageResponse(image_ref=ref).SerializeToString()
 
 
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both engines intercept the same way."""
+    return request.param
+
+
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()
@@ -66,8 +72,9 @@ def by_id(spans: list[ReceivedSpan]) -> dict[str, ReceivedSpan]:
     return {s.span_id: s for s in spans}
 
 
-async def test_pull_span_joins_kubelet_trace_and_runtime_gets_it(runtime: FakeRuntime, collector: OtlpCollector):
-    async with running_shim(runtime.endpoint) as shim:
+async def test_pull_span_joins_kubelet_trace_and_runtime_gets_it(engine: str,
+                                                                 runtime: FakeRuntime, collector: OtlpCollector):
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             md = (("traceparent", traceparent()), ("tracestate", "k8s=1"), ("baggage", "pod=web-0"))
             resp = await ch.unary_unary(PULL)(pull_request("nginx:1.27"), metadata=md, timeout=5)
@@ -98,7 +105,8 @@ async def test_pull_span_joins_kubelet_trace_and_runtime_gets_it(runtime: FakeRu
     assert got["baggage"] == "pod=web-0"
 
 
-async def test_queued_and_collapsed_pulls_show_in_their_spans(runtime: FakeRuntime, collector: OtlpCollector):
+async def test_queued_and_collapsed_pulls_show_in_their_spans(engine: str,
+                                                              runtime: FakeRuntime, collector: OtlpCollector):
     gate = asyncio.Event()
 
     async def slow(request: bytes, context) -> bytes:
@@ -106,7 +114,7 @@ async def test_queued_and_collapsed_pulls_show_in_their_spans(runtime: FakeRunti
         return pulled()
 
     runtime.unary[PULL] = slow
-    async with running_shim(runtime.endpoint, {"pulls": {"max_parallel": 1}}) as shim:
+    async with running_shim(runtime.endpoint, {"pulls": {"max_parallel": 1}}, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             first = asyncio.ensure_future(pull(pull_request("busy:1"), timeout=10,
@@ -140,9 +148,9 @@ async def test_queued_and_collapsed_pulls_show_in_their_spans(runtime: FakeRunti
     assert (upstream.start_ns - leader.start_ns) / 1e9 >= 0.3
 
 
-async def test_failed_pull_is_an_error_span(runtime: FakeRuntime, collector: OtlpCollector):
+async def test_failed_pull_is_an_error_span(engine: str, runtime: FakeRuntime, collector: OtlpCollector):
     runtime.unary[PULL] = (grpc.StatusCode.UNKNOWN, "failed to resolve reference: not found")
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError):
                 await ch.unary_unary(PULL)(pull_request("nope:1"), metadata=(("traceparent", traceparent()),),
@@ -153,8 +161,9 @@ async def test_failed_pull_is_an_error_span(runtime: FakeRuntime, collector: Otl
     assert srv.status_code == 2 and "failed to resolve reference" in srv.status_message  # STATUS_CODE_ERROR
 
 
-async def test_pull_without_caller_trace_starts_one_and_hands_it_on(runtime: FakeRuntime, collector: OtlpCollector):
-    async with running_shim(runtime.endpoint) as shim:
+async def test_pull_without_caller_trace_starts_one_and_hands_it_on(engine: str,
+                                                                    runtime: FakeRuntime, collector: OtlpCollector):
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(PULL)(pull_request("nginx:1.27"), timeout=5)
     srv = next(s for s in collector.named(PULL_SPAN) if s.kind == ReceivedSpan.KIND_SERVER)
@@ -162,9 +171,9 @@ async def test_pull_without_caller_trace_starts_one_and_hands_it_on(runtime: Fak
     assert parse_traceparent(runtime.calls("PullImage")[0].metadata["traceparent"])[0] == srv.trace_id
 
 
-async def test_unsampled_caller_gets_no_spans_but_context_still_flows(runtime: FakeRuntime,
+async def test_unsampled_caller_gets_no_spans_but_context_still_flows(engine: str, runtime: FakeRuntime,
                                                                        collector: OtlpCollector):
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(PULL)(pull_request("nginx:1.27"), timeout=5,
                                        metadata=(("traceparent", traceparent(flags="00")),))
@@ -173,26 +182,33 @@ async def test_unsampled_caller_gets_no_spans_but_context_still_flows(runtime: F
     assert (trace_id, flags) == (KUBELET_TRACE, "00")
 
 
-async def test_passthrough_continues_caller_trace_and_starts_none(runtime: FakeRuntime, collector: OtlpCollector):
+async def test_passthrough_continues_caller_trace(engine: str, runtime: FakeRuntime, collector: OtlpCollector):
+    """grpc engine: a sampled passthrough call gets a span in the caller's trace. Relay
+    engine: frames pass byte for byte, so the runtime gets the caller's traceparent as it
+    was sent (same trace, the caller's span as parent) and the shim records no span."""
     runtime.unary[VERSION] = b"\x0a\x020.1"
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             version = ch.unary_unary(VERSION)
             assert await version(b"", metadata=(("traceparent", traceparent()),), timeout=5) == b"\x0a\x020.1"
             assert await version(b"", timeout=5) == b"\x0a\x020.1"  # kubelet with tracing off
     spans = collector.named("runtime.v1.RuntimeService/Version")
+    traced, untraced = runtime.calls("Version")
+    assert "traceparent" not in untraced.metadata  # the shim never starts a trace on passthrough
+    if engine == "relay":
+        assert spans == []
+        assert traced.metadata["traceparent"] == traceparent()
+        return
     assert len(spans) == 1
     assert (spans[0].trace_id, spans[0].parent_span_id) == (KUBELET_TRACE, KUBELET_SPAN)
-    traced, untraced = runtime.calls("Version")
     assert parse_traceparent(traced.metadata["traceparent"])[:2] == (KUBELET_TRACE, spans[0].span_id)
-    assert "traceparent" not in untraced.metadata
 
 
-async def test_passthrough_from_unsampled_caller_is_forwarded_as_sent(runtime: FakeRuntime,
+async def test_passthrough_from_unsampled_caller_is_forwarded_as_sent(engine: str, runtime: FakeRuntime,
                                                                       collector: OtlpCollector):
     runtime.unary[VERSION] = b"\x0a\x020.1"
     md = (("traceparent", traceparent(flags="00")), ("tracestate", "k8s=1"))
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(VERSION)(b"", metadata=md, timeout=5)
     assert collector.spans == []
@@ -200,11 +216,11 @@ async def test_passthrough_from_unsampled_caller_is_forwarded_as_sent(runtime: F
     assert (got["traceparent"], got["tracestate"]) == (md[0][1], md[1][1])
 
 
-async def test_tracing_off_forwards_trace_headers_unchanged(runtime: FakeRuntime, monkeypatch):
+async def test_tracing_off_forwards_trace_headers_unchanged(engine: str, runtime: FakeRuntime, monkeypatch):
     for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_TRACES_EXPORTER"):
         monkeypatch.delenv(var, raising=False)
     md = (("traceparent", traceparent()), ("tracestate", "k8s=1"), ("baggage", "pod=web-0"))
-    async with running_shim(runtime.endpoint) as shim:
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
         assert not shim.app.tracing.enabled
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(PULL)(pull_request("nginx:1.27"), metadata=md, timeout=5)
@@ -233,7 +249,7 @@ class _HttpReceiver(BaseHTTPRequestHandler):
         pass
 
 
-async def test_otlp_http_protobuf(runtime: FakeRuntime, monkeypatch):
+async def test_otlp_http_protobuf(engine: str, runtime: FakeRuntime, monkeypatch):
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _HttpReceiver)
     httpd.bodies = []  # type: ignore[attr-defined]
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -241,7 +257,7 @@ async def test_otlp_http_protobuf(runtime: FakeRuntime, monkeypatch):
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{httpd.server_port}")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-        async with running_shim(runtime.endpoint) as shim:
+        async with running_shim(runtime.endpoint, engine=engine) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 await ch.unary_unary(PULL)(pull_request("nginx:1.27"), timeout=5,
                                            metadata=(("traceparent", traceparent()),))
