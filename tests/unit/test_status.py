@@ -160,3 +160,15 @@ async def test_stale_admin_socket_is_replaced_and_a_busy_one_left_alone(engine: 
             await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5)
         # The second did not take over or remove the first's socket.
         assert (await status(admin_socket, as_json=True))[0] == 0
+
+
+async def test_status_finds_the_admin_socket_in_the_config(runtime: FakeRuntime, admin_socket: str,
+                                                           tmp_path, capsys) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"server:\n  admin_socket: {admin_socket}\n")
+    async with running_shim(runtime.endpoint, {"server": {"admin_socket": admin_socket}}):
+        assert await asyncio.to_thread(cli.main, ["status", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pid"] == os.getpid()
+    config.write_text("server:\n  admin_socket: ''\n")
+    assert await asyncio.to_thread(cli.main, ["status", "--config", str(config)]) == 1
+    assert "server.admin_socket is empty" in capsys.readouterr().err
