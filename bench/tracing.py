@@ -1,6 +1,6 @@
 """What tracing costs per CRI call through the shim (fake runtime, in-process shim).
 
-    python bench/tracing.py [--calls 2000] [--rounds 3] [--base REV] [--uvloop]
+    python bench/tracing.py [--calls 2000] [--rounds 3] [--base REV] [--engine relay|grpc] [--uvloop]
 
 Each mode runs in a fresh process (client, shim and fake runtime on one event loop)
 and makes ``--calls`` sequential calls after a warm-up. Reported per call: wall time
@@ -59,7 +59,8 @@ MODES = {
 }
 
 
-async def child(method: str, traceparent: str | None, through_shim: bool, calls: int) -> dict[str, float]:
+async def child(method: str, traceparent: str | None, through_shim: bool, calls: int,
+                engine: str) -> dict[str, float]:
     import tempfile
 
     import grpc
@@ -76,7 +77,9 @@ async def child(method: str, traceparent: str | None, through_shim: bool, calls:
     md = (("traceparent", traceparent),) if traceparent else None
 
     async def run(endpoint: str) -> dict[str, float]:
-        async with grpc.aio.insecure_channel(endpoint) as ch:
+        # No BDP pings: through the relay they reach the runtime, which answers a client whose
+        # calls it never sees (intercepted ones) with GOAWAY too_many_pings (see the report).
+        async with grpc.aio.insecure_channel(endpoint, options=[("grpc.http2.bdp_probe", 0)]) as ch:
             mc = ch.unary_unary(method)
             for _ in range(300):
                 await mc(request, metadata=md, timeout=10)
@@ -96,7 +99,7 @@ async def child(method: str, traceparent: str | None, through_shim: bool, calls:
     try:
         if not through_shim:
             return await run(rt.endpoint)
-        async with running_shim(rt.endpoint) as shim:
+        async with running_shim(rt.endpoint, engine=engine) as shim:
             out = await run(shim.endpoint)
             out["tracing"] = bool(getattr(getattr(shim.app, "tracing", None), "enabled", False))
             return out
@@ -112,7 +115,7 @@ def run_child(args: argparse.Namespace) -> None:
         import uvloop
 
         uvloop.install()
-    out = asyncio.run(child(method, traceparent, root is not None, args.calls))
+    out = asyncio.run(child(method, traceparent, root is not None, args.calls, args.engine))
     print(json.dumps(out))
 
 
@@ -187,6 +190,7 @@ def main() -> None:
     p.add_argument("--base", default="", help="git revision without tracing (default: merge-base HEAD main)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--uvloop", action="store_true")
+    p.add_argument("--engine", default="relay", choices=["relay", "grpc"])
     p.add_argument("--child")
     p.add_argument("--root", default=str(HERE))
     p.add_argument("--collector", action="store_true")
@@ -222,7 +226,8 @@ def main() -> None:
                 if on:
                     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
                 cmd = [sys.executable, __file__, "--child", mode, "--calls", str(args.calls),
-                       "--root", base_dir if root == "main" else str(HERE)] + (["--uvloop"] if args.uvloop else [])
+                       "--root", base_dir if root == "main" else str(HERE), "--engine", args.engine] + \
+                    (["--uvloop"] if args.uvloop else [])
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(f"round {r + 1} {mode:16} {results[mode][-1]}", file=sys.stderr)
@@ -230,8 +235,8 @@ def main() -> None:
         collector.terminate()
         collector.wait()
 
-    print(f"\n{args.rounds} rounds of {args.calls} sequential calls{', uvloop' if args.uvloop else ''}; "
-          f"microseconds per call")
+    print(f"\nengine {args.engine}, {args.rounds} rounds of {args.calls} sequential calls"
+          f"{', uvloop' if args.uvloop else ''}; microseconds per call")
     print(f"{'mode':18}{'wall median':>12}{'wall best':>12}{'cpu median':>12}{'cpu best':>12}")
     for mode in modes:
         wall = [x["wall_us"] for x in results[mode]]

@@ -146,3 +146,27 @@ async def test_refused_and_malformed_calls_are_timed_with_their_code(engine: str
     assert not runtime.calls("PullImage")
     # Passthrough calls are not timed (their cost stays one upstream call).
     assert "Version" not in after.text
+
+
+async def test_deadline_spent_waiting_for_a_slot_is_timed_as_deadline_exceeded(engine: str,
+                                                                                runtime: FakeRuntime) -> None:
+    pulls = GatedPulls()
+    runtime.unary[PULL] = pulls
+    address = f"127.0.0.1:{free_port()}"
+    settings = {"pulls": {"max_parallel": 1}, "metrics": {"address": address}}
+    async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            busy = asyncio.ensure_future(ch.unary_unary(PULL)(pull_request("busy:1"), timeout=10))
+            while not runtime.calls("PullImage"):
+                await asyncio.sleep(0.01)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(PULL)(pull_request("late:1"), timeout=0.3)
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            pulls.gate("busy:1").set()
+            await busy
+        after = await scrape(address)
+    assert [api_pb2.PullImageRequest.FromString(r.request).image.image for r in runtime.calls("PullImage")] \
+        == ["busy:1"]
+    assert after.value("cri_shim_rpc_duration_seconds_count", method="PullImage", code="DEADLINE_EXCEEDED") == 1
+    assert after.bucket("cri_shim_rpc_duration_seconds", "0.25", method="PullImage", code="DEADLINE_EXCEEDED") == 0
+    assert after.value("cri_shim_pulls_total", result="success") == 1
