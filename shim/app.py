@@ -4,18 +4,18 @@ and applies reloads.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import partial
 from typing import Any
 
-from .config import Config
-from .images import pull_image
-from .images.service import PULL_IMAGE, ImageService
+from .config import Config, ConfigError
+from .handlers import HandlerResolver, compile_rules
+from .images import image_status, list_images, pull_image, remove_image
+from .images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE, STREAM_IMAGES, ImageService
 from .metrics import Metrics
-from .pins import PinSet
 from .proxy import Handler, Proxy
 from .pulls.scheduler import PullScheduler
+from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
 from .status import AdminServer, StatusSource, collect
 from .tracing import Tracing
 from .upstream import Upstream
@@ -36,24 +36,43 @@ class App:
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
                                        dedup=cfg.pulls.dedup, observer=self.metrics)
         self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
+        self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self._configure(cfg)
         self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing)
+        self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
-        pins = PinSet.build(cfg.pins.images)
+        handler_rules = compile_rules(cfg.runtime_handlers.rules)
+        try:
+            self.images.set_pins(cfg.pins.images, enforce=cfg.pins.mode == "enforce")
+        except ValueError as e:
+            raise ConfigError("pins.images", str(e)) from None
+        self.handlers.configure(cfg.runtime_handlers, handler_rules)
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
-        self.images.pins = pins
-        self.images.pins_enforce = cfg.pins.mode == "enforce"
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
 
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
         svc = self.images
-        return {
+        table: dict[str, Handler] = {
             PULL_IMAGE: partial(pull_image.pull_image, svc),
         }
+        if svc.pins:  # without pins these calls are relayed untouched
+            table |= {
+                LIST_IMAGES: partial(list_images.list_images, svc),
+                STREAM_IMAGES: partial(list_images.stream_images, svc),
+            }
+        if svc.pins or self.handlers.applies_to_images:  # pins, or a rule may add a runtime handler
+            table |= {
+                REMOVE_IMAGE: partial(remove_image.remove_image, svc),
+                IMAGE_STATUS: partial(image_status.image_status, svc),
+            }
+        if self.handlers.learn:
+            table[RUN_POD_SANDBOX] = partial(run_pod_sandbox, self.handlers)
+            table[REMOVE_POD_SANDBOX] = partial(remove_pod_sandbox, self.handlers)
+        return table
 
     async def start(self) -> None:
         self.upstream.start_watch()
@@ -80,5 +99,4 @@ class App:
             await self.admin.close()
         self.metrics.close()
         await self.upstream.close()
-        if self.tracing.enabled:  # export the last spans; blocks up to the exporter's timeout
-            await asyncio.get_running_loop().run_in_executor(None, self.tracing.shutdown)
+        await self.tracing.aclose()  # export the last spans, for a few seconds at most

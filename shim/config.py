@@ -302,10 +302,18 @@ def _rule(i: int, d: Any) -> HandlerRule:
     handler = _str(f"{key}.handler", d["handler"])
     if not handler:
         raise ConfigError(f"{key}.handler", "must not be empty")
+    images = _str_list(f"{key}.images", d.get("images", []))
+    from .pins import validate_pattern  # image patterns are normalized like pins
+
+    for j, pattern in enumerate(images):
+        try:
+            validate_pattern(pattern)
+        except ValueError as e:
+            raise ConfigError(f"{key}.images[{j}]", f"{e} (got {pattern!r})") from None
     return HandlerRule(
         handler=handler,
         namespaces=_str_list(f"{key}.namespaces", d.get("namespaces", [])),
-        images=_str_list(f"{key}.images", d.get("images", [])),
+        images=images,
         pod_labels=_str_map(f"{key}.pod_labels", d.get("pod_labels", {})),
         pod_annotations=_str_map(f"{key}.pod_annotations", d.get("pod_annotations", {})),
     )

@@ -4,28 +4,42 @@ A pattern is one of:
 - an image reference, normalized (``nginx`` = ``docker.io/library/nginx:latest``);
 - a digest reference, ``repo@sha256:...`` (``repo:tag@sha256:...`` pins the digest);
 - an image ID, ``sha256:<64 hex>``;
-- a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``.
+- a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``
+  (fnmatch rules: ``*`` also crosses ``/``; docker.io defaults apply to the
+  repository part, so ``pause:*`` means ``docker.io/library/pause:*``).
 
 An image matches when any of its names (ID, repo tags, repo digests) matches a
-pattern. Exact patterns are a set lookup; globs are one combined regex, so marking
-20,000 images stays cheap.
+pattern. Exact patterns are a set lookup; globs are one combined regex; each runtime
+name's answer is cached per PinSet, so marking a ListImages of 20,000 images stays cheap.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from . import reference
 from .reference import ReferenceError
 
 _GLOB_CHARS = frozenset("*?[")
+_IPV6_HOST = re.compile(r"\[[0-9a-fA-F:]+\](?::[0-9]+)?/")  # [fc00::1]:5000/ is a host, not a [class]
+
+
+def _split_ipv6_host(p: str) -> tuple[str, str]:
+    m = _IPV6_HOST.match(p)
+    return (p[:m.end()], p[m.end():]) if m else ("", p)
 
 
 def _is_glob(p: str) -> bool:
-    return any(c in _GLOB_CHARS for c in p)
+    return any(c in _GLOB_CHARS for c in _split_ipv6_host(p)[1])
+
+
+def _glob_regex(g: str) -> str:
+    """A canonical glob as a regex: fnmatch rules (``*`` crosses ``/``), an IPv6 host taken literally."""
+    host, rest = _split_ipv6_host(g)
+    return re.escape(host) + fnmatch.translate(rest)
 
 
 def _normalize_glob(p: str) -> str:
@@ -66,15 +80,38 @@ def validate_pattern(p: str) -> None:
     normalize_pattern(p)
 
 
+# Names that ``reference.normalize`` returns unchanged (or rejects): a first component
+# normalization keeps as the host (not index.docker.io; docker.io only with a path
+# that needs no library/), and a tag or digest in the last component. Runtimes report
+# names in this form, so most names skip the full parse.
+_ALREADY_NORMAL = re.compile(
+    r"(?!index\.docker\.io/)"
+    r"(?:docker\.io/(?=[^/]*/)|(?!docker\.io/)(?:[^/]*[.:][^/]*|localhost)/)"
+    r"(?:.*/)?[^/]*[:@][^/]*",
+    re.DOTALL,
+)
+
+
+def _normal(n: str) -> str:
+    if _ALREADY_NORMAL.fullmatch(n):
+        return n
+    try:
+        return reference.normalize(n)
+    except ReferenceError:
+        return n
+
+
 def image_names(image_id: str, repo_tags: Iterable[str], repo_digests: Iterable[str]) -> list[str]:
     """Every normalized name an image is known by (unparseable names kept as they are)."""
-    names = [image_id] if image_id else []
-    for n in (*repo_tags, *repo_digests):
-        try:
-            names.append(reference.normalize(n))
-        except ReferenceError:
-            names.append(n)
+    names = [_normal(n) for n in repo_tags]
+    names += [_normal(n) for n in repo_digests]
+    if image_id:
+        names.append(image_id)
     return names
+
+
+_MISSING = object()
+_NAME_CACHE_SIZE = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -84,7 +121,10 @@ class PinSet:
     exact: frozenset[str]
     globs: tuple[str, ...]
     source: dict[str, str]
-    _regex: re.Pattern[str] | None
+    _regex: re.Pattern[str] | None  # every glob at once
+    # runtime name -> the pin it matches, or None. A node's image names change slowly, so
+    # repeated ListImages calls mostly hit; the cache lives and dies with this PinSet.
+    _by_name: dict[str, str | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, patterns: Iterable[str], declared: Iterable[tuple[str, str]] = ()) -> "PinSet":
@@ -98,15 +138,16 @@ class PinSet:
                 globs.append(canon)
             else:
                 exact.add(canon)
-            source.setdefault(canon, f"pins.images {p}")
+            source.setdefault(canon, f"pins.images entry {p!r}")
         for ref, set_name in declared:
             try:
                 canon = normalize_pattern(ref)
             except ValueError:
                 continue
             exact.add(canon)
-            source.setdefault(canon, f"image set {set_name}")
-        regex = re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs)) if globs else None
+            source.setdefault(canon, f"image set {set_name!r}")
+        # One alternation, each glob its own outer group: the group that matched names the glob.
+        regex = re.compile("|".join(f"(?P<pin{i}>{_glob_regex(g)})" for i, g in enumerate(globs))) if globs else None
         return cls(frozenset(exact), tuple(globs), source, regex)
 
     def __bool__(self) -> bool:
@@ -119,10 +160,36 @@ class PinSet:
                 return n
         if self._regex is not None:
             for n in names:
-                if self._regex.match(n):
-                    for g in self.globs:
-                        if fnmatch.fnmatchcase(n, g):
-                            return g
+                m = self._regex.match(n)
+                if m is not None:
+                    return self.globs[int(m.lastgroup[3:])]  # type: ignore[index]
+        return None
+
+    def _match_name(self, name: str) -> str | None:
+        pin = self._by_name.get(name, _MISSING)
+        if pin is _MISSING:
+            n = _normal(name)
+            pin = n if n in self.exact else None
+            if pin is None and self._regex is not None and (m := self._regex.match(n)) is not None:
+                pin = self.globs[int(m.lastgroup[3:])]  # type: ignore[index]
+            if len(self._by_name) >= _NAME_CACHE_SIZE:
+                self._by_name.clear()
+            self._by_name[name] = pin
+        return pin  # type: ignore[return-value]
+
+    def match_image(self, image_id: str, repo_tags: Iterable[str], repo_digests: Iterable[str]) -> str | None:
+        """The pin protecting an image as a runtime reports it (ID, repo tags, repo digests), or None.
+
+        Same answer as ``match(image_names(...))``, with each name looked at once per PinSet.
+        """
+        if image_id in self.exact:
+            return image_id
+        for n in repo_tags:
+            if (pin := self._match_name(n)) is not None:
+                return pin
+        for n in repo_digests:
+            if (pin := self._match_name(n)) is not None:
+                return pin
         return None
 
     def describe(self, pin: str) -> str:

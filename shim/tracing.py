@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from typing import Iterator, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
@@ -51,6 +52,7 @@ _log = logs.get("tracing")
 NOOP_SPAN: Span = trace.INVALID_SPAN  # what handlers see when there is no span (tracing off)
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 DEFAULT_SERVICE_NAME = "cri-shim"
+SHUTDOWN_EXPORT_SECONDS = 3.0  # at exit, how long the last spans may take to export
 
 # Status codes that make a *server* span an error (OpenTelemetry gRPC semantic conventions).
 _SERVER_ERRORS = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -223,9 +225,34 @@ class Tracing:
         return self.provider.force_flush(timeout_millis) if self.provider is not None else True
 
     def shutdown(self) -> None:
-        """Export what is left and stop the exporter threads (blocks up to the exporter timeout)."""
+        """Export what is left and stop the exporter threads (blocks: up to 30 s with a stuck collector)."""
         if self.provider is not None:
             self.provider.shutdown()
+
+    async def aclose(self, timeout: float = SHUTDOWN_EXPORT_SECONDS) -> None:
+        """``shutdown()`` without holding up the process for more than ``timeout`` seconds.
+
+        It runs in a daemon thread: a collector that is away or stuck costs at most
+        ``timeout``, and the thread does not keep the process alive after that.
+        """
+        if self.provider is None:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def run() -> None:
+            try:
+                self.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop may be gone already
+                    loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        threading.Thread(target=run, name="otel-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            logs.log(_log, logging.WARNING, "tracing: the last spans were not exported in time",
+                     timeout_seconds=timeout, **self.description)
 
 
 # --------------------------------------------------------------------------- environment

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
-from ..errors import invalid_request
+from .. import logs
+from ..errors import RpcError, invalid_request
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
@@ -23,6 +26,7 @@ REMOVE_IMAGE = "/runtime.v1.ImageService/RemoveImage"
 IMAGE_FS_INFO = "/runtime.v1.ImageService/ImageFsInfo"
 
 M = TypeVar("M", bound=Message)
+_log = logs.get("pins")
 
 
 @dataclass
@@ -35,6 +39,30 @@ class ImageService:
     dedup_per_namespace: bool = False
     handlers: object | None = None  # shim.handlers.HandlerResolver, when configured
     tracing: Tracing = field(default_factory=Tracing.off)
+    pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
+    declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
+    on_pins_changed: Callable[[], None] | None = None  # App: re-evaluate the interception table
+
+    def set_pins(self, patterns: Iterable[str], *, enforce: bool) -> None:
+        """Apply pins.images and pins.mode. Raises ValueError (nothing changed) on a bad pattern."""
+        patterns = tuple(patterns)
+        self.pins = PinSet.build(patterns, self.declared_pins)
+        if (patterns, enforce) != (self.pin_patterns, self.pins_enforce):
+            logs.log(_log, logging.INFO, "pins in force", patterns=len(patterns), declared=len(self.declared_pins),
+                     mode="enforce" if enforce else "mark-only")
+        self.pin_patterns = patterns
+        self.pins_enforce = enforce
+
+    def set_declared_pins(self, declared: Iterable[tuple[str, str]]) -> None:
+        """The images of declared image sets that pin: (image ref, set name). Replaces the previous list.
+
+        A ref that is not a valid reference is skipped (the image-set loader reports it).
+        """
+        declared = tuple(declared)
+        self.pins = PinSet.build(self.pin_patterns, declared)
+        self.declared_pins = declared
+        if self.on_pins_changed is not None:
+            self.on_pins_changed()
 
 
 def decode(cls: type[M], data: bytes) -> M:
@@ -49,3 +77,14 @@ def auth_key(auth: Message) -> str:
     """A hash of the full AuthConfig (never the secret itself); '' when there is none."""
     raw = auth.SerializeToString(deterministic=True)
     return hashlib.sha256(raw).hexdigest() if raw else ""
+
+
+@contextlib.contextmanager
+def counting_upstream_errors(svc: ImageService, method: str) -> Iterator[None]:
+    """Count the runtime's errors on an intercepted call (metrics.upstream_errors); they pass on unchanged."""
+    try:
+        yield
+    except RpcError as e:
+        if e.from_upstream:
+            svc.metrics.upstream_errors.labels(method, e.code.name).inc()
+        raise

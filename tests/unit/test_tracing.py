@@ -14,6 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from shim import logs
 from shim.proto.runtime.v1 import api_pb2
+from shim import tracing as shim_tracing
 from shim.tracing import Tracing, redact_url
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -328,3 +329,26 @@ def test_bad_protocol_leaves_tracing_off_and_says_which_variable(log_lines):
 
 def test_redact_url():
     assert redact_url("http://u:p@h:1/v1/traces?x=y#z") == "http://h:1/v1/traces"
+
+
+class _StuckCollector(OtlpCollector):
+    async def Export(self, request, context):
+        await asyncio.sleep(3600)
+
+
+async def test_a_stuck_collector_does_not_hold_up_shutdown(runtime: FakeRuntime, monkeypatch, log_lines):
+    stuck = await _StuckCollector().start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", stuck.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")  # everything is left for the shutdown export
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_shim(runtime.endpoint) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                await ch.unary_unary(PULL)(pull_request("nginx:1.27"), timeout=5,
+                                           metadata=(("traceparent", traceparent()),))
+            started = loop.time()
+        took = loop.time() - started
+    finally:
+        await stuck.stop()
+    assert took < shim_tracing.SHUTDOWN_EXPORT_SECONDS + 1.5
+    assert any("the last spans were not exported in time" in ln for ln in log_lines)

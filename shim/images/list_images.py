@@ -1,0 +1,26 @@
+"""ListImages and StreamImages: the runtime's answer, with pinned images marked.
+
+The request goes to the runtime unchanged. Without pins the response bytes pass
+through without being decoded.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from ..proto.runtime.v1 import api_pb2
+from ..proxy import Call
+from .pinned import mark_images
+from .service import ImageService, counting_upstream_errors
+
+
+async def list_images(svc: ImageService, request: bytes, call: Call) -> bytes:
+    with counting_upstream_errors(svc, "ListImages"):
+        response = await call.forward(request)
+    return mark_images(svc.pins, response, api_pb2.ListImagesResponse)
+
+
+async def stream_images(svc: ImageService, request: bytes, call: Call) -> AsyncIterator[bytes]:
+    with counting_upstream_errors(svc, "StreamImages"):
+        async for response in call.forward_stream(request):
+            yield mark_images(svc.pins, response, api_pb2.StreamImagesResponse)

@@ -1,0 +1,83 @@
+"""RemoveImage: refused for a pinned image.
+
+The request may name the image by tag, by digest reference or by ID (kubelet's image
+GC sends the ID). The runtime resolves it (ImageStatus with the request's own
+ImageSpec, so a runtime handler or annotations set by the client or the shim apply to
+the lookup too) to the image's ID, tags and digests. If a pin matches any of them the
+call fails with FAILED_PRECONDITION naming the image and the pin. A runtime removes
+every name of an image at once, so a pin on any one name protects the image under all.
+
+With ``pins.mode: mark-only`` the removal goes ahead (and is logged). An image the
+runtime does not know, and every call made while there are no pins, reaches the
+runtime as the client sent it. If the lookup itself fails, that error is returned and
+nothing is removed: a pin is never bypassed because the runtime could not be asked.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from .. import logs, wire
+from ..errors import RpcError
+from ..handlers import inject_image_handler
+from ..proto.runtime.v1 import api_pb2
+from ..proxy import Call
+from .pinned import pin_of
+from .service import IMAGE_STATUS, ImageService, counting_upstream_errors, decode
+
+_log = logs.get("pins")
+
+IMAGE_FIELD = 1  # RemoveImageRequest.image and ImageStatusRequest.image (both ImageSpec)
+
+
+def status_request(remove_request: bytes, parsed: api_pb2.RemoveImageRequest) -> bytes:
+    """An ImageStatusRequest for the image a RemoveImageRequest names: its ImageSpec bytes as they are.
+
+    (Re-encoded from ``parsed`` only if the request holds something our wire scanner
+    does not read, e.g. a deprecated group field.)
+    """
+    try:
+        return b"".join(remove_request[start:end] for number, wtype, start, _, end in wire.fields(remove_request)
+                        if number == IMAGE_FIELD and wtype == wire.LEN)
+    except wire.WireError:
+        return api_pb2.ImageStatusRequest(image=parsed.image).SerializeToString()
+
+
+async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageRequest,
+                 call: Call) -> api_pb2.Image | None:
+    """The image a RemoveImage request names, as the runtime knows it; None if it does not."""
+    with counting_upstream_errors(svc, "ImageStatus"):
+        raw = await svc.upstream.unary(IMAGE_STATUS, status_request(request, parsed), metadata=call.metadata,
+                                       timeout=call.context.time_remaining())
+    try:
+        resp = api_pb2.ImageStatusResponse.FromString(raw)
+    except DecodeError:
+        raise RpcError(grpc.StatusCode.INTERNAL, "cri-shim: cannot parse the runtime's ImageStatusResponse; "
+                       "not removing an image that may be pinned") from None
+    return resp.image if resp.HasField("image") else None
+
+
+async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
+    request = inject_image_handler(svc, request)  # a runtime_handlers rule's handler, for the lookup too
+    pins = svc.pins
+    if pins:
+        req = decode(api_pb2.RemoveImageRequest, request)
+        name = req.image.image
+        image = await lookup(svc, request, req, call) if name else None
+        pin = pin_of(pins, image) if image is not None else None
+        if image is not None and pin is not None:
+            tags = ",".join(image.repo_tags) or "<none>"
+            if svc.pins_enforce:
+                svc.metrics.remove_denied.inc()
+                logs.log(_log, logging.INFO, "remove refused: image is pinned", image=name, id=image.id,
+                         tags=tags, pin=pins.describe(pin))
+                raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"cri-shim: image {name} (id {image.id}, tags {tags}) is pinned by "
+                               f"{pins.describe(pin)}; not removing it")
+            logs.log(_log, logging.INFO, "removing a pinned image (pins.mode is mark-only)", image=name,
+                     id=image.id, tags=tags, pin=pins.describe(pin))
+    with counting_upstream_errors(svc, "RemoveImage"):
+        return await call.forward(request)

@@ -1,0 +1,179 @@
+"""Pinned images end to end: the shim as a process in front of real containerd.
+
+A pinned image survives RemoveImage by tag, by digest and by ID, and ``crictl rmi``;
+ListImages/ImageStatus and ``crictl images --pinned`` show it pinned; an unpinned
+image is removable; a reload (SIGHUP or a change of the config file) that unpins
+makes it removable, and a bad new config keeps the pins in force.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+import urllib.request
+from typing import Callable
+
+import grpc
+import pytest
+
+from tests.support import cri
+from tests.support.containerd import Containerd
+from tests.support.crictl import Crictl
+from tests.support.oci import PushedImage
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pull(containerd: Containerd, img: PushedImage) -> None:
+    res = cri.call(containerd.socket, "PullImage", cri.pull_image_request(img.ref), timeout=60)
+    assert res.ok, res
+
+
+def present(containerd: Containerd, name: str) -> bool:
+    """Asked of containerd itself, not through the shim."""
+    res = cri.call(containerd.socket, "ImageStatus", cri.image_status_request(name))
+    return cri.decode_image_status_response(res.unwrap()) is not None
+
+
+def remove(shim, name: str) -> cri.CallResult:
+    return cri.call(shim.socket, "RemoveImage", cri.remove_image_request(name))
+
+
+def listed(shim) -> dict[str, bool]:
+    res = cri.call(shim.socket, "ListImages", cri.list_images_request())
+    return {i.id: i.pinned for i in cri.decode_list_images_response(res.unwrap())}
+
+
+def crictl_pinned(crictl: Crictl) -> dict[str, bool]:
+    out = crictl.images("--pinned", "-o", "json")
+    assert out.returncode == 0, out.stderr
+    return {i["id"]: bool(i.get("pinned")) for i in json.loads(out.stdout)["images"]}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+def metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    return request.param
+
+
+def test_pinned_image_survives_remove_by_tag_digest_and_id(containerd, make_image, shim_factory, engine) -> None:
+    img, other = make_image(), make_image()
+    pull(containerd, img)
+    pull(containerd, other)
+    port = free_port()
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [img.ref]},
+                         "metrics": {"address": f"127.0.0.1:{port}"}})
+
+    for name in (img.ref, img.digest_ref, img.image_id):
+        res = remove(shim, name)
+        assert res.code is grpc.StatusCode.FAILED_PRECONDITION, (name, res)
+        assert res.details.startswith("cri-shim: ") and name in res.details
+        assert f"pins.images entry '{img.ref}'" in res.details
+        assert present(containerd, img.ref)
+    assert metric(port, "cri_shim_remove_denied_total") == 3
+
+    status = cri.decode_image_status_response(
+        cri.call(shim.socket, "ImageStatus", cri.image_status_request(img.image_id)).unwrap())
+    assert status is not None and status.pinned
+    assert listed(shim)[img.image_id] is True
+    assert listed(shim)[other.image_id] is False
+
+    # without the shim containerd reports neither as pinned, and still removes on request
+    direct = {i.id: i.pinned for i in cri.decode_list_images_response(
+        cri.call(containerd.socket, "ListImages", cri.list_images_request()).unwrap())}
+    assert direct[img.image_id] is False
+
+    assert remove(shim, other.ref).ok
+    assert not present(containerd, other.ref)
+
+
+def test_crictl_rmi_and_images_pinned(containerd, make_image, shim_factory, crictl_factory, engine) -> None:
+    img, other = make_image(), make_image()
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [f"{img.repo_ref}:*"]}})  # a glob
+    crictl = crictl_factory(shim.socket)
+    for i in (img, other):
+        out = crictl.pull(i.ref)
+        assert out.returncode == 0, out.stderr
+
+    pinned = crictl_pinned(crictl)
+    assert pinned[img.image_id] is True and pinned[other.image_id] is False
+
+    out = crictl.rmi(img.ref)
+    assert out.returncode != 0
+    assert "FailedPrecondition" in out.stderr and "is pinned by pins.images entry" in out.stderr
+    assert present(containerd, img.ref)
+
+    out = crictl.rmi(other.ref)
+    assert out.returncode == 0, out.stderr
+    assert not present(containerd, other.ref)
+
+
+def test_reload_unpins_and_bad_config_keeps_pins(containerd, make_image, shim_factory) -> None:
+    a, b = make_image(), make_image()
+    pull(containerd, a)
+    pull(containerd, b)
+    shim = shim_factory({"pins": {"images": [a.digest_ref, b.ref]}})
+    assert remove(shim, a.ref).code is grpc.StatusCode.FAILED_PRECONDITION
+
+    # a bad new config: rejected with a log line naming the key, old pins stay
+    shim.write_config({"pins": {"images": [a.digest_ref, "Not:A:Ref"]}})
+    shim.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: "config reload rejected" in shim.log_text())
+    assert "pins.images[1]" in shim.log_text()
+    assert remove(shim, a.ref).code is grpc.StatusCode.FAILED_PRECONDITION
+    assert remove(shim, b.ref).code is grpc.StatusCode.FAILED_PRECONDITION
+
+    # SIGHUP with a config that unpins a
+    shim.write_config({"pins": {"images": [b.ref]}})
+    shim.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: listed(shim)[a.image_id] is False)
+    assert remove(shim, a.ref).ok
+    assert not present(containerd, a.ref)
+    assert remove(shim, b.image_id).code is grpc.StatusCode.FAILED_PRECONDITION
+
+    # no signal: the shim notices the file changed
+    shim.write_config({"pins": {"images": []}})
+    assert wait_for(lambda: listed(shim)[b.image_id] is False)
+    assert remove(shim, b.image_id).ok
+    assert not present(containerd, b.ref)
+
+
+def test_mark_only_marks_and_removes(containerd, make_image, shim_factory) -> None:
+    img = make_image()
+    pull(containerd, img)
+    shim = shim_factory({"pins": {"images": [img.ref], "mode": "mark-only"}})
+    assert listed(shim)[img.image_id] is True
+    assert remove(shim, img.ref).ok
+    assert not present(containerd, img.ref)
+    assert "removing a pinned image" in shim.log_text()
+
+
+def test_unknown_image_answered_by_containerd(containerd, shim_factory) -> None:
+    shim = shim_factory({"pins": {"images": ["registry.k8s.io/pause:*"]}})
+    via_shim = remove(shim, "example.invalid/nothing:here")
+    direct = cri.call(containerd.socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
+    assert (via_shim.code, via_shim.details) == (direct.code, direct.details)

@@ -1,0 +1,342 @@
+"""Pinned images through an in-process shim in front of a scripted runtime:
+RemoveImage refusals, ``pinned`` marking in ListImages/StreamImages/ImageStatus,
+mark-only mode, image-set pins and reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from shim import wire
+from shim.proto.runtime.v1 import api_pb2
+from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+
+D_NGINX = "sha256:" + "d1" * 32
+D_APP = "sha256:" + "a2" * 32
+REMOVE = SVC + "RemoveImage"
+UNKNOWN_FIELD = wire.string_field(99, "from-the-future")  # a field we do not declare
+
+
+def nginx() -> StoredImage:
+    return StoredImage(image_id(1), ["docker.io/library/nginx:latest", "docker.io/library/nginx:1.27"],
+                       [f"docker.io/library/nginx@{D_NGINX}"], extra=UNKNOWN_FIELD)
+
+
+def app() -> StoredImage:
+    return StoredImage(image_id(2), ["quay.io/org/app:v1"], [f"quay.io/org/app@{D_APP}"])
+
+
+def pause() -> StoredImage:
+    return StoredImage(image_id(3), ["registry.k8s.io/pause:3.10"], [], pinned=True)
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def serve(request):
+    """running_shim on each engine: both must intercept the same way."""
+    return functools.partial(running_shim, engine=request.param)
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    yield rt
+    await rt.stop()
+
+
+@pytest.fixture
+def store(runtime: FakeRuntime) -> FakeImageStore:
+    s = FakeImageStore([nginx(), app(), pause()])
+    s.install(runtime)
+    return s
+
+
+def remove_request(name: str, **spec: str) -> bytes:
+    return api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=name, **spec)).SerializeToString()
+
+
+def status_request(name: str, verbose: bool = False) -> bytes:
+    return api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=name), verbose=verbose).SerializeToString()
+
+
+async def remove(ch: grpc.aio.Channel, name: str) -> None:
+    await ch.unary_unary(SVC + "RemoveImage")(remove_request(name), timeout=5)
+
+
+async def listed(ch: grpc.aio.Channel) -> dict[str, bool]:
+    raw = await ch.unary_unary(SVC + "ListImages")(b"", timeout=5)
+    return {img.id: img.pinned for img in api_pb2.ListImagesResponse.FromString(raw).images}
+
+
+def denied(shim) -> float:
+    return shim.app.metrics.registry.get_sample_value("cri_shim_remove_denied_total") or 0.0
+
+
+# --------------------------------------------------------------------------- RemoveImage
+
+
+@pytest.mark.parametrize("name", [
+    "nginx",  # short name: docker.io/library/nginx:latest
+    "docker.io/library/nginx:1.27",  # the other tag of the same image
+    f"docker.io/library/nginx@{D_NGINX}",  # digest reference
+    image_id(1),  # what kubelet's image GC sends
+])
+async def test_pinned_image_is_not_removed(serve, runtime, store, name) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx:latest"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, name)
+        assert denied(shim) == 1
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    msg = e.value.details()
+    assert msg.startswith("cri-shim: ") and name in msg and image_id(1) in msg
+    assert "pins.images entry 'nginx:latest'" in msg
+    assert runtime.calls("RemoveImage") == []
+    assert store.resolve(image_id(1)) is not None
+
+
+@pytest.mark.parametrize(("pattern", "victim"), [
+    (f"nginx@{D_NGINX}", "nginx:1.27"),  # digest pin, removal by tag
+    (image_id(1), "nginx"),  # image ID pin
+    ("quay.io/org/*", "quay.io/org/app:v1"),  # glob
+    ("docker.io/library/nginx:1.*", image_id(1)),  # glob on the other tag, removal by ID
+    ("index.docker.io/library/nginx:1.27", "nginx"),  # docker.io alias
+])
+async def test_pin_patterns_protect(serve, runtime, store, pattern, victim) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": [pattern]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, victim)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert repr(pattern) in e.value.details()
+    assert runtime.calls("RemoveImage") == []
+
+
+async def test_unpinned_image_is_removed_with_request_bytes_unchanged(serve, runtime, store) -> None:
+    request = remove_request("quay.io/org/app:v1", runtime_handler="kata") + UNKNOWN_FIELD
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "registry.k8s.io/*"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await ch.unary_unary(SVC + "RemoveImage")(request, timeout=5)
+        assert denied(shim) == 0
+    assert [r.request for r in runtime.calls("RemoveImage")] == [request]
+    # the lookup asked about the same ImageSpec, runtime handler included
+    lookup = api_pb2.ImageStatusRequest.FromString(runtime.calls("ImageStatus")[0].request)
+    assert (lookup.image.image, lookup.image.runtime_handler, lookup.verbose) == ("quay.io/org/app:v1", "kata", False)
+    assert store.resolve("quay.io/org/app:v1") is None
+
+
+async def test_unknown_image_reaches_the_runtime(serve, runtime, store) -> None:
+    runtime.unary[SVC + "RemoveImage"] = (grpc.StatusCode.NOT_FOUND, "no such image", ())
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, "ghost:1")
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "no such image")
+    assert [r.request for r in runtime.calls("RemoveImage")] == [remove_request("ghost:1")]
+
+
+async def test_failed_lookup_removes_nothing(serve, runtime, store) -> None:
+    runtime.unary[SVC + "ImageStatus"] = (grpc.StatusCode.UNAVAILABLE, "runtime restarting", ())
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, "quay.io/org/app:v1")
+        errors = shim.app.metrics.registry.get_sample_value(
+            "cri_shim_upstream_errors_total", {"method": "ImageStatus", "code": "UNAVAILABLE"})
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAVAILABLE, "runtime restarting")
+    assert runtime.calls("RemoveImage") == []
+    assert errors == 1
+
+
+async def test_mark_only_marks_but_removes(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"], "mode": "mark-only"}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert (await listed(ch))[image_id(1)] is True
+            await remove(ch, "nginx")
+            assert image_id(1) not in await listed(ch)
+        assert denied(shim) == 0
+    assert len(runtime.calls("RemoveImage")) == 1
+
+
+async def test_without_pins_nothing_is_looked_up_or_changed(serve, runtime, store) -> None:
+    store.list_extra = UNKNOWN_FIELD
+    async with serve(runtime.endpoint) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
+            status = await ch.unary_unary(SVC + "ImageStatus")(status_request("nginx"), timeout=5)
+            assert status == wire.len_field(1, nginx().encode())
+            await remove(ch, "nginx")
+    assert [r.method.rsplit("/", 1)[1] for r in runtime.received] == ["ListImages", "ImageStatus", "RemoveImage"]
+
+
+async def test_image_set_pins_switch_interception_on_and_off(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
+            assert REMOVE not in shim.app.proxy.table  # no pins: relayed, never decoded
+            shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
+            assert (await listed(ch))[image_id(2)] is True
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, "quay.io/org/app:v1")
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            shim.app.images.set_declared_pins([])
+            assert REMOVE not in shim.app.proxy.table
+            assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
+            await remove(ch, "quay.io/org/app:v1")
+    assert store.resolve("quay.io/org/app:v1") is None
+
+
+# --------------------------------------------------------------------------- marking
+
+
+def split_images(raw: bytes) -> list[bytes]:
+    return [raw[vs:end] for number, _, _, vs, end in wire.fields(raw) if number == 1]
+
+
+async def test_list_images_marks_pinned_and_keeps_every_other_byte(serve, runtime, store) -> None:
+    store.list_extra = UNKNOWN_FIELD
+    before = [img.encode() for img in store.images]
+    async with serve(runtime.endpoint, {"pins": {"images": ["docker.io/library/nginx:1.27"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            raw = await ch.unary_unary(SVC + "ListImages")(b"", timeout=5)
+    resp = api_pb2.ListImagesResponse.FromString(raw)
+    # nginx is ours; pause was pinned by the runtime itself and stays so; app is not pinned
+    assert [(i.id, i.pinned) for i in resp.images] == [(image_id(1), True), (image_id(2), False), (image_id(3), True)]
+    after = split_images(raw)
+    assert after[1:] == before[1:]  # untouched images: byte for byte
+    assert after[0].startswith(before[0])  # the marked one: the runtime's bytes, unknown field included, + pinned
+    assert raw.endswith(UNKNOWN_FIELD)  # the response's own unknown field survives
+    marked = api_pb2.Image.FromString(after[0])
+    assert list(marked.repo_tags) == nginx().tags and marked.pinned
+
+
+async def test_stream_images_marks_each_message(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["quay.io/org/*"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            msgs = [m async for m in ch.unary_stream(SVC + "StreamImages")(b"", timeout=5)]
+    images = [img for m in msgs for img in api_pb2.StreamImagesResponse.FromString(m).images]
+    assert len(msgs) == 2
+    assert [(i.id, i.pinned) for i in images] == [(image_id(1), False), (image_id(2), True), (image_id(3), True)]
+
+
+async def test_image_status_marks_pinned_keeps_info_order_and_misses(serve, runtime, store) -> None:
+    store.status_info = [("zeta", "1"), ("alpha", "2")]  # not the order a re-encoder would write
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            call = ch.unary_unary(SVC + "ImageStatus")
+            pinned = await call(status_request("nginx:1.27", verbose=True), timeout=5)
+            plain = await call(status_request("quay.io/org/app:v1", verbose=True), timeout=5)
+            missing = await call(status_request("ghost"), timeout=5)
+    original = await store._status(status_request("nginx:1.27", verbose=True), None)
+    info = original[len(wire.len_field(1, nginx().encode())):]
+    assert pinned.endswith(info)  # the info map, in the runtime's order
+    resp = api_pb2.ImageStatusResponse.FromString(pinned)
+    assert resp.image.pinned and resp.image.id == image_id(1) and dict(resp.info) == {"zeta": "1", "alpha": "2"}
+    assert plain == await store._status(status_request("quay.io/org/app:v1", verbose=True), None)
+    assert missing == b""
+
+
+# --------------------------------------------------------------------------- image sets and reload
+
+
+async def test_declared_image_set_pins(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["registry.k8s.io/pause:*"]}}) as shim:
+        shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert (await listed(ch))[image_id(2)] is True
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await remove(ch, image_id(2))
+            assert "image set 'base'" in e.value.details()
+            await shim.app.reload(shim.app.cfg)  # a config reload keeps the declared pins
+            with pytest.raises(grpc.aio.AioRpcError):
+                await remove(ch, image_id(2))
+            shim.app.images.set_declared_pins([])
+            await remove(ch, image_id(2))
+            with pytest.raises(grpc.aio.AioRpcError):  # the config pin is still in force
+                await remove(ch, "registry.k8s.io/pause:3.10")
+    assert len(runtime.calls("RemoveImage")) == 1
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def write_config(path: Path, pins: list[str]) -> None:
+    path.write_text(yaml.safe_dump({"pins": {"images": pins}}))
+
+
+async def test_reload_unpins_and_bad_config_keeps_pins(serve, runtime, store, tmp_path) -> None:
+    cfg = tmp_path / "config.yaml"
+    write_config(cfg, ["nginx", "quay.io/org/app:v1"])
+    log = logging.getLogger("cri_shim.server")
+    lines = Lines()
+    log.addHandler(lines)
+    try:
+        async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "quay.io/org/app:v1"]}},
+                                config_path=str(cfg)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                write_config(cfg, ["nginx", "Bad:Pattern"])
+                await shim.server.reload(shim.app, "SIGHUP")
+                rejected = [r for r in lines.records if "rejected" in r.getMessage()]
+                assert rejected and "pins.images[1]" in rejected[-1].fields["error"]
+                assert rejected[-1].levelno == logging.ERROR
+                with pytest.raises(grpc.aio.AioRpcError):  # old pins still in force
+                    await remove(ch, "quay.io/org/app:v1")
+
+                write_config(cfg, ["nginx"])
+                await shim.server.reload(shim.app, "SIGHUP")
+                assert (await listed(ch))[image_id(2)] is False
+                await remove(ch, "quay.io/org/app:v1")
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await remove(ch, "nginx")
+    finally:
+        log.removeHandler(lines)
+
+
+async def test_config_file_change_reloads_pins(serve, runtime, store, tmp_path) -> None:
+    cfg = tmp_path / "config.yaml"
+    write_config(cfg, ["nginx"])
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}, config_path=str(cfg)) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert (await listed(ch))[image_id(1)] is True
+            write_config(cfg, ["quay.io/org/*"])  # the watcher polls the file every second
+            for _ in range(50):
+                if not (await listed(ch))[image_id(1)]:
+                    break
+                await asyncio.sleep(0.1)
+            assert await listed(ch) == {image_id(1): False, image_id(2): True, image_id(3): True}
+            await remove(ch, "nginx")
+
+
+async def test_malformed_remove_request_is_invalid_argument(serve, runtime, store) -> None:
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            for bad in (b"\x0a\x05ab", b"\x0a\x02\x0a\x05"):  # truncated field, truncated inside ImageSpec
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary(REMOVE)(bad, timeout=5)
+                assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert "RemoveImageRequest" in e.value.details()
+    assert runtime.calls("RemoveImage") == []
+
+
+async def test_request_with_a_group_field_is_still_checked(serve, runtime, store) -> None:
+    """A deprecated group (wire type 3) the runtime would skip must not open a way around a pin."""
+    request = remove_request("nginx") + b"\x1b\x1c"  # field 3: an empty group
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(REMOVE)(request, timeout=5)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert runtime.calls("RemoveImage") == []
