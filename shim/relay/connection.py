@@ -13,6 +13,13 @@ the relay keeps the client's real window itself: the runtime's DATA waits in ord
 when the client's window is short, and client WINDOW_UPDATEs that repay the relay's
 own DATA are not passed on to the runtime.
 
+A client's PING goes to the runtime only if the runtime has sent HEADERS or DATA
+since the last PING it got; otherwise the relay answers it. gRPC servers (grpc-go in
+containerd and CRI-O, grpc-core) count such a PING as a strike and after two strikes
+close the connection with GOAWAY "too_many_pings" — and clients PING when response
+data arrives, also data the relay wrote for a stream the runtime never saw. A storm of
+locally answered pulls would otherwise get kubelet's connection closed under it.
+
 When the runtime can't be reached, the connection is answered locally: every call
 gets UNAVAILABLE at once, and GOAWAY sends the client back as soon as the runtime
 is reachable again.
@@ -113,6 +120,9 @@ class ClientConnection(asyncio.Protocol):
         self._held: deque[bytes] = deque()  # runtime frames waiting for the client's window
         self._window_waiters: list[asyncio.Future[None]] = []
         self.going_away = False
+        # The runtime sent HEADERS or DATA since the last client PING it got (a first PING
+        # is never a strike), so it would take the next one without complaint.
+        self.runtime_spoke = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -285,7 +295,11 @@ class ClientConnection(asyncio.Protocol):
                 elif ftype == h2.PRIORITY:
                     if sid not in self.local and sid not in self.dropped_upstream:
                         out.append(raw)
-                else:  # PING, GOAWAY, unknown extension frames
+                elif ftype == h2.PING and not flags & h2.ACK and not self.runtime_spoke:
+                    self._write(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))  # see the module docstring
+                else:  # PING, PING ACK, GOAWAY, unknown extension frames
+                    if ftype == h2.PING and not flags & h2.ACK:
+                        self.runtime_spoke = False
                     out.append(raw)
         except H2Error as e:
             self._protocol_error(e)
@@ -366,6 +380,8 @@ class ClientConnection(asyncio.Protocol):
             sid = int.from_bytes(buf[i + 5:i + 9], "big") & 0x7FFFFFFF
             raw = buf[i:end]
             i = end
+            if ftype == h2.HEADERS or ftype == h2.DATA:
+                self.runtime_spoke = True
             if sid and sid in self.dropped_upstream:
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
