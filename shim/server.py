@@ -114,20 +114,25 @@ class ShimServer:
         prepare_socket(self.path)
         self.server: grpc.aio.Server | None = None
         self.relay: Relay | None = None
-        with _umask(0o777 & ~self.cfg.server.socket_mode):
-            if self.cfg.server.engine == "relay":
-                self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, lambda: app.proxy.table,
-                                   self.cfg.server.max_message_bytes, observe=app.proxy.observe)
-                await self.relay.start(self.path)
-            else:
-                self.server = grpc.aio.server(options=server_options(self.cfg))
-                self.server.add_generic_rpc_handlers((app.proxy,))
-                self.server.add_insecure_port(f"unix:{self.path}")
-                await self.server.start()
-        os.chmod(self.path, self.cfg.server.socket_mode)
-        if self.cfg.server.socket_group:
-            os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
-        await app.start()
+        await app.start()  # metrics and status are up before the socket accepts
+        try:
+            with _umask(0o777 & ~self.cfg.server.socket_mode):
+                if self.cfg.server.engine == "relay":
+                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
+                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes,
+                                       observe=app.proxy.observe)
+                    await self.relay.start(self.path)
+                else:
+                    self.server = grpc.aio.server(options=server_options(self.cfg))
+                    self.server.add_generic_rpc_handlers((app.proxy,))
+                    self.server.add_insecure_port(f"unix:{self.path}")
+                    await self.server.start()
+            os.chmod(self.path, self.cfg.server.socket_mode)
+            if self.cfg.server.socket_group:
+                os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
+        except BaseException:
+            await app.close()
+            raise
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  engine=self.cfg.server.engine,

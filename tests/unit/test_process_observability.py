@@ -67,6 +67,10 @@ async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path) -> None:
                 break
             assert proc.returncode is None, "shim exited early"
             await asyncio.sleep(0.05)
+        # Once the CRI socket accepts, metrics and status answer too.
+        assert (await scrape(metrics)).value("cri_shim_pulls_in_flight") == 0
+        code, _, err_out = await cli("status", "--admin-socket", admin, "--json", env=env)
+        assert code == 0, err_out
         auth = api_pb2.AuthConfig(username="robot", password=SECRET)
         request = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="registry.example/app:7"),
                                            auth=auth).SerializeToString()
