@@ -4,12 +4,10 @@ and applies reloads.
 
 from __future__ import annotations
 
-import logging
 import time
 from functools import partial
 from typing import Any
 
-from . import logs
 from .config import Config, ConfigError
 from .handlers import HandlerResolver, compile_rules
 from .images import image_status, list_images, pull_image, remove_image
@@ -21,9 +19,6 @@ from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, 
 from .status import AdminServer, StatusSource, collect
 from .tracing import Tracing
 from .upstream import Upstream
-
-
-_log = logs.get("app")
 
 
 class App:
@@ -82,11 +77,7 @@ class App:
     async def start(self) -> None:
         self.upstream.start_watch()
         if self.cfg.metrics.address:
-            try:
-                self.metrics.serve(self.cfg.metrics.address)
-            except OSError as e:  # observability must not keep the CRI socket from serving
-                logs.log(_log, logging.ERROR, "metrics endpoint unavailable", address=self.cfg.metrics.address,
-                         error=str(e))
+            self.metrics.serve(self.cfg.metrics.address)  # OSError: ShimServer.start reports it
         if self.cfg.server.admin_socket:
             self.admin = AdminServer(self.cfg.server.admin_socket, self.status)
             await self.admin.start()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import signal
 import sys
 
 from . import config as config_mod
@@ -46,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A reload request (SIGHUP) before the server installs its handler must not kill
+    # us; the config is read below, after this, so nothing is missed.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from .server import ShimServer, StartupError
 
     overrides = {"listen": args.listen, "upstream": args.upstream,
@@ -56,6 +62,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cri-shim: bad config {args.config}: {e}", file=sys.stderr)
         return 2
     logs.setup(cfg.log.level, cfg.log.format)
+    if not os.path.exists(args.config):
+        logs.log(logs.get("cli"), logging.WARNING, "config file not found; using defaults", config=args.config)
     if cfg.server.uvloop:
         try:
             import uvloop
@@ -71,8 +79,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    import os
-
     if not os.path.exists(args.file):
         print(f"cri-shim: {args.file}: no such file", file=sys.stderr)
         return 1

@@ -110,6 +110,8 @@ class ClientConnection(asyncio.Protocol):
         self.local: dict[int, LocalStream] = {}
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
+        self.responding: set[int] = set()  # relayed streams whose response headers went out
+        self._upstream_block_open = False  # the runtime is midway through a header block
         self.last_sid = 0
         # flow control toward the client (connection level)
         self.client_window = h2.DEFAULT_WINDOW
@@ -153,7 +155,7 @@ class ClientConnection(asyncio.Protocol):
             self.from_client(data)
 
     def data_received(self, data: bytes) -> None:
-        if self.mode == "relay":
+        if self.mode == "relay" or self.mode == "orphaned":
             self.from_client(data)
         elif self.mode == "local":
             self.from_client_local(data)
@@ -171,14 +173,32 @@ class ClientConnection(asyncio.Protocol):
         self._wake_window_waiters()
 
     def upstream_lost(self) -> None:
-        """The runtime closed the connection: the client must reconnect."""
+        """The runtime closed the connection.
+
+        Relayed calls on it get UNAVAILABLE and the client gets GOAWAY, so it reconnects
+        for new calls. Calls the shim answers itself (a pull other callers may have
+        joined) finish first, unless the runtime left a header block half sent, in
+        which case nothing more can be written on the connection and it closes at once.
+        """
         if self.mode == "closed":
             return
+        self.relay.upstream_unreachable(None)
+        self.upstream = None
         if self.relayed_open:
             logs.log(_log, logging.WARNING, "runtime connection lost with calls in flight",
                      calls=len(self.relayed_open))
-        self.relay.upstream_unreachable(None)
-        self._close_client()
+        if not self.local or self._held or self._upstream_block_open:
+            self._close_client()
+            return
+        self.mode = "orphaned"
+        out = [h2.goaway(self.last_sid, h2.NO_ERROR, b"cri-shim: runtime connection closed")]
+        for sid in sorted(self.relayed_open):
+            block = h2.encode_headers(grpcwire.trailers(
+                grpc.StatusCode.UNAVAILABLE, "cri-shim: the runtime closed the connection",
+                trailers_only=sid not in self.responding))
+            out.append(h2.headers_frames(sid, block, True, self.client_max_frame))
+        self.relayed_open.clear()
+        self._write(b"".join(out))
 
     def _close_client(self) -> None:
         if self.client is not None and not self.client.is_closing():
@@ -258,6 +278,8 @@ class ClientConnection(asyncio.Protocol):
                     s = self.local.get(sid)
                     if s is None:
                         out.append(raw)
+                        if self.upstream is None and length:  # orphaned: nobody else refunds it
+                            self._write(h2.window_update(0, length))
                     else:
                         self._local_data(s, flags, raw[9:], out_client=True)
                 elif ftype == h2.HEADERS or ftype == h2.CONTINUATION:
@@ -291,6 +313,7 @@ class ClientConnection(asyncio.Protocol):
                         self.local.pop(sid, None)
                     elif sid not in self.dropped_upstream:
                         self.relayed_open.discard(sid)
+                        self.responding.discard(sid)
                         out.append(raw)
                 elif ftype == h2.PRIORITY:
                     if sid not in self.local and sid not in self.dropped_upstream:
@@ -353,6 +376,11 @@ class ClientConnection(asyncio.Protocol):
         path, _, inserted = self.decoder.decode(block)
         handler = self.relay.table.get(path.decode("latin-1")) if path is not None else None
         if handler is None:
+            if self.upstream is None:  # orphaned: the runtime connection is gone
+                self._write(h2.headers_frames(sid, h2.encode_headers(grpcwire.trailers(
+                    grpc.StatusCode.UNAVAILABLE, "cri-shim: the runtime closed the connection",
+                    trailers_only=True)), True, self.client_max_frame))
+                return
             self.relayed_open.add(sid)
             out.extend(frames)
             return
@@ -368,6 +396,8 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ runtime -> client
 
     def from_upstream(self, data: bytes) -> None:
+        if self.mode == "closed":  # the client left (a connect-and-close probe); the runtime's bytes have nowhere to go
+            return
         buf = self._ubuf + data if self._ubuf else data
         out: list[bytes] = []
         i, n = 0, len(buf)
@@ -382,6 +412,10 @@ class ClientConnection(asyncio.Protocol):
             i = end
             if ftype == h2.HEADERS or ftype == h2.DATA:
                 self.runtime_spoke = True
+            if ftype == h2.HEADERS or ftype == h2.CONTINUATION:
+                self._upstream_block_open = not flags & h2.END_HEADERS
+                if ftype == h2.HEADERS and sid in self.relayed_open:
+                    self.responding.add(sid)
             if sid and sid in self.dropped_upstream:
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
@@ -393,6 +427,7 @@ class ClientConnection(asyncio.Protocol):
                     self._client_settings(self._unacked_client_settings.popleft())
             elif sid and (ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA))):
                 self.relayed_open.discard(sid)
+                self.responding.discard(sid)
             if ftype == h2.DATA and length:
                 if self._held or self.client_window < length:
                     self._held.append(raw)
@@ -403,7 +438,7 @@ class ClientConnection(asyncio.Protocol):
                 continue
             out.append(raw)
         self._ubuf = buf[i:]
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _flush_held(self) -> None:
@@ -416,7 +451,7 @@ class ClientConnection(asyncio.Protocol):
                     break
                 self.client_window -= length
             out.append(self._held.popleft())
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out))
 
     # ------------------------------------------------------------------ locally answered streams
@@ -474,6 +509,8 @@ class ClientConnection(asyncio.Protocol):
             self._answer_error(s, RpcError(grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {s.method}"))
         finally:
             self.local.pop(s.sid, None)
+            if self.mode == "orphaned" and not self.local:
+                self._close_client()
 
     def _send_message_factory(self, s: LocalStream) -> Any:
         async def send(msg: bytes) -> None:

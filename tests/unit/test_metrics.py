@@ -171,20 +171,3 @@ async def test_deadline_spent_waiting_for_a_slot_is_timed_as_deadline_exceeded(e
     assert after.bucket("cri_shim_rpc_duration_seconds", "0.25", method="PullImage", code="DEADLINE_EXCEEDED") == 0
     assert after.value("cri_shim_pulls_total", result="success") == 1
 
-
-async def test_a_taken_metrics_port_does_not_stop_the_shim(engine: str, runtime: FakeRuntime, caplog) -> None:
-    import socket
-
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    address = f"127.0.0.1:{taken.getsockname()[1]}"
-    runtime.unary["/runtime.v1.RuntimeService/Version"] = b"\x0a\x020.1"
-    try:
-        with caplog.at_level("ERROR", logger="cri_shim"):
-            async with running_shim(runtime.endpoint, {"metrics": {"address": address}}, engine=engine) as shim:
-                async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-                    assert await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5) == b"\x0a\x020.1"
-    finally:
-        taken.close()
-    assert any(r.getMessage() == "metrics endpoint unavailable" for r in caplog.records)
