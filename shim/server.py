@@ -287,14 +287,17 @@ class ShimServer:
             await asyncio.sleep(CONFIG_POLL_SECONDS)
             stamp = self._stamp()
             if stamp != self._config_stamp and stamp == previous:
-                await self.reload(app, "config file changed")
+                await self.reload(app, "config file changed", only_if_changed=True)
             previous = stamp
 
-    async def reload(self, app: App, why: str) -> None:
+    async def reload(self, app: App, why: str, only_if_changed: bool = False) -> None:
         async with self._reload_lock:
             if self._stopping:
                 return
-            self._config_stamp = self._stamp()
+            stamp = self._stamp()
+            if only_if_changed and stamp == self._config_stamp:
+                return  # a SIGHUP reload already read this version of the file
+            self._config_stamp = stamp
             if not self.config_path:
                 logs.log(_log, logging.WARNING, "no config file to reload", reason=why)
                 return
