@@ -5,6 +5,12 @@ serializers), so a method we don't intercept costs one upstream call and nothing
 else. Known CRI methods use their real cardinality; a method we have never heard
 of is proxied as a bidirectional stream, which carries any gRPC call shape.
 
+Observability (``on_call`` for the rpc duration metric, ``tracing`` for spans) is
+applied on the interception path. With tracing off the passthrough handlers are
+exactly the plain ones; with tracing on, unary and server-streaming passthrough calls
+that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
+too; others pass as they are (the shim never starts a trace for kubelet's polling).
+
 Intercepted methods are looked up in ``table``: method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
 one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
@@ -13,15 +19,18 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Union
 
 import grpc
 
 from . import logs
 from .errors import Metadata, RpcError
 from .methods import Cardinality, cardinality
+from .tracing import NOOP_SPAN, Span, Tracing
 from .upstream import Upstream
 
 _log = logs.get("proxy")
@@ -40,6 +49,7 @@ class Call:
     timeout: float | None  # seconds left before the caller's deadline, None = none
     context: grpc.aio.ServicerContext
     upstream: Upstream
+    span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
 
     async def forward(self, request: bytes, method: str | None = None) -> bytes:
         """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline."""
@@ -126,11 +136,12 @@ class Proxy(grpc.GenericRpcHandler):
     """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
 
     def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
-                 on_call: CallObserver | None = None) -> None:
+                 on_call: CallObserver | None = None, tracing: Tracing | None = None) -> None:
         self.upstream = upstream
         self.table: Mapping[str, Handler] = dict(table or {})
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
         self._on_call = on_call
+        self.tracing = tracing if tracing is not None and tracing.enabled else None
 
     def set_table(self, table: Mapping[str, Handler]) -> None:
         self.table = dict(table)
@@ -152,10 +163,14 @@ class Proxy(grpc.GenericRpcHandler):
         if card is Cardinality.UNARY:
             if handler is not None:
                 return grpc.unary_unary_rpc_method_handler(self._intercepted_unary(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_unary_rpc_method_handler(self._traced_passthrough_unary(method))
             return grpc.unary_unary_rpc_method_handler(self._passthrough_unary(method))
         if card is Cardinality.SERVER_STREAM:
             if handler is not None:
                 return grpc.unary_stream_rpc_method_handler(self._intercepted_stream(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_stream_rpc_method_handler(self._traced_passthrough_server_stream(method))
             return grpc.unary_stream_rpc_method_handler(self._passthrough_server_stream(method))
         if card is Cardinality.CLIENT_STREAM:
             return grpc.stream_unary_rpc_method_handler(self._passthrough_client_stream(method))
@@ -240,7 +255,102 @@ class Proxy(grpc.GenericRpcHandler):
 
         return bidi
 
+    # ------------------------------------------------------------------ passthrough, traced
+
+    def _traced_passthrough_unary(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        plain = self._passthrough_unary(method)
+        mc = self.upstream.unary_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            md = forward_metadata(context)
+            if not tracing.wants_passthrough_span(md):
+                return await plain(request, context)
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            try:
+                call = mc(request, metadata=md, timeout=context.time_remaining())
+                try:
+                    response = await call
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details()
+                    await _fail(context, RpcError.from_aio(e))
+                    raise
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+                return response
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                tracing.end(span, code, details)
+
+        return unary
+
+    def _traced_passthrough_server_stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        plain = self._passthrough_server_stream(method)
+        mc = self.upstream.stream_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            md = forward_metadata(context)
+            if not tracing.wants_passthrough_span(md):
+                async for msg in plain(request, context):
+                    yield msg
+                return
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            call = mc(request, metadata=md, timeout=context.time_remaining())
+            try:
+                async for msg in call:
+                    yield msg
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+                await _fail(context, RpcError.from_aio(e))
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                call.cancel()
+                tracing.end(span, code, details)
+
+        return server_stream
+
     # ------------------------------------------------------------------ interception
+
+    @contextlib.contextmanager
+    def observe(self, call: Call) -> Iterator[Call]:
+        """Around one intercepted call, in either engine: its SERVER span (``call.span``, and
+        ``call.metadata`` rewritten to carry it upstream) and its rpc duration, by final code."""
+        started = time.perf_counter()
+        tracing = self.tracing
+        if tracing is not None:
+            call.span, call.metadata = tracing.server_span(call.method, call.metadata)
+        code, details = grpc.StatusCode.OK, None
+        try:
+            yield call
+        except RpcError as e:
+            code, details = e.code, e.details
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = call.context.time_remaining()
+            expired = remaining is not None and remaining <= 0.001
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code, details = grpc.StatusCode.INTERNAL, "internal error"
+            raise
+        finally:
+            if self._on_call is not None:
+                self._on_call(call.method, time.perf_counter() - started, code)
+            if tracing is not None:
+                tracing.end(call.span, code, details)
 
     def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
         return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
@@ -250,7 +360,8 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return await h(request, self._call(method, context))
+                with self.observe(self._call(method, context)) as call:
+                    return await h(request, call)
             except RpcError as e:
                 await _fail(context, e)
                 raise
@@ -266,8 +377,9 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             try:
-                async for msg in h(request, self._call(method, context)):
-                    yield msg
+                with self.observe(self._call(method, context)) as call:
+                    async for msg in h(request, call):
+                        yield msg
             except RpcError as e:
                 await _fail(context, e)
 
