@@ -39,7 +39,15 @@ from tests.support.shim import ShimProcess
 
 pytestmark = pytest.mark.e2e
 
-ENGINES: dict[str, dict[str, object]] = {"relay": {}, "grpc": {"server": {"engine": "grpc"}}}
+
+
+def settings(**server: object) -> dict[str, object]:
+    """Shim config with these ``server`` keys and no admin socket (its default path is
+    one per machine: test shims would fight over it)."""
+    return {"server": {"admin_socket": "", **server}}
+
+
+ENGINES: dict[str, dict[str, object]] = {"relay": settings(), "grpc": settings(engine="grpc")}
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -433,12 +441,12 @@ def test_socket_mode_is_0660(relay_shim: ShimProcess, shims: dict[str, ShimProce
 
 
 def test_socket_mode_is_configurable(shim_factory) -> None:
-    shim = shim_factory({"server": {"socket_mode": "0600"}})
+    shim = shim_factory(settings(socket_mode="0600"))
     assert stat.S_IMODE(os.stat(shim.socket).st_mode) == 0o600
 
 
 def test_stale_socket_is_replaced(shim_factory, containerd: Containerd) -> None:
-    shim = shim_factory({}, start=False)
+    shim = shim_factory(settings(), start=False)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(shim.socket))  # bound, never listening, then closed: what a crash leaves
     stale.close()
@@ -450,14 +458,14 @@ def test_stale_socket_is_replaced(shim_factory, containerd: Containerd) -> None:
 
 
 def test_live_socket_and_non_socket_are_not_taken_over(shim_factory, tmp_path: Path) -> None:
-    first = shim_factory({})
-    second = ShimProcess(tmp_path / "second", upstream=first.upstream, socket_path=first.socket)
+    first = shim_factory(settings())
+    second = ShimProcess(tmp_path / "second", upstream=first.upstream, socket_path=first.socket, config=settings())
     second.start(wait=False)  # (the socket accepts at once: it is the first shim's)
     assert second.wait(10) == 1
     assert re.search(r"another process.* is already serving on " + re.escape(str(first.socket)), second.log_text())
     assert cri.call(first.socket, "Version", cri.version_request(), 5).ok, "the first shim must keep serving"
 
-    third = shim_factory({}, start=False)
+    third = shim_factory(settings(), start=False)
     third.socket.write_text("not a socket")
     with pytest.raises(RuntimeError, match="exited with 1"):
         third.start(timeout=10)
