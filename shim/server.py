@@ -3,9 +3,11 @@
 - The socket is created with the configured mode (0660 by default) and group; a stale
   socket left by a crash is replaced, but a live one (another shim running) is not.
 - SIGHUP, or a change of the config file, reloads; a bad new config is logged and the
-  old one stays in force.
+  old one stays in force. Keys that need a restart (listen, upstream, server.*,
+  metrics.address) keep their running value, and the log says so.
 - SIGTERM/SIGINT: stop accepting, cancel queued pulls with UNAVAILABLE (kubelet
   retries), give in-flight calls the grace period, remove the socket, exit 0.
+- Under systemd (Type=notify) READY=1 is sent once the socket accepts calls.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import os
 import signal
 import socket
 import stat
+import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 
 from . import config as config_mod
-from . import logs
+from . import logs, sdnotify
 from .app import App
 from .config import Config, ConfigError
 from .relay.listener import Relay
@@ -39,26 +42,58 @@ class StartupError(Exception):
     """The shim cannot start; the message says why, for the operator."""
 
 
+def _peer(sock: socket.socket) -> str:
+    """'pid 1234, cri-shim' for the process at the other end of a unix socket, if we can tell."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                        struct.calcsize("3i")))
+    except OSError:
+        return ""
+    if pid <= 0:
+        return ""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return f"pid {pid}"
+    return f"pid {pid}, {comm}"
+
+
 def prepare_socket(path: str) -> None:
     """Make the directory; replace a stale socket; refuse to take over a live one."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StartupError(f"cannot create the directory of {path}: {e.strerror}") from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    except OSError as e:
+        raise StartupError(f"cannot inspect {path}: {e.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{path} exists and is not a socket; remove it or choose another listen path")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
+    probe.settimeout(2.0)
     try:
         probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
-        os.unlink(path)  # stale: nobody is listening
+    except ConnectionRefusedError:  # nobody listening: left behind by a crash
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         logs.log(_log, logging.INFO, "replaced stale socket", path=path)
         return
+    except FileNotFoundError:
+        return
+    except (socket.timeout, OSError) as e:
+        # Someone holds it but does not answer (a stuck shim, a full backlog): don't steal it.
+        reason = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
+        raise StartupError(f"{path} is held by a process that does not answer ({reason}); "
+                           "stop it or remove the socket, or choose another listen path") from None
+    else:
+        who = _peer(probe)
+        raise StartupError(f"another process{f' ({who})' if who else ''} is already serving on {path}; "
+                           "stop it first (systemctl stop cri-shim) or choose another listen path")
     finally:
         probe.close()
-    raise StartupError(f"another process is already serving on {path}")
 
 
 @contextlib.contextmanager
@@ -87,6 +122,27 @@ def server_options(cfg: Config) -> list[tuple[str, int]]:
     ]
 
 
+def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """(key, running value, configured value) for every changed key a reload cannot apply."""
+    changes: list[tuple[str, Any, Any]] = []
+    for key in ("listen", "upstream"):
+        if getattr(new, key) != getattr(running, key):
+            changes.append((key, getattr(running, key), getattr(new, key)))
+    for f in dataclasses.fields(running.server):
+        old, cur = getattr(running.server, f.name), getattr(new.server, f.name)
+        if old != cur:
+            changes.append((f"server.{f.name}", old, cur))
+    if new.metrics.address != running.metrics.address:
+        changes.append(("metrics.address", running.metrics.address, new.metrics.address))
+    return changes
+
+
+def keep_restart_only(running: Config, new: Config) -> Config:
+    """``new`` with every restart-only key set back to its running value."""
+    return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=running.server,
+                               metrics=dataclasses.replace(new.metrics, address=running.metrics.address))
+
+
 class ShimServer:
     """Runs the shim until SIGTERM/SIGINT."""
 
@@ -96,119 +152,187 @@ class ShimServer:
         self.overrides = overrides
         self.path = config_mod.socket_path(cfg.listen)
         self._stop = asyncio.Event()
+        self._stopping = False
         self._reload_lock = asyncio.Lock()
         self._config_stamp = self._stamp()
+        self._socket_id: tuple[int, int] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self._reload_pending = False
 
-    def _stamp(self) -> tuple[float, int] | None:
+    def _stamp(self) -> tuple[int, int, int] | None:
+        """What tells us the file changed: inode (atomic rename), mtime and size."""
         if not self.config_path:
             return None
         try:
             st = os.stat(self.config_path)
-            return (st.st_mtime, st.st_size)
+            return (st.st_ino, st.st_mtime_ns, st.st_size)
         except OSError:
             return None
 
     async def start(self) -> App:
         """Bind the socket and start serving (no signal handlers: see run())."""
+        gid = _gid(self.cfg.server.socket_group) if self.cfg.server.socket_group else None
+        prepare_socket(self.path)
         self.app = app = App(self.cfg)
+        try:
+            await app.start()  # metrics and status are up before the first CRI call can arrive
+        except OSError as e:  # e.g. metrics.address already in use
+            await app.close()
+            where = f"metrics.address {self.cfg.metrics.address}" if self.cfg.metrics.address else "start"
+            raise StartupError(f"{where}: {e.strerror or e}") from None
         self.server: grpc.aio.Server | None = None
         self.relay: Relay | None = None
         try:
-            prepare_socket(self.path)
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
-                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes)
+                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes,
+                                       observe=app.proxy.observe)
                     await self.relay.start(self.path)
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
                     self.server.add_generic_rpc_handlers((app.proxy,))
                     self.server.add_insecure_port(f"unix:{self.path}")
                     await self.server.start()
-            os.chmod(self.path, self.cfg.server.socket_mode)
-        except (OSError, RuntimeError) as e:  # grpc reports a failed bind as RuntimeError
-            raise StartupError(f"listen: cannot serve on {self.path}: {getattr(e, 'strerror', None) or e}") from None
-        if self.cfg.server.socket_group:
-            try:
-                os.chown(self.path, -1, _gid(self.cfg.server.socket_group))
-            except OSError as e:
-                raise StartupError(f"server.socket_group: cannot give {self.path} to group "
-                                   f"{self.cfg.server.socket_group!r}: {e.strerror}") from None
+        except (RuntimeError, OSError) as e:  # grpc raises RuntimeError, asyncio OSError
+            await app.close()
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else "is the directory writable?"
+            raise StartupError(f"cannot listen on {self.path} ({reason})") from None
         try:
-            await app.start()
+            os.chmod(self.path, self.cfg.server.socket_mode)
+            if gid is not None:
+                os.chown(self.path, -1, gid)
+            st = os.stat(self.path)
+            self._socket_id = (st.st_dev, st.st_ino)
         except OSError as e:
-            raise StartupError(f"metrics.address: cannot listen on {self.cfg.metrics.address}: "
-                               f"{e.strerror or e}") from None
+            await self._abort_start()
+            raise StartupError(f"cannot set owner/mode of {self.path}: {e.strerror}") from None
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  engine=self.cfg.server.engine,
                  max_parallel_pulls=self.cfg.pulls.max_parallel, pins=len(self.cfg.pins.images))
         return app
 
-    async def shutdown(self) -> None:
-        """Stop accepting, fail queued pulls, let in-flight calls finish within the grace period."""
-        self._watcher.cancel()
-        grace = self.cfg.server.shutdown_grace_seconds
-        logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
-        self.app.begin_shutdown()
+    async def _stop_serving(self, grace: float) -> None:
+        """Stop accepting; give calls in progress up to ``grace`` seconds, then cut them."""
         if self.relay is not None:
             await self.relay.shutdown(grace)
         if self.server is not None:
             await self.server.stop(grace)
+
+    async def _abort_start(self) -> None:
+        await self._stop_serving(0)
         await self.app.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._unlink_socket()
+
+    def _unlink_socket(self) -> None:
+        """Remove our socket file; not one that another process has put there since."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if self._socket_id is None or (st.st_dev, st.st_ino) == self._socket_id:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, fail queued pulls, let in-flight calls finish within the grace period."""
+        self._stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+        grace = self.cfg.server.shutdown_grace_seconds
+        logs.log(_log, logging.INFO, "shutting down", grace_seconds=grace)
+        sdnotify.stopping(f"draining (grace {grace:g}s)")
+        self.app.begin_shutdown()
+        await self._stop_serving(grace)
+        await self.app.close()
+        self._unlink_socket()
         logs.log(_log, logging.INFO, "stopped")
 
     async def run(self) -> int:
-        app = await self.start()
         loop = asyncio.get_running_loop()
+        # Handlers go in before start: a SIGTERM while starting stops us cleanly right
+        # after, and a SIGHUP while starting reloads right after (never kills us).
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload(app, "SIGHUP")))
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
+            await self.start()
+            sdnotify.ready(f"serving {self.cfg.listen} -> {self.cfg.upstream}")
+            if self._reload_pending:
+                self._on_sighup()
             await self._stop.wait()
         finally:
-            await self.shutdown()
+            loop.remove_signal_handler(signal.SIGHUP)
+        await self.shutdown()
         return 0
 
+    def _on_sighup(self) -> None:
+        if self._stopping:
+            return
+        app = getattr(self, "app", None)
+        if app is None or self._watcher is None:  # still starting
+            self._reload_pending = True
+            return
+        self._reload_pending = False
+        task = asyncio.get_running_loop().create_task(self.reload(app, "SIGHUP"), name="reload")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def _watch_config(self, app: App) -> None:
+        """Reload when the file changed and has stayed the same for one poll (not mid-write)."""
+        previous = self._config_stamp
         while True:
             await asyncio.sleep(CONFIG_POLL_SECONDS)
             stamp = self._stamp()
-            if stamp != self._config_stamp:
-                self._config_stamp = stamp
-                await self.reload(app, "config file changed")
+            if stamp != self._config_stamp and stamp == previous:
+                await self.reload(app, "config file changed", only_if_changed=True)
+            previous = stamp
 
-    async def reload(self, app: App, why: str) -> None:
+    async def reload(self, app: App, why: str, only_if_changed: bool = False) -> None:
         async with self._reload_lock:
-            try:
-                new = config_mod.with_overrides(config_mod.load(self.config_path), **self.overrides)
-            except ConfigError as e:
-                logs.log(_log, logging.ERROR, "config reload rejected; keeping the running config",
-                         reason=why, error=str(e))
+            if self._stopping:
                 return
-            for key, running, configured in _restart_only_changes(self.cfg, new):
-                logs.log(_log, logging.WARNING, "config key needs a restart; keeping the running value",
-                         key=key, running=running, configured=configured)
-            new = dataclasses.replace(new, listen=self.cfg.listen, upstream=self.cfg.upstream,
-                                      server=self.cfg.server, metrics=self.cfg.metrics)
-            try:
-                await app.reload(new)
-            except ConfigError as e:
-                logs.log(_log, logging.ERROR, "config reload rejected; keeping the running config",
-                         reason=why, error=str(e))
+            stamp = self._stamp()
+            if only_if_changed and stamp == self._config_stamp:
+                return  # a SIGHUP reload already read this version of the file
+            self._config_stamp = stamp
+            if not self.config_path:
+                logs.log(_log, logging.WARNING, "no config file to reload", reason=why)
                 return
-            self.cfg = new
-            logs.setup(new.log.level, new.log.format)
-            logs.log(_log, logging.INFO, "config reloaded", reason=why)
+            if self._config_stamp is None:
+                logs.log(_log, logging.WARNING, "config file missing; keeping the running config",
+                         reason=why, config=self.config_path)
+                return
+            sdnotify.reloading()
+            try:
+                await self._apply(app, why)
+            finally:
+                sdnotify.ready(f"serving {self.cfg.listen} -> {self.cfg.upstream}")
 
-
-def _restart_only_changes(running: Config, new: Config) -> list[tuple[str, object, object]]:
-    """(key, running value, configured value) for each changed key a reload does not apply."""
-    changes = [(k, getattr(running, k), getattr(new, k)) for k in ("listen", "upstream")]
-    for section in ("server", "metrics"):
-        old_s, new_s = getattr(running, section), getattr(new, section)
-        changes += [(f"{section}.{f.name}", getattr(old_s, f.name), getattr(new_s, f.name))
-                    for f in dataclasses.fields(old_s)]
-    return [(k, a, b) for k, a, b in changes if a != b]
+    async def _apply(self, app: App, why: str) -> None:
+        try:
+            new = config_mod.with_overrides(config_mod.load(self.config_path), **self.overrides)
+        except ConfigError as e:
+            logs.log(_log, logging.ERROR, "config reload rejected; keeping the running config",
+                     reason=why, error=str(e))
+            return
+        for key, running, configured in restart_only_changes(self.cfg, new):
+            logs.log(_log, logging.WARNING, "config key needs a restart; keeping the running value",
+                     key=key, running=running, configured=configured)
+        new = keep_restart_only(self.cfg, new)
+        try:
+            await app.reload(new)
+        except ConfigError as e:
+            logs.log(_log, logging.ERROR, "config reload rejected; keeping the running config",
+                     reason=why, error=str(e))
+            return
+        except Exception:  # a bug of ours: keep serving with what is in force
+            _log.error("config reload failed; keeping the running config",
+                       extra={"fields": {"reason": why}}, exc_info=True)
+            return
+        self.cfg = new
+        logs.setup(new.log.level, new.log.format)
+        logs.log(_log, logging.INFO, "config reloaded", reason=why, max_parallel_pulls=new.pulls.max_parallel,
+                 pins=len(new.pins.images), handler_rules=len(new.runtime_handlers.rules))

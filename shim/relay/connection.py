@@ -13,8 +13,12 @@ the relay keeps the client's real window itself: the runtime's DATA waits in ord
 when the client's window is short, and client WINDOW_UPDATEs that repay the relay's
 own DATA are not passed on to the runtime.
 
-PINGs from the client are answered here, not relayed (see the PING branch of
-``from_client``); the runtime's PINGs and the client's answers to them pass through.
+A client's PING goes to the runtime only if the runtime has sent HEADERS or DATA
+since the last PING it got; otherwise the relay answers it. gRPC servers (grpc-go in
+containerd and CRI-O, grpc-core) count such a PING as a strike and after two strikes
+close the connection with GOAWAY "too_many_pings" — and clients PING when response
+data arrives, also data the relay wrote for a stream the runtime never saw. A storm of
+locally answered pulls would otherwise get kubelet's connection closed under it.
 
 When the runtime can't be reached, the connection is answered locally: every call
 gets UNAVAILABLE at once, and GOAWAY sends the client back as soon as the runtime
@@ -106,6 +110,8 @@ class ClientConnection(asyncio.Protocol):
         self.local: dict[int, LocalStream] = {}
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
+        self.responding: set[int] = set()  # relayed streams whose response headers went out
+        self._upstream_block_open = False  # the runtime is midway through a header block
         self.last_sid = 0
         # flow control toward the client (connection level)
         self.client_window = h2.DEFAULT_WINDOW
@@ -116,6 +122,9 @@ class ClientConnection(asyncio.Protocol):
         self._held: deque[bytes] = deque()  # runtime frames waiting for the client's window
         self._window_waiters: list[asyncio.Future[None]] = []
         self.going_away = False
+        # The runtime sent HEADERS or DATA since the last client PING it got (a first PING
+        # is never a strike), so it would take the next one without complaint.
+        self.runtime_spoke = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -146,7 +155,7 @@ class ClientConnection(asyncio.Protocol):
             self.from_client(data)
 
     def data_received(self, data: bytes) -> None:
-        if self.mode == "relay":
+        if self.mode == "relay" or self.mode == "orphaned":
             self.from_client(data)
         elif self.mode == "local":
             self.from_client_local(data)
@@ -164,14 +173,32 @@ class ClientConnection(asyncio.Protocol):
         self._wake_window_waiters()
 
     def upstream_lost(self) -> None:
-        """The runtime closed the connection: the client must reconnect."""
+        """The runtime closed the connection.
+
+        Relayed calls on it get UNAVAILABLE and the client gets GOAWAY, so it reconnects
+        for new calls. Calls the shim answers itself (a pull other callers may have
+        joined) finish first, unless the runtime left a header block half sent, in
+        which case nothing more can be written on the connection and it closes at once.
+        """
         if self.mode == "closed":
             return
+        self.relay.upstream_unreachable(None)
+        self.upstream = None
         if self.relayed_open:
             logs.log(_log, logging.WARNING, "runtime connection lost with calls in flight",
                      calls=len(self.relayed_open))
-        self.relay.upstream_unreachable(None)
-        self._close_client()
+        if not self.local or self._held or self._upstream_block_open:
+            self._close_client()
+            return
+        self.mode = "orphaned"
+        out = [h2.goaway(self.last_sid, h2.NO_ERROR, b"cri-shim: runtime connection closed")]
+        for sid in sorted(self.relayed_open):
+            block = h2.encode_headers(grpcwire.trailers(
+                grpc.StatusCode.UNAVAILABLE, "cri-shim: the runtime closed the connection",
+                trailers_only=sid not in self.responding))
+            out.append(h2.headers_frames(sid, block, True, self.client_max_frame))
+        self.relayed_open.clear()
+        self._write(b"".join(out))
 
     def _close_client(self) -> None:
         if self.client is not None and not self.client.is_closing():
@@ -251,6 +278,8 @@ class ClientConnection(asyncio.Protocol):
                     s = self.local.get(sid)
                     if s is None:
                         out.append(raw)
+                        if self.upstream is None and length:  # orphaned: nobody else refunds it
+                            self._write(h2.window_update(0, length))
                     else:
                         self._local_data(s, flags, raw[9:], out_client=True)
                 elif ftype == h2.HEADERS or ftype == h2.CONTINUATION:
@@ -284,21 +313,18 @@ class ClientConnection(asyncio.Protocol):
                         self.local.pop(sid, None)
                     elif sid not in self.dropped_upstream:
                         self.relayed_open.discard(sid)
+                        self.responding.discard(sid)
                         out.append(raw)
                 elif ftype == h2.PRIORITY:
                     if sid not in self.local and sid not in self.dropped_upstream:
                         out.append(raw)
-                elif ftype == h2.PING:
-                    if length != 8:
-                        raise H2Error(f"PING frame of {length} bytes", h2.FRAME_SIZE_ERROR)
-                    if flags & h2.ACK:
-                        out.append(raw)  # the client answers the runtime's PING
-                    else:
-                        # Answered here: a runtime closes a connection on which it gets PINGs
-                        # while sending nothing (too_many_pings), and the streams we answer
-                        # ourselves make clients PING with nothing from the runtime in between.
-                        self._write(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
-                else:  # GOAWAY, unknown extension frames
+                elif ftype == h2.PING and length != 8:
+                    raise H2Error(f"PING frame of {length} bytes", h2.FRAME_SIZE_ERROR)
+                elif ftype == h2.PING and not flags & h2.ACK and not self.runtime_spoke:
+                    self._write(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))  # see the module docstring
+                else:  # PING, PING ACK, GOAWAY, unknown extension frames
+                    if ftype == h2.PING and not flags & h2.ACK:
+                        self.runtime_spoke = False
                     out.append(raw)
         except H2Error as e:
             self._protocol_error(e)
@@ -307,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
             self._protocol_error(H2Error(f"malformed frame: {e!r}"))
             return
         self._cbuf = buf[i:]
-        if out and self.upstream is not None:
+        if out and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _client_settings(self, payload: bytes) -> None:
@@ -352,6 +378,11 @@ class ClientConnection(asyncio.Protocol):
         path, _, inserted = self.decoder.decode(block)
         handler = self.relay.table.get(path.decode("latin-1")) if path is not None else None
         if handler is None:
+            if self.upstream is None:  # orphaned: the runtime connection is gone
+                self._write(h2.headers_frames(sid, h2.encode_headers(grpcwire.trailers(
+                    grpc.StatusCode.UNAVAILABLE, "cri-shim: the runtime closed the connection",
+                    trailers_only=True)), True, self.client_max_frame))
+                return
             self.relayed_open.add(sid)
             out.extend(frames)
             return
@@ -367,6 +398,8 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ runtime -> client
 
     def from_upstream(self, data: bytes) -> None:
+        if self.mode == "closed":  # the client left (a connect-and-close probe); the runtime's bytes have nowhere to go
+            return
         buf = self._ubuf + data if self._ubuf else data
         out: list[bytes] = []
         i, n = 0, len(buf)
@@ -379,6 +412,12 @@ class ClientConnection(asyncio.Protocol):
             sid = int.from_bytes(buf[i + 5:i + 9], "big") & 0x7FFFFFFF
             raw = buf[i:end]
             i = end
+            if ftype == h2.HEADERS or ftype == h2.DATA:
+                self.runtime_spoke = True
+            if ftype == h2.HEADERS or ftype == h2.CONTINUATION:
+                self._upstream_block_open = not flags & h2.END_HEADERS
+                if ftype == h2.HEADERS and sid in self.relayed_open:
+                    self.responding.add(sid)
             if sid and sid in self.dropped_upstream:
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
@@ -390,6 +429,7 @@ class ClientConnection(asyncio.Protocol):
                     self._client_settings(self._unacked_client_settings.popleft())
             elif sid and (ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA))):
                 self.relayed_open.discard(sid)
+                self.responding.discard(sid)
             if ftype == h2.DATA and length:
                 if self._held or self.client_window < length:
                     self._held.append(raw)
@@ -400,7 +440,7 @@ class ClientConnection(asyncio.Protocol):
                 continue
             out.append(raw)
         self._ubuf = buf[i:]
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _flush_held(self) -> None:
@@ -413,7 +453,7 @@ class ClientConnection(asyncio.Protocol):
                     break
                 self.client_window -= length
             out.append(self._held.popleft())
-        if out and self.client is not None:
+        if out and self.client is not None and not self.client.is_closing():
             self.client.write(b"".join(out))
 
     # ------------------------------------------------------------------ locally answered streams
@@ -431,12 +471,12 @@ class ClientConnection(asyncio.Protocol):
         body = h2.data_payload(flags, payload)
         s.body += body
         if len(s.body) > self.relay.max_message_bytes + 5:
-            limit = self.relay.max_message_bytes
             self._answer_error(s, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"cri-shim: request larger than server.max_message_bytes ({limit} bytes)"))
+                                           f"cri-shim: request larger than server.max_message_bytes "
+                                           f"({self.relay.max_message_bytes} bytes)"))
             return
-        if payload and self.client is not None:  # give the client its windows back at once
-            self.client.write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
+        if payload:  # give the client its windows back at once
+            self._write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
         if flags & h2.END_STREAM and s.task is None:
             self._dispatch(s, s.handler)
 
@@ -472,6 +512,8 @@ class ClientConnection(asyncio.Protocol):
             self._answer_error(s, RpcError(grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {s.method}"))
         finally:
             self.local.pop(s.sid, None)
+            if self.mode == "orphaned" and not self.local:
+                self._close_client()
 
     def _send_message_factory(self, s: LocalStream) -> Any:
         async def send(msg: bytes) -> None:
@@ -520,6 +562,9 @@ class ClientConnection(asyncio.Protocol):
         self.local.pop(s.sid, None)
 
     def _write(self, data: bytes) -> None:
+        # Never write to a transport that is closing: the peer may be gone before
+        # connection_lost has run, and uvloop raises there (a "fatal error" that would
+        # also close the other side).
         if self.client is not None and not self.client.is_closing():
             self.client.write(data)
 

@@ -13,8 +13,9 @@ on earlier tag requests); a blob GET is attributed to the image whose
 manifest (served through this proxy) listed the blob, else to the last image
 of that repository seen, else to ``(repository, "?")``.
 
-Blob bodies can be throttled (bytes per second per connection), blob GETs can
-be held until released, and errors can be injected.
+Blob bodies can be throttled (bytes per second per connection, and/or a link
+rate shared by all blob bodies, like a node's network link), blob GETs can be
+held until released, and errors can be injected.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import http.client
 import http.server
 import json
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -106,6 +108,10 @@ class CountingProxy:
         self._blob_gate.set()
         #: Blob body rate limit in bytes/s per connection (``None`` = unlimited).
         self.throttle_bps: int | None = None
+        #: Blob body rate limit in bytes/s shared by all connections (``None`` = unlimited).
+        self.link_bps: int | None = None
+        self._link_lock = threading.Lock()
+        self._link_free_at = 0.0
         #: Extra delay (seconds) before forwarding each manifest request.
         self.manifest_delay: float = 0.0
         self._server = _Server(("127.0.0.1", port), _Handler)
@@ -161,6 +167,18 @@ class CountingProxy:
     def set_throttle(self, bytes_per_second: int | None) -> None:
         self.throttle_bps = bytes_per_second
 
+    def set_link_throttle(self, bytes_per_second: int | None) -> None:
+        """Share ``bytes_per_second`` among all blob bodies being sent (``None``: off)."""
+        self.link_bps = bytes_per_second
+
+    def _link_reserve(self, nbytes: int, bps: int) -> float:
+        """Book ``nbytes`` on the shared link (FIFO); returns when they are through."""
+        with self._link_lock:
+            now = time.monotonic()
+            start = max(now, self._link_free_at)
+            self._link_free_at = start + nbytes / bps
+            return self._link_free_at
+
     @contextlib.contextmanager
     def throttled(self, bytes_per_second: int) -> Iterator[None]:
         old = self.throttle_bps
@@ -184,6 +202,7 @@ class CountingProxy:
     def restore_defaults(self) -> None:
         """No throttle, no manifest delay, blobs released, no pending faults."""
         self.throttle_bps = None
+        self.link_bps = None
         self.manifest_delay = 0.0
         self.release_blobs()
         self.clear_faults()
@@ -316,6 +335,13 @@ class _Server(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     proxy: CountingProxy
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client dropping an idle keep-alive connection is normal: no traceback."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -445,10 +471,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         t0 = time.monotonic()
         while True:
             bps = proxy.throttle_bps if throttle else None
-            chunk_size = 65536 if not bps else max(1024, min(65536, bps // 20))
+            link = proxy.link_bps if throttle else None
+            chunk_size = min([65536, *(max(1024, r // 20) for r in (bps, link) if r)])
             chunk = resp.read(chunk_size)
             if not chunk:
                 break
+            if link:
+                wait = proxy._link_reserve(len(chunk), link) - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
             self.wfile.write(chunk)
             sent += len(chunk)
             bps = proxy.throttle_bps if throttle else None

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -67,11 +68,13 @@ class Registry:
         *,
         binary: str = "docker-registry",
         credentials: tuple[str, str] | None = None,
+        extra_users: Sequence[tuple[str, str]] = (),
         port: int | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.binary = binary
         self.credentials = credentials
+        self.extra_users = list(extra_users)  # more htpasswd users (only with credentials)
         self.port = port or free_port()
         self.storage = self.workdir / "storage"
         self.config_path = self.workdir / "config.yml"
@@ -103,7 +106,8 @@ class Registry:
         }
         if self.credentials is not None:
             htpasswd = self.workdir / "htpasswd"
-            htpasswd.write_text(htpasswd_line(*self.credentials) + "\n")
+            users = [self.credentials, *self.extra_users]
+            htpasswd.write_text("".join(htpasswd_line(*u) + "\n" for u in users))
             config["auth"] = {"htpasswd": {"realm": "cri-shim-test", "path": str(htpasswd)}}
         self.config_path.write_text(yaml.safe_dump(config))
 
@@ -185,8 +189,9 @@ class RegistryWithProxy:
         *,
         binary: str = "docker-registry",
         credentials: tuple[str, str] | None = None,
+        extra_users: Sequence[tuple[str, str]] = (),
     ) -> None:
-        self.registry = Registry(workdir, binary=binary, credentials=credentials)
+        self.registry = Registry(workdir, binary=binary, credentials=credentials, extra_users=extra_users)
         self.proxy: CountingProxy | None = None
         self._client: RegistryClient | None = None
 

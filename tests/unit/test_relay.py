@@ -161,3 +161,67 @@ def test_hpack_rejects_garbage() -> None:
         h2.Decoder().decode(b"\xff\xff\xff\xff\xff\xff\xff")
     with pytest.raises(h2.H2Error):
         h2.Decoder().decode(b"\xbf")  # index 63: not in the tables
+
+
+async def test_runtime_connection_lost_fails_relayed_calls_but_finishes_local_ones(runtime: FakeRuntime) -> None:
+    release = asyncio.Event()
+
+    async def hang(request: bytes, context) -> bytes:
+        await asyncio.sleep(30)
+        return b""
+
+    async def local(request: bytes, call) -> bytes:
+        await release.wait()
+        return b"answered by the shim"
+    runtime.unary[BIG] = hang
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        shim.app.proxy.set_table({LOCAL: local})
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            relayed = asyncio.ensure_future(ch.unary_unary(BIG)(b"", timeout=20))
+            mine = asyncio.ensure_future(ch.unary_unary(LOCAL)(b"", timeout=20))
+            for _ in range(100):
+                if runtime.calls("ListContainers") and shim.server.relay.connections:
+                    break
+                await asyncio.sleep(0.02)
+            conn = next(iter(shim.server.relay.connections))
+            conn.upstream.close()  # e.g. the runtime's GOAWAY/max-age: this connection only
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await asyncio.wait_for(relayed, 5)
+            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            release.set()
+            assert await asyncio.wait_for(mine, 5) == b"answered by the shim"
+        runtime.unary["/runtime.v1.RuntimeService/Version"] = b"v"
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            assert await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5) == b"v"
+
+
+def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
+    """A client that connects and leaves at once (a health probe, `crictl` killed) while
+    the runtime sends its SETTINGS: nothing is written to the closed client, so no
+    transport error closes the runtime side (uvloop, the shim's loop, raises there)."""
+    uvloop = pytest.importorskip("uvloop")
+    from shim.relay.listener import Relay
+
+    async def scenario() -> list[str]:
+        errors: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
+
+        async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(h2.settings_frame({}))  # grpc-go's server preface, sent on accept
+            await reader.read()
+            writer.close()
+
+        up, listen = str(tmp_path / "runtime.sock"), str(tmp_path / "shim.sock")
+        server = await asyncio.start_unix_server(runtime, up)
+        relay = Relay(up, None, lambda: {}, 1 << 20)  # type: ignore[arg-type]
+        await relay.start(listen)
+        for _ in range(20):
+            _, writer = await asyncio.open_unix_connection(listen)
+            writer.close()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await relay.shutdown(0.1)
+        server.close()
+        return errors
+
+    assert uvloop.run(scenario()) == []
