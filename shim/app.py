@@ -4,7 +4,9 @@ and applies reloads.
 
 from __future__ import annotations
 
+import time
 from functools import partial
+from typing import Any
 
 from .config import Config, ConfigError
 from .handlers import HandlerResolver, compile_rules
@@ -15,23 +17,31 @@ from .metrics import Metrics
 from .proxy import Handler, Proxy
 from .pulls.scheduler import PullScheduler
 from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
+from .status import AdminServer, StatusSource, collect
+from .tracing import Tracing
 from .upstream import Upstream
 
 
 class App:
     """Every component of a running shim, created once per process."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, tracing: Tracing | None = None) -> None:
         self.cfg = cfg
+        self.started_at = time.monotonic()
+        self.tracing = tracing if tracing is not None else Tracing.from_env()
+        # `cri-shim status` sections beyond the built-in ones: name -> () -> JSON-able dict, no credentials.
+        self.status_sources: dict[str, StatusSource] = {}
+        self.admin: AdminServer | None = None
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
                                        dedup=cfg.pulls.dedup, observer=self.metrics)
-        self.images = ImageService(self.upstream, self.scheduler, self.metrics)
+        self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
         self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self.image_sets: ImageSets | None = None
+        self.status_sources["image_sets"] = self.image_sets_status
         self._configure(cfg)
-        self.proxy = Proxy(self.upstream, self.table())
+        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing)
         self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
@@ -91,8 +101,15 @@ class App:
     async def start(self) -> None:
         self.upstream.start_watch()
         if self.cfg.metrics.address:
-            self.metrics.serve(self.cfg.metrics.address)
+            self.metrics.serve(self.cfg.metrics.address)  # OSError: ShimServer.start reports it
+        if self.cfg.server.admin_socket:
+            self.admin = AdminServer(self.cfg.server.admin_socket, self.status)
+            await self.admin.start()
         await self._apply_image_sets(self.cfg)
+
+    def status(self) -> dict[str, Any]:
+        """The `cri-shim status` document."""
+        return collect(self, self.started_at)
 
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)
@@ -108,5 +125,8 @@ class App:
     async def close(self) -> None:
         if self.image_sets is not None:
             await self.image_sets.stop()
+        if self.admin is not None:
+            await self.admin.close()
         self.metrics.close()
         await self.upstream.close()
+        await self.tracing.aclose()  # export the last spans, for a few seconds at most

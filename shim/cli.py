@@ -27,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve CRI on --listen, forwarding to --upstream",
                        description="Serve CRI on a unix socket in front of the runtime. Flags override "
                                    "the config file; a missing or empty config file means defaults. "
-                                   "SIGHUP or a change of the file reloads it; SIGTERM shuts down gracefully.")
+                                   "SIGHUP or a change of the file reloads it; SIGTERM shuts down gracefully. "
+                                   "Tracing is configured by the standard OTEL_* environment (off unless "
+                                   "OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is set).")
     s.add_argument("--listen", help=f"endpoint to serve on (default {config_mod.DEFAULT_LISTEN})")
     s.add_argument("--upstream", help=f"runtime endpoint (default {config_mod.DEFAULT_UPSTREAM})")
     s.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config file (default {DEFAULT_CONFIG})")
@@ -38,7 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("file")
 
     st = sub.add_parser("status", help="show pull queue, in-flight pulls, image sets and upstream state")
-    st.add_argument("--admin-socket", default=config_mod.DEFAULT_ADMIN_SOCKET)
+    st.add_argument("--admin-socket", help="the shim's server.admin_socket (default: read from --config, "
+                                           f"else {config_mod.DEFAULT_ADMIN_SOCKET})")
+    st.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file to read the admin socket from "
+                                                             f"(default {DEFAULT_CONFIG})")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
@@ -89,7 +94,17 @@ def _check_config(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from .status import print_status
 
-    return print_status(args.admin_socket, as_json=args.json)
+    admin_socket = args.admin_socket
+    if admin_socket is None:
+        try:
+            admin_socket = config_mod.load(args.config).server.admin_socket
+        except ConfigError as e:
+            print(f"cri-shim: {args.config}: {e}; trying {config_mod.DEFAULT_ADMIN_SOCKET}", file=sys.stderr)
+            admin_socket = config_mod.DEFAULT_ADMIN_SOCKET
+        if not admin_socket:
+            print(f"cri-shim: status is off: server.admin_socket is empty in {args.config}", file=sys.stderr)
+            return 1
+    return print_status(admin_socket, as_json=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ A missing or empty file means the defaults.
 from __future__ import annotations
 
 import dataclasses
+import grp
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
 DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
 KUBELET_MAX_MESSAGE = 16 * 1024 * 1024
+MIN_MESSAGE_BYTES = 1024
+UNIX_PATH_MAX = 107  # bytes of a unix socket path (sun_path holds 108 with the NUL)
 
 
 class ConfigError(ValueError):
@@ -130,6 +134,8 @@ def _bool(key: str, v: Any) -> bool:
 def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
     if not isinstance(v, str):
         raise ConfigError(key, f"expected a string, got {v!r}")
+    if "\x00" in v:
+        raise ConfigError(key, f"must not contain a NUL byte, got {v!r}")
     if choices is not None and v not in choices:
         raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}")
     return v
@@ -145,20 +151,24 @@ def _duration(key: str, v: Any) -> float:
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     else:
         raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {v!r}")
+    if not math.isfinite(seconds):
+        raise ConfigError(key, f"must be a finite number of seconds, got {v!r}")
     if seconds < 0:
         raise ConfigError(key, f"must be >= 0, got {v!r}")
     return seconds
 
 
-def _size(key: str, v: Any) -> int:
+def _size(key: str, v: Any, minimum: int = 0) -> int:
     """Bytes as an integer, or a string like ``10GiB``, ``500M``."""
     if isinstance(v, int) and not isinstance(v, bool):
-        if v < 0:
-            raise ConfigError(key, f"must be >= 0, got {v!r}")
-        return v
-    if isinstance(v, str) and (m := _SIZE.match(v)):
-        return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
-    raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {v!r}")
+        n = v
+    elif isinstance(v, str) and (m := _SIZE.match(v)):
+        n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    else:
+        raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {v!r}")
+    if n < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {v!r}")
+    return n
 
 
 def _str_list(key: str, v: Any) -> tuple[str, ...]:
@@ -196,6 +206,8 @@ def _endpoint(key: str, v: Any) -> str:
     s = _str(key, v)
     if not s.startswith("unix://") or len(s) <= len("unix://"):
         raise ConfigError(key, f"expected a unix socket endpoint like unix:///run/x.sock, got {v!r}")
+    if len(socket_path(s).encode()) > UNIX_PATH_MAX:
+        raise ConfigError(key, f"a unix socket path has at most {UNIX_PATH_MAX} bytes, got {v!r}")
     return s
 
 
@@ -226,7 +238,8 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
     return ServerConfig(
         socket_mode=_socket_mode("server.socket_mode", d.get("socket_mode", c.socket_mode)),
         socket_group=str(_group("server.socket_group", d.get("socket_group", c.socket_group))),
-        max_message_bytes=_size("server.max_message_bytes", d.get("max_message_bytes", c.max_message_bytes)),
+        max_message_bytes=_size("server.max_message_bytes", d.get("max_message_bytes", c.max_message_bytes),
+                                minimum=MIN_MESSAGE_BYTES),
         shutdown_grace_seconds=_duration(
             "server.shutdown_grace_seconds", d.get("shutdown_grace_seconds", c.shutdown_grace_seconds)),
         admin_socket=_str("server.admin_socket", d.get("admin_socket", c.admin_socket)),
@@ -236,9 +249,16 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
 
 
 def _group(key: str, v: Any) -> str:
+    """A numeric gid, or the name of a group that exists here; empty: the process's group."""
     if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
         return str(v)
-    return _str(key, v)
+    s = _str(key, v)
+    if s and not s.isdigit():
+        try:
+            grp.getgrnam(s)
+        except KeyError:
+            raise ConfigError(key, f"no such group {s!r}") from None
+    return s
 
 
 def _log(d: Mapping[str, Any]) -> LogConfig:
@@ -378,8 +398,16 @@ def load(path: str | Path | None) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError("", f"config file {p} is not valid YAML: {e}") from None
+        raise ConfigError("", f"config file {p} is not valid YAML{_yaml_error(e)}") from None
     return from_dict(data)
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line: where, and what."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = "; ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
+    return f"{where}: {what or ' '.join(str(e).split())}"
 
 
 def with_overrides(cfg: Config, **overrides: Any) -> Config:

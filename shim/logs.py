@@ -59,6 +59,12 @@ def setup(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+    # The OpenTelemetry SDK reports export trouble (collector down, ...) on its own loggers:
+    # same format, warnings and worse only.
+    otel = logging.getLogger("opentelemetry")
+    otel.handlers[:] = [handler]
+    otel.setLevel(max(logging.WARNING, root.level))
+    otel.propagate = False
 
 
 def get(name: str) -> logging.Logger:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from .pulls.scheduler import Priority, PullKey
@@ -36,14 +37,17 @@ class Metrics:
                                      "image is pinned.", registry=r)
         self.handler_injected = Counter("cri_shim_runtime_handler_injected", "Runtime handlers set on "
                                         "image requests, by how they were chosen.", ["source"], registry=r)
-        self.upstream_errors = Counter("cri_shim_upstream_errors", "Errors returned by the runtime on "
-                                       "intercepted calls, by method and code.", ["method", "code"], registry=r)
+        self.upstream_errors = Counter("cri_shim_upstream_errors", "Errors returned by the runtime to calls "
+                                       "the shim made itself (intercepted calls and their lookups; one per "
+                                       "upstream call, so a collapsed pull counts once), by method and code.",
+                                       ["method", "code"], registry=r)
         self.rpc_duration = Histogram("cri_shim_rpc_duration_seconds", "Duration of intercepted CRI calls "
                                       "through the shim.", ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
         self.image_set_images = Gauge("cri_shim_image_set_images", "Images of a declared image set, by state "
                                       "(declared, present, pulling, queued, failed).", ["set", "state"], registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
+        self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -61,6 +65,13 @@ class Metrics:
     def finished(self, key: PullKey, result: str, seconds: float) -> None:
         self.pulls_total.labels(result).inc()
 
+    # Proxy CallObserver (intercepted calls only: passthrough is not timed)
+    def observe_call(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
+        child = self._rpc_children.get((method, code))
+        if child is None:
+            child = self._rpc_children[(method, code)] = self.rpc_duration.labels(method_label(method), code.name)
+        child.observe(seconds)
+
     # serving
     def serve(self, address: str) -> None:
         host, _, port = address.rpartition(":")
@@ -71,3 +82,8 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def method_label(method: str) -> str:
+    """``/runtime.v1.ImageService/PullImage`` -> ``PullImage`` (the label value used by every metric)."""
+    return method.rpartition("/")[2]

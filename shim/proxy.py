@@ -5,6 +5,12 @@ serializers), so a method we don't intercept costs one upstream call and nothing
 else. Known CRI methods use their real cardinality; a method we have never heard
 of is proxied as a bidirectional stream, which carries any gRPC call shape.
 
+Observability (``on_call`` for the rpc duration metric, ``tracing`` for spans) is
+applied on the interception path. With tracing off the passthrough handlers are
+exactly the plain ones; with tracing on, unary and server-streaming passthrough calls
+that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
+too; others pass as they are (the shim never starts a trace for kubelet's polling).
+
 Intercepted methods are looked up in ``table``: method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
 one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
@@ -12,15 +18,19 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Union
 
 import grpc
 
 from . import logs
 from .errors import Metadata, RpcError
 from .methods import Cardinality, cardinality
+from .tracing import NOOP_SPAN, Span, Tracing
 from .upstream import Upstream
 
 _log = logs.get("proxy")
@@ -39,6 +49,7 @@ class Call:
     timeout: float | None  # seconds left before the caller's deadline, None = none
     context: grpc.aio.ServicerContext
     upstream: Upstream
+    span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
 
     async def forward(self, request: bytes, method: str | None = None) -> bytes:
         """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline."""
@@ -48,6 +59,62 @@ class Call:
     def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
         return self.upstream.server_stream(self.method, request, metadata=self.metadata,
                                            timeout=self.context.time_remaining())
+
+
+# What grpc.aio puts in place of a call's status when writing a request message fails.
+_WRITE_FAILED = "Internal error from Core"
+
+
+class StreamedCallStatus:
+    """The runtime's own status for a call whose request messages we stream upstream.
+
+    grpc.aio replaces a call's status with INTERNAL "Internal error from Core" when a
+    request write fails because the runtime has already answered and reset the stream.
+    grpc-go does exactly that for a method it doesn't know: UNIMPLEMENTED on the HEADERS
+    frame, before our copy of the request arrives. The runtime's status is set on the call
+    too, before or after the write failure: a done callback sees the first status set, the
+    call keeps the last one, and the one that is not the write failure is the runtime's.
+    """
+
+    def __init__(self, call: grpc.aio.Call) -> None:
+        self._call = call
+        self._first: RpcError | None = None
+        call.add_done_callback(self._done)
+
+    def _done(self, call: grpc.aio.Call) -> None:
+        # Runs inside grpc.aio when the first status is set, which is already there:
+        # its coroutines complete without suspending.
+        code, details, trailers = _now(call.code()), _now(call.details()), _now(call.trailing_metadata())
+        if code is not None:
+            self._first = RpcError(code, details or "", tuple(trailers or ()), from_upstream=True)
+
+    async def error(self, wait: float = 1.0) -> RpcError | None:
+        """The runtime's error, None if it answered OK. Call once the call is done."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            first = self._first
+            if first is not None and first.details != _WRITE_FAILED:
+                return None if first.code is grpc.StatusCode.OK else first
+            code, details = await self._call.code(), await self._call.details()
+            if details != _WRITE_FAILED:  # the runtime's status replaced the write failure
+                if code is grpc.StatusCode.OK:
+                    return None
+                md = await self._call.trailing_metadata()
+                return RpcError(code, details or "", tuple(md or ()), from_upstream=True)
+            if loop.time() >= deadline:  # never seen: report what grpc.aio says
+                return RpcError(code, details or "", from_upstream=True)
+            await asyncio.sleep(0.005)
+
+
+def _now(coro: Any) -> Any:
+    """Run a coroutine that completes without suspending; None if it would suspend."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    return None
 
 
 UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
@@ -69,11 +136,12 @@ class Proxy(grpc.GenericRpcHandler):
     """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
 
     def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
-                 on_call: CallObserver | None = None) -> None:
+                 on_call: CallObserver | None = None, tracing: Tracing | None = None) -> None:
         self.upstream = upstream
         self.table: Mapping[str, Handler] = dict(table or {})
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
         self._on_call = on_call
+        self.tracing = tracing if tracing is not None and tracing.enabled else None
 
     def set_table(self, table: Mapping[str, Handler]) -> None:
         self.table = dict(table)
@@ -95,10 +163,14 @@ class Proxy(grpc.GenericRpcHandler):
         if card is Cardinality.UNARY:
             if handler is not None:
                 return grpc.unary_unary_rpc_method_handler(self._intercepted_unary(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_unary_rpc_method_handler(self._traced_passthrough_unary(method))
             return grpc.unary_unary_rpc_method_handler(self._passthrough_unary(method))
         if card is Cardinality.SERVER_STREAM:
             if handler is not None:
                 return grpc.unary_stream_rpc_method_handler(self._intercepted_stream(method, handler))
+            if self.tracing is not None:
+                return grpc.unary_stream_rpc_method_handler(self._traced_passthrough_server_stream(method))
             return grpc.unary_stream_rpc_method_handler(self._passthrough_server_stream(method))
         if card is Cardinality.CLIENT_STREAM:
             return grpc.stream_unary_rpc_method_handler(self._passthrough_client_stream(method))
@@ -146,10 +218,11 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def client_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            status = StreamedCallStatus(call)
             try:
                 response = await call
             except grpc.aio.AioRpcError as e:
-                await _fail(context, RpcError.from_aio(e))
+                await _fail(context, await status.error() or RpcError.from_aio(e))
                 raise
             trailers = await call.trailing_metadata()
             if trailers:
@@ -163,14 +236,17 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
+            status = StreamedCallStatus(call)
             try:
                 initial = await call.initial_metadata()
                 if initial:
                     await context.send_initial_metadata(initial)
                 async for msg in call:
                     yield msg
-            except grpc.aio.AioRpcError as e:
-                await _fail(context, RpcError.from_aio(e))
+            except grpc.aio.AioRpcError:
+                error = await status.error()
+                if error is not None:  # else the runtime answered OK and only our write failed
+                    await _fail(context, error)
             finally:
                 call.cancel()
             trailers = await call.trailing_metadata()
@@ -179,7 +255,102 @@ class Proxy(grpc.GenericRpcHandler):
 
         return bidi
 
+    # ------------------------------------------------------------------ passthrough, traced
+
+    def _traced_passthrough_unary(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        plain = self._passthrough_unary(method)
+        mc = self.upstream.unary_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            md = forward_metadata(context)
+            if not tracing.wants_passthrough_span(md):
+                return await plain(request, context)
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            try:
+                call = mc(request, metadata=md, timeout=context.time_remaining())
+                try:
+                    response = await call
+                except grpc.aio.AioRpcError as e:
+                    code, details = e.code(), e.details()
+                    await _fail(context, RpcError.from_aio(e))
+                    raise
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+                return response
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                tracing.end(span, code, details)
+
+        return unary
+
+    def _traced_passthrough_server_stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+        plain = self._passthrough_server_stream(method)
+        mc = self.upstream.stream_callable(method)
+        tracing = self.tracing
+        assert tracing is not None
+
+        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            md = forward_metadata(context)
+            if not tracing.wants_passthrough_span(md):
+                async for msg in plain(request, context):
+                    yield msg
+                return
+            span, md = tracing.server_span(method, md)
+            code, details = grpc.StatusCode.OK, None
+            call = mc(request, metadata=md, timeout=context.time_remaining())
+            try:
+                async for msg in call:
+                    yield msg
+                trailers = await call.trailing_metadata()
+                if trailers:
+                    context.set_trailing_metadata(trailers)
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+                await _fail(context, RpcError.from_aio(e))
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                call.cancel()
+                tracing.end(span, code, details)
+
+        return server_stream
+
     # ------------------------------------------------------------------ interception
+
+    @contextlib.contextmanager
+    def observe(self, call: Call) -> Iterator[Call]:
+        """Around one intercepted call, in either engine: its SERVER span (``call.span``, and
+        ``call.metadata`` rewritten to carry it upstream) and its rpc duration, by final code."""
+        started = time.perf_counter()
+        tracing = self.tracing
+        if tracing is not None:
+            call.span, call.metadata = tracing.server_span(call.method, call.metadata)
+        code, details = grpc.StatusCode.OK, None
+        try:
+            yield call
+        except RpcError as e:
+            code, details = e.code, e.details
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = call.context.time_remaining()
+            expired = remaining is not None and remaining <= 0.001
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code, details = grpc.StatusCode.INTERNAL, "internal error"
+            raise
+        finally:
+            if self._on_call is not None:
+                self._on_call(call.method, time.perf_counter() - started, code)
+            if tracing is not None:
+                tracing.end(call.span, code, details)
 
     def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
         return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
@@ -189,7 +360,8 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                return await h(request, self._call(method, context))
+                with self.observe(self._call(method, context)) as call:
+                    return await h(request, call)
             except RpcError as e:
                 await _fail(context, e)
                 raise
@@ -205,8 +377,9 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             try:
-                async for msg in h(request, self._call(method, context)):
-                    yield msg
+                with self.observe(self._call(method, context)) as call:
+                    async for msg in h(request, call):
+                        yield msg
             except RpcError as e:
                 await _fail(context, e)
 

@@ -187,7 +187,8 @@ class ShimServer:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
-                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes)
+                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes,
+                                       observe=app.proxy.observe)
                     await self.relay.start(self.path)
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))

@@ -3,7 +3,10 @@
 One grpc.aio channel, created at start whether or not the runtime socket exists yet.
 While the runtime is away, calls fail fast with UNAVAILABLE (no wait_for_ready);
 reconnect backoff is capped at one second so service resumes within seconds of
-the runtime (re)appearing. Multi-callables are cached per method.
+the runtime (re)appearing, and a call that finds the channel still backing off while
+the runtime's socket already accepts waits for the reconnect instead of failing
+(the relay serves relayed calls on fresh connections at once: intercepted ones must
+not lag behind). Multi-callables are cached per method.
 """
 
 from __future__ import annotations
@@ -32,11 +35,27 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int | str]]:
     ]
 
 
+# grpc-core's status for a call that found no connection (the request was never sent).
+_NOT_CONNECTED = "failed to connect to all addresses"
+RECONNECT_WAIT_SECONDS = 2.0
+
+
+async def _accepts(path: str) -> bool:
+    """Does the unix socket at ``path`` accept a connection right now?"""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), 0.5)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
 class Upstream:
     """Raw-bytes calls to the runtime. Errors become RpcError(from_upstream=True)."""
 
     def __init__(self, target: str, max_message_bytes: int) -> None:
         self.target = target
+        self.path = target[len("unix://"):] if target.startswith("unix://") else target.removeprefix("unix:")
         self.channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
         self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._stream: dict[str, grpc.aio.UnaryStreamMultiCallable] = {}
@@ -57,10 +76,37 @@ class Upstream:
 
     async def unary(self, method: str, request: bytes, *, metadata: Metadata = (),
                     timeout: float | None = None) -> bytes:
+        mc = self.unary_callable(method)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         try:
-            return await self.unary_callable(method)(request, metadata=metadata, timeout=timeout)
+            return await mc(request, metadata=metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            left = None if timeout is None else timeout - (loop.time() - start)
+            if not await self._back_after_outage(e, left):
+                raise RpcError.from_aio(e) from None
+        left = None if timeout is None else timeout - (loop.time() - start)
+        try:  # the first attempt never left this process: sending it now is no retry
+            return await mc(request, metadata=metadata, timeout=left)
         except grpc.aio.AioRpcError as e:
             raise RpcError.from_aio(e) from None
+
+    async def _back_after_outage(self, e: grpc.aio.AioRpcError, left: float | None) -> bool:
+        """The call failed without a connection, yet the runtime's socket accepts one now:
+        the channel is still in reconnect backoff from an outage (up to a second). Wait
+        for it, within the caller's deadline. A runtime that is really away still
+        fails the call at once."""
+        if e.code() is not grpc.StatusCode.UNAVAILABLE or not (e.details() or "").startswith(_NOT_CONNECTED):
+            return False
+        wait = RECONNECT_WAIT_SECONDS if left is None else min(left, RECONNECT_WAIT_SECONDS)
+        if wait <= 0 or not await _accepts(self.path):
+            return False
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), wait)
+        except asyncio.TimeoutError:
+            return False
+        logs.log(_log, logging.DEBUG, "runtime back; call sent after the channel reconnected", target=self.target)
+        return True
 
     async def server_stream(self, method: str, request: bytes, *, metadata: Metadata = (),
                             timeout: float | None = None) -> AsyncIterator[bytes]:

@@ -1,7 +1,8 @@
 """ListImages and StreamImages: the runtime's answer, with pinned images marked.
 
-The request goes to the runtime unchanged. Without pins the response bytes pass
-through without being decoded.
+The request goes to the runtime unchanged (once it is known to parse: a malformed one
+is refused with INVALID_ARGUMENT, like on every intercepted method). Without pins the
+response bytes pass through without being decoded.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from typing import AsyncIterator
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
 from .pinned import mark_images
-from .service import ImageService, counting_upstream_errors
+from .service import ImageService, counting_upstream_errors, decode
 
 
 async def list_images(svc: ImageService, request: bytes, call: Call) -> bytes:
+    decode(api_pb2.ListImagesRequest, request)
     with counting_upstream_errors(svc, "ListImages"):
         response = await call.forward(request)
     return mark_images(svc.pins, response, api_pb2.ListImagesResponse)
 
 
 async def stream_images(svc: ImageService, request: bytes, call: Call) -> AsyncIterator[bytes]:
+    decode(api_pb2.StreamImagesRequest, request)
     with counting_upstream_errors(svc, "StreamImages"):
         async for response in call.forward_stream(request):
             yield mark_images(svc.pins, response, api_pb2.StreamImagesResponse)

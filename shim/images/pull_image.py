@@ -6,9 +6,11 @@ handler chosen by the shim is appended to ImageSpec (never over one the client s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
+from opentelemetry.trace import Span
 
 from .. import logs, wire
 from ..errors import RpcError
@@ -37,19 +39,51 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
     key = PullKey(image=image, handler=handler, auth=auth_key(req.auth), namespace=namespace)
     svc.metrics.pull_requests_total.labels("foreground").inc()
+    span = call.span
+    if span.is_recording():
+        span.set_attributes({"cri_shim.image": image, "cri_shim.runtime_handler": handler,
+                             "cri_shim.runtime_handler.source": how})
 
-    async def run() -> bytes:
-        return await svc.upstream.unary(PULL_IMAGE, request, metadata=call.metadata)
+    async def run() -> bytes:  # runs once per flight, for the caller that started it
+        if span.is_recording():  # the caller may have gone (deadline) while others still wait
+            span.add_event("pull slot acquired")
+        with svc.tracing.client_span(PULL_IMAGE, span, call.metadata) as metadata:
+            try:
+                return await svc.upstream.unary(PULL_IMAGE, request, metadata=metadata)
+            except RpcError as e:
+                svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
+                raise
 
     try:
         outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining())
     except RpcError as e:
-        if e.from_upstream:
-            svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
-        logs.log(_log, logging.DEBUG, "pull failed", image=image, handler=handler, code=e.code.name)
+        _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)
         raise
+    except asyncio.CancelledError:  # the caller went away, or (relay engine) its deadline passed
+        remaining = call.context.time_remaining()
+        if remaining is not None and remaining <= 0.001:
+            _failed(span, image, handler, "DEADLINE_EXCEEDED", "cri-shim: the caller's deadline passed")
+        else:
+            _failed(span, image, handler, "CANCELLED", "cancelled by the caller")
+        raise
+    if span.is_recording():
+        span.set_attributes({"cri_shim.pull.joined": outcome.joined,
+                             "cri_shim.pull.queued_seconds": round(outcome.queued_seconds, 6),
+                             "cri_shim.pull.result": "OK"})
     if outcome.joined:
         logs.log(_log, logging.INFO, "pull collapsed", image=image, handler=handler)
     logs.log(_log, logging.DEBUG, "pull done", image=image, handler=handler, handler_source=how,
              joined=outcome.joined, queued_seconds=round(outcome.queued_seconds, 3))
     return outcome.response
+
+
+def _failed(span: Span, image: str, handler: str, code: str, details: str, *, from_upstream: bool = False) -> None:
+    """Log and record a pull that did not succeed for this caller."""
+    if span.is_recording():
+        span.set_attribute("cri_shim.pull.result", code)
+    if from_upstream:  # kubelet reports the runtime's errors itself
+        logs.log(_log, logging.DEBUG, "pull failed", image=image, handler=handler, code=code)
+    elif code == "CANCELLED":
+        logs.log(_log, logging.DEBUG, "pull cancelled", image=image, handler=handler, reason=details)
+    else:  # the shim's own answer: a deadline spent waiting (pull cap), shutdown
+        logs.log(_log, logging.INFO, "pull refused", image=image, handler=handler, code=code, reason=details)

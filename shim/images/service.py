@@ -15,6 +15,7 @@ from ..errors import RpcError, invalid_request
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
+from ..tracing import Tracing
 from ..upstream import Upstream
 
 PULL_IMAGE = "/runtime.v1.ImageService/PullImage"
@@ -37,6 +38,7 @@ class ImageService:
     pins_enforce: bool = True
     dedup_per_namespace: bool = False
     handlers: object | None = None  # shim.handlers.HandlerResolver, when configured
+    tracing: Tracing = field(default_factory=Tracing.off)
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
     on_pins_changed: Callable[[], None] | None = None  # App: re-evaluate the interception table

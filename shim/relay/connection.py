@@ -242,7 +242,7 @@ class ClientConnection(asyncio.Protocol):
     def _protocol_error(self, e: H2Error) -> None:
         logs.log(_log, logging.WARNING, "closing connection: HTTP/2 protocol error", error=str(e))
         if self.client is not None and not self.client.is_closing():
-            self.client.write(h2.goaway(self.last_sid, h2.PROTOCOL_ERROR, str(e).encode()[:200]))
+            self.client.write(h2.goaway(self.last_sid, e.code, str(e).encode()[:200]))
             self.client.close()
         if self.upstream is not None:
             self.upstream.close()
@@ -318,6 +318,8 @@ class ClientConnection(asyncio.Protocol):
                 elif ftype == h2.PRIORITY:
                     if sid not in self.local and sid not in self.dropped_upstream:
                         out.append(raw)
+                elif ftype == h2.PING and length != 8:
+                    raise H2Error(f"PING frame of {length} bytes", h2.FRAME_SIZE_ERROR)
                 elif ftype == h2.PING and not flags & h2.ACK and not self.runtime_spoke:
                     self._write(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))  # see the module docstring
                 else:  # PING, PING ACK, GOAWAY, unknown extension frames
@@ -331,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
             self._protocol_error(H2Error(f"malformed frame: {e!r}"))
             return
         self._cbuf = buf[i:]
-        if out and self.upstream is not None:
+        if out and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _client_settings(self, payload: bytes) -> None:
@@ -470,10 +472,11 @@ class ClientConnection(asyncio.Protocol):
         s.body += body
         if len(s.body) > self.relay.max_message_bytes + 5:
             self._answer_error(s, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"cri-shim: request larger than {self.relay.max_message_bytes} bytes"))
+                                           f"cri-shim: request larger than server.max_message_bytes "
+                                           f"({self.relay.max_message_bytes} bytes)"))
             return
-        if payload and self.client is not None:  # give the client its windows back at once
-            self.client.write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
+        if payload:  # give the client its windows back at once
+            self._write(h2.window_update(0, len(payload)) + h2.window_update(s.sid, len(payload)))
         if flags & h2.END_STREAM and s.task is None:
             self._dispatch(s, s.handler)
 
@@ -559,6 +562,9 @@ class ClientConnection(asyncio.Protocol):
         self.local.pop(s.sid, None)
 
     def _write(self, data: bytes) -> None:
+        # Never write to a transport that is closing: the peer may be gone before
+        # connection_lost has run, and uvloop raises there (a "fatal error" that would
+        # also close the other side).
         if self.client is not None and not self.client.is_closing():
             self.client.write(data)
 

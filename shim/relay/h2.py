@@ -25,7 +25,8 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # settings
 SETTINGS_HEADER_TABLE_SIZE, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x1, 0x4, 0x5
 # error codes
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, CANCEL, COMPRESSION_ERROR = 0x0, 0x1, 0x2, 0x3, 0x8, 0x9
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL, COMPRESSION_ERROR = (
+    0x0, 0x1, 0x2, 0x3, 0x6, 0x8, 0x9)
 
 DEFAULT_WINDOW = 65535
 DEFAULT_MAX_FRAME = 16384
@@ -33,7 +34,11 @@ _HDR = struct.Struct(">I")
 
 
 class H2Error(Exception):
-    """The peer broke the protocol; the connection is closed."""
+    """The peer broke the protocol; the connection is closed with GOAWAY(``code``)."""
+
+    def __init__(self, message: str, code: int = PROTOCOL_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, ContextManager, Mapping
 
 from .. import logs
 from ..methods import Cardinality, cardinality
@@ -22,10 +22,11 @@ class Relay:
     """Accepts CRI clients on a unix socket; one runtime connection per client connection."""
 
     def __init__(self, upstream_path: str, upstream: Upstream, table: Callable[[], Mapping[str, Handler]],
-                 max_message_bytes: int) -> None:
+                 max_message_bytes: int, observe: Callable[[Call], ContextManager[Call]] | None = None) -> None:
         self.upstream_path = upstream_path
         self.upstream = upstream  # grpc channel for the handlers' own calls
         self._table = table
+        self._observe = observe or contextlib.nullcontext  # span and rpc duration (Proxy.observe)
         self.max_message_bytes = max_message_bytes
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -42,11 +43,12 @@ class Relay:
 
     async def serve(self, method: str, handler: Any, request: bytes, ctx: LocalContext, send: Send) -> None:
         call = Call(method, ctx.md, ctx.time_remaining(), ctx, self.upstream)  # type: ignore[arg-type]
-        if cardinality(method) is Cardinality.SERVER_STREAM:
-            async for msg in handler(request, call):
-                await send(msg)
-        else:
-            await send(await handler(request, call))
+        with self._observe(call):
+            if cardinality(method) is Cardinality.SERVER_STREAM:
+                async for msg in handler(request, call):
+                    await send(msg)
+            else:
+                await send(await handler(request, call))
 
     # ------------------------------------------------------------------ runtime reachability
 

@@ -107,6 +107,10 @@ class ShimProcess:
     def write_config(self, config: Mapping[str, object] | None = None) -> None:
         if config is not None:
             self.config = dict(config)
+        # each test shim gets its own admin socket (the default is one per machine)
+        server = dict(self.config.get("server") or {})  # type: ignore[call-overload]
+        server.setdefault("admin_socket", str(self.workdir / "admin.sock"))
+        self.config["server"] = server
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
 
     def start(self, timeout: float = 10.0, wait: bool = True) -> ShimProcess:

@@ -49,6 +49,9 @@ async def test_declared_pins_show_in_list_images_and_block_removal(tmp_path: Pat
                                  .get("pinned") == 2)
                 assert await listed_pins(ch) == {"registry.local/a:1": True, "registry.local/b:1": True,
                                                  "registry.local/other:1": False}
+                doc = shim.app.status()["image_sets"]  # what `cri-shim status` shows
+                assert doc["enabled"] and doc["watch"] == "inotify" and doc["file_errors"] == {}
+                assert doc["sets"]["release"]["present"] == 2 and doc["sets"]["warm"]["pin"] is False
                 rm = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image="registry.local/a:1"))
                 try:
                     await ch.unary_unary(REMOVE)(rm.SerializeToString(), timeout=5)

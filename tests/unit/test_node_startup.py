@@ -173,7 +173,7 @@ async def test_socket_mode_and_group(runtime: FakeRuntime, tmp_path) -> None:
 async def test_unknown_socket_group_is_refused(runtime: FakeRuntime, tmp_path) -> None:
     shim = await start_shim(runtime.endpoint, tmp_path, {"server": {"socket_group": "no-such-group-xyz"}},
                             wait=False)
-    assert await shim.wait_exit(20) == 1
+    assert await shim.wait_exit(20) == 2  # a bad config value (check-config refuses it too)
     assert "server.socket_group: no such group 'no-such-group-xyz'" in shim.logs()
     assert not os.path.exists(shim.path)
 

@@ -193,3 +193,35 @@ async def test_runtime_connection_lost_fails_relayed_calls_but_finishes_local_on
         runtime.unary["/runtime.v1.RuntimeService/Version"] = b"v"
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=5) == b"v"
+
+
+def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
+    """A client that connects and leaves at once (a health probe, `crictl` killed) while
+    the runtime sends its SETTINGS: nothing is written to the closed client, so no
+    transport error closes the runtime side (uvloop, the shim's loop, raises there)."""
+    uvloop = pytest.importorskip("uvloop")
+    from shim.relay.listener import Relay
+
+    async def scenario() -> list[str]:
+        errors: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
+
+        async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(h2.settings_frame({}))  # grpc-go's server preface, sent on accept
+            await reader.read()
+            writer.close()
+
+        up, listen = str(tmp_path / "runtime.sock"), str(tmp_path / "shim.sock")
+        server = await asyncio.start_unix_server(runtime, up)
+        relay = Relay(up, None, lambda: {}, 1 << 20)  # type: ignore[arg-type]
+        await relay.start(listen)
+        for _ in range(20):
+            _, writer = await asyncio.open_unix_connection(listen)
+            writer.close()
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await relay.shutdown(0.1)
+        server.close()
+        return errors
+
+    assert uvloop.run(scenario()) == []

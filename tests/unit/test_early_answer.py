@@ -1,0 +1,114 @@
+"""A runtime that answers before it has read the request (grpc-go does this for a method
+it doesn't know: trailers-only UNIMPLEMENTED on the HEADERS frame, then RST_STREAM).
+
+The shim forwards the request after the runtime has already answered; the runtime's
+status must still reach the client unchanged, whatever the engine.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from shim.relay import grpcwire, h2
+from tests.support.fake_runtime import socket_in
+from tests.support.inproc import running_shim
+
+UNKNOWN = "/vendor.v9.Mystery/Ask"
+STATUS = grpc.StatusCode.UNIMPLEMENTED
+DETAILS = "unknown service vendor.v9.Mystery"
+
+
+class EarlyAnswerRuntime:
+    """A bare HTTP/2 server: every stream gets a trailers-only status on its HEADERS
+    frame, then RST_STREAM(NO_ERROR); request DATA is never waited for."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.streams = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(path)
+        self._sock.listen(16)
+        self._threads: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, conn: socket.socket) -> None:
+        answer = h2.encode_headers(grpcwire.trailers(STATUS, DETAILS, trailers_only=True))
+        buf = b""
+        try:
+            conn.sendall(h2.settings_frame({}))
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                if buf.startswith(h2.PREFACE):
+                    buf = buf[len(h2.PREFACE):]
+                while len(buf) >= 9:
+                    length = int.from_bytes(buf[:3], "big")
+                    if len(buf) < 9 + length:
+                        break
+                    ftype, flags = buf[3], buf[4]
+                    sid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                    buf = buf[9 + length:]
+                    if ftype == h2.SETTINGS and not flags & h2.ACK:
+                        conn.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
+                    elif ftype == h2.PING and not flags & h2.ACK:
+                        conn.sendall(h2.frame(h2.PING, h2.ACK, 0, b"\0" * 8))
+                    elif ftype == h2.HEADERS and sid % 2 == 1:
+                        self.streams += 1
+                        conn.sendall(h2.headers_frames(sid, answer, True, h2.DEFAULT_MAX_FRAME)
+                                     + h2.rst_stream(sid, h2.NO_ERROR))
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self._sock.close()
+        for c in self._conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+
+@pytest.fixture
+def early_runtime(tmp_path) -> Iterator[EarlyAnswerRuntime]:
+    rt = EarlyAnswerRuntime(socket_in(str(tmp_path)))
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    return request.param
+
+
+async def test_status_sent_before_the_request_reaches_the_client(early_runtime: EarlyAnswerRuntime,
+                                                                 engine: str) -> None:
+    async with running_shim(f"unix://{early_runtime.path}", engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            seen = []
+            for body in (b"", b"q", b"\x0a\x03abc" * 100) * 7:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await ch.unary_unary(UNKNOWN)(body, timeout=5)
+                seen.append((e.value.code(), e.value.details()))
+    assert seen == [(STATUS, DETAILS)] * len(seen)
+    assert early_runtime.streams == len(seen)
