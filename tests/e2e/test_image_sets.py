@@ -8,8 +8,11 @@ edited while its images are being fetched cancels the pulls of the removed image
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -87,6 +90,12 @@ def test_2000_declared_present_then_append_and_drop(fleet, proxy, shim_factory, 
     listed = pinned_through_shim(shim)
     assert all(listed[i] is True for i in fleet.ids)
     assert "image set progress" in shim.log_text() and "percent=100" in shim.log_text()
+    out = subprocess.run([sys.executable, "-m", "shim", "status", "--json", "--admin-socket",
+                          shim.config["server"]["admin_socket"]], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)["image_sets"]["sets"]["release"]
+    assert (status["declared"], status["present"], status["pinned"], status["failed"]) == (PRESENT, PRESENT, PRESENT, 0)
+    assert status["kind"] == "PinnedImageSet" and status["ignored_fields"] == ["metadata.labels"]
 
     # append 10: exactly those are pulled, soon after the write
     new = [p.ref for p in fleet.extra]
