@@ -83,9 +83,8 @@ class ImageSets:
     async def stop(self) -> None:
         self.halt()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        lanes = list(self.reconciler._lanes)
-        if lanes:
-            await asyncio.gather(*lanes, return_exceptions=True)
+        self.reconciler.halt()
+        await self.reconciler.drain()
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None

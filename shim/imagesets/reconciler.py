@@ -25,9 +25,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
-
-import grpc
+from typing import Any, Callable
 
 from .. import logs
 from ..config import ImageSetsConfig
@@ -198,6 +196,11 @@ class Reconciler:
                     await _wait(self._wake, timeout)
         finally:
             self.halt()
+
+    async def drain(self) -> None:
+        """Wait for cancelled prefetches to finish unwinding."""
+        if self._lanes:
+            await asyncio.gather(*list(self._lanes), return_exceptions=True)
 
     def halt(self) -> None:
         """Stop every prefetch of ours (shutdown, or image sets turned off)."""
@@ -478,7 +481,3 @@ class Reconciler:
             "last_pass": dict(self.last_pass),
             "background_pulls_started": self.pulls_started,
         }
-
-
-def declared_refs(sets: Iterable[ImageSet]) -> set[str]:
-    return {r for s in sets for r in s.refs}

@@ -16,7 +16,6 @@ import grpc
 import pytest
 
 from shim.config import ImageSetsConfig
-from shim.errors import RpcError
 from shim.imagesets import ImageSets
 from shim.metrics import Metrics
 from shim.pins import PinSet
