@@ -129,10 +129,10 @@ class PullScheduler:
                 self._lift(flight, priority)
         flight.waiters += 1
         try:
-            if timeout is None:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+            # arrives just as the result does, and this caller must see its own cancel.
+            async with asyncio.timeout(None if timeout is None else max(timeout, 0.0)):
                 response = await asyncio.shield(flight.future)
-            else:
-                response = await asyncio.wait_for(asyncio.shield(flight.future), max(timeout, 0.0))
         except TimeoutError:
             where = "waiting for a pull slot" if flight.queued else "while the runtime was pulling"
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
