@@ -19,10 +19,6 @@ import grp
 import logging
 import os
 import signal
-import socket
-import stat
-import struct
-from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
@@ -32,68 +28,11 @@ from . import logs, sdnotify
 from .app import App
 from .config import Config, ConfigError
 from .relay.listener import Relay
+from .unixsock import StartupError, claim
 
 _log = logs.get("server")
 
 CONFIG_POLL_SECONDS = 1.0
-
-
-class StartupError(Exception):
-    """The shim cannot start; the message says why, for the operator."""
-
-
-def _peer(sock: socket.socket) -> str:
-    """'pid 1234, cri-shim' for the process at the other end of a unix socket, if we can tell."""
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                        struct.calcsize("3i")))
-    except OSError:
-        return ""
-    if pid <= 0:
-        return ""
-    try:
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return f"pid {pid}"
-    return f"pid {pid}, {comm}"
-
-
-def prepare_socket(path: str) -> None:
-    """Make the directory; replace a stale socket; refuse to take over a live one."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StartupError(f"cannot create the directory of {path}: {e.strerror}") from None
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        raise StartupError(f"cannot inspect {path}: {e.strerror}") from None
-    if not stat.S_ISSOCK(st.st_mode):
-        raise StartupError(f"{path} exists and is not a socket; remove it or choose another listen path")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:  # nobody listening: left behind by a crash
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        logs.log(_log, logging.INFO, "replaced stale socket", path=path)
-        return
-    except FileNotFoundError:
-        return
-    except (socket.timeout, OSError) as e:
-        # Someone holds it but does not answer (a stuck shim, a full backlog): don't steal it.
-        reason = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
-        raise StartupError(f"{path} is held by a process that does not answer ({reason}); "
-                           "stop it or remove the socket, or choose another listen path") from None
-    else:
-        who = _peer(probe)
-        raise StartupError(f"another process{f' ({who})' if who else ''} is already serving on {path}; "
-                           "stop it first (systemctl stop cri-shim) or choose another listen path")
-    finally:
-        probe.close()
 
 
 @contextlib.contextmanager
@@ -173,7 +112,7 @@ class ShimServer:
     async def start(self) -> App:
         """Bind the socket and start serving (no signal handlers: see run())."""
         gid = _gid(self.cfg.server.socket_group) if self.cfg.server.socket_group else None
-        prepare_socket(self.path)
+        claim(self.path)
         self.app = app = App(self.cfg)
         try:
             await app.start()  # metrics and status are up before the first CRI call can arrive

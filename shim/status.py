@@ -21,13 +21,12 @@ import json
 import logging
 import os
 import socket
-import stat
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from . import logs
+from .unixsock import StartupError, claim
 
 if TYPE_CHECKING:
     from .app import App
@@ -80,7 +79,7 @@ class AdminServer:
         """Bind and serve. Returns False (logged) if the socket cannot be had: status is not
         worth failing the CRI path for."""
         try:
-            _claim(self.path)
+            claim(self.path)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)  # no window in which the socket is world-connectable
             try:
@@ -89,7 +88,7 @@ class AdminServer:
                 os.umask(old)
             os.chmod(self.path, 0o600)
             self._server = await asyncio.start_unix_server(self._serve, sock=sock)
-        except (OSError, _InUse) as e:
+        except (OSError, StartupError) as e:
             logs.log(_log, logging.ERROR, "admin socket unavailable; `cri-shim status` will not work",
                      path=self.path, error=str(e))
             return False
@@ -140,31 +139,6 @@ def _respond(writer: asyncio.StreamWriter, status: int, body: dict[str, Any]) ->
     data = json.dumps(body, indent=1, sort_keys=False).encode() + b"\n"
     writer.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-
-
-class _InUse(Exception):
-    pass
-
-
-def _claim(path: str) -> None:
-    """Make the directory; remove a stale socket; refuse a live one or a non-socket."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise _InUse(f"{path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError, socket.timeout):
-        os.unlink(path)
-        return
-    finally:
-        probe.close()
-    raise _InUse(f"another process is serving on {path}")
 
 
 # --------------------------------------------------------------------------- client
