@@ -154,6 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--upstream", help="runtime endpoint (default: start a private containerd)")
     ap.add_argument("--image", default="", help="image for ImageStatus (default: one pushed by the bench)")
+    ap.add_argument("--images", type=int, default=20,
+                    help="images pulled into the private containerd (ListImages response size grows with it)")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--throughput-seconds", type=float, default=5.0)
     ap.add_argument("--soak-calls", type=int, default=20000)
@@ -166,7 +168,7 @@ def main() -> None:
     if upstream is None:
         from tests.support.bench_env import BenchEnv  # starts registry + containerd, pushes images
 
-        env_ctx = BenchEnv(workdir)
+        env_ctx = BenchEnv(workdir, images=args.images)
         upstream, image = env_ctx.start()
     proc, shim = start_shim(upstream, workdir, json.loads(args.shim_config))
     try:

@@ -76,7 +76,7 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path, engine: str)
 
     log = shim.logs()
     statuses = [r[0] for r in results]
-    assert statuses.count("OK") == 2, (statuses, log)  # the two in-flight pulls finished
+    assert statuses.count("OK") == 2, (results, in_flight, pulls.started, pulls.finished, pulls.cancelled, log)  # the two in-flight pulls finished
     assert statuses.count("UNAVAILABLE") == 6, statuses  # the queued ones: kubelet will retry
     refused_after = max(t for s, t in results if s == "UNAVAILABLE") - t_term
     assert refused_after < 1.0, ("queued pulls must be refused at once, not after the in-flight ones", log)
