@@ -249,9 +249,15 @@ async def test_failures_retry_with_backoff_and_do_not_block_others(runtime, stor
         s = await reconciled(h, "warm", 7)  # all but the one that never comes
         assert store.pulls.count("registry.local/flaky:1") == 4
         await eventually(lambda: store.pulls.count("registry.local/gone:1") >= 4)
-        s = h.set_status("warm")
+        snap: dict = {}
+
+        def between_retries() -> bool:  # it is "pulling" while a retry is under way
+            snap["set"], snap["all"] = h.set_status("warm"), h.status()
+            return snap["set"]["failed"] == 1 and bool(snap["all"]["failed"])
+        await eventually(between_retries)
+        s = snap["set"]
         assert s["failed"] == 1 and "registry.local/gone:1: NOT_FOUND" in s["last_error"]
-        [row] = h.status()["failed"]
+        [row] = snap["all"]["failed"]
         assert row["image"] == "registry.local/gone:1" and row["attempts"] >= 3
         assert 0 <= row["retry_in_seconds"] <= 0.08 + 0.01  # capped at retry_max_seconds
     assert "image set pull failed; will retry" in caplog.text
