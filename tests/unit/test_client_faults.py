@@ -9,26 +9,12 @@ this run is in tests/soak.
 
 from __future__ import annotations
 
-import pytest
 
-from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.fixtures import shim_factory  # noqa: F401  (fixture)
 from tests.support.pull_chaos import PULL, ScriptedPulls, settled_gauges, storm
 from tests.support.registry import free_port
 
 CAP = 3
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 async def test_random_cancels_and_deadlines_keep_the_cap_and_leak_no_slot(runtime, shim_factory, engine) -> None:

@@ -96,11 +96,6 @@ def early_runtime(tmp_path) -> Iterator[EarlyAnswerRuntime]:
     rt.close()
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
 async def test_status_sent_before_the_request_reaches_the_client(early_runtime: EarlyAnswerRuntime,
                                                                  engine: str) -> None:
     async with running_shim(f"unix://{early_runtime.path}", engine=engine) as shim:

@@ -22,16 +22,9 @@ from shim.pins import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
 from shim.upstream import Upstream
 from tests.support.prefetch_store import FakeImages
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 
 PULL = "/runtime.v1.ImageService/PullImage"
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 @pytest.fixture

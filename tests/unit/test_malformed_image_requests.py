@@ -15,11 +15,6 @@ from tests.support.inproc import running_shim
 TRUNCATED = b"\x0a\x05\x0a\x03ng"  # ImageSpec (field 1) says 5 bytes, 4 follow
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
 @pytest.mark.parametrize("method, message", [("ImageStatus", "ImageStatusRequest"),
                                              ("ListImages", "ListImagesRequest"),
                                              ("StreamImages", "StreamImagesRequest")])

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.prom import free_port, scrape
 
@@ -35,19 +35,6 @@ class GatedPulls:
         if image.startswith("missing"):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{image}: not found")
         return api_pb2.PullImageResponse(image_ref="sha256:" + "2" * 64).SerializeToString()
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both engines intercept the same way."""
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 async def until(predicate, timeout: float = 5.0) -> None:

@@ -36,12 +36,6 @@ def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image), auth=auth).SerializeToString()
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both engines intercept the same way."""
-    return request.param
-
-
 @pytest.fixture
 def captured_logs():
     """Every record the shim and the OpenTelemetry SDK log, rendered in both formats, at debug."""

@@ -11,22 +11,9 @@ import time
 import grpc
 import pytest
 
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, pull_request
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both ways the shim serves (server.engine) must shut down the same way."""
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 async def _outcome(call) -> tuple[str, float]:

@@ -17,19 +17,6 @@ VERSION = "/runtime.v1.RuntimeService/Version"
 EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both passthrough engines must behave the same."""
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
-
-
 async def test_unary_bytes_and_metadata_pass_unchanged(runtime: FakeRuntime, engine: str) -> None:
     payload = b"\x0a\x05hello\xfa\x01\x03odd"  # includes a field nobody declares
     runtime.unary[VERSION] = b"\x12\x0acontainerd\x9a\x05\x02zz"

@@ -16,7 +16,7 @@ import yaml
 from shim import wire
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
 D_NGINX = "sha256:" + "d1" * 32
@@ -42,13 +42,6 @@ def pause() -> StoredImage:
 def serve(request):
     """running_shim on each engine: both must intercept the same way."""
     return functools.partial(running_shim, engine=request.param)
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 @pytest.fixture

@@ -9,22 +9,10 @@ import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
 PULL = "/runtime.v1.ImageService/PullImage"
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 def pull_request(image: str, user: str = "", password: str = "", uid: str = "", ns: str = "") -> bytes:

@@ -21,13 +21,6 @@ STREAM = "/runtime.v1.ImageService/StreamImages"
 OPTS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
-
-
 async def test_big_local_and_relayed_responses_share_the_connection(runtime: FakeRuntime) -> None:
     relayed = bytes(range(256)) * (3 * 4096)  # 3 MiB from the runtime
     local = b"L" * (5 << 20)  # 5 MiB from the shim itself

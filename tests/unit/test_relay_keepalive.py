@@ -9,22 +9,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from shim import wire
 from shim.relay import h2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
 PULL = "/runtime.v1.ImageService/PullImage"
 VERSION = "/runtime.v1.RuntimeService/Version"
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 async def test_locally_answered_calls_do_not_get_the_connection_closed(runtime: FakeRuntime) -> None:

@@ -26,11 +26,6 @@ STATUS = "/runtime.v1.RuntimeService/Status"
 PROMPT = 2.0  # seconds: "promptly", for an answer that needs no waiting at all
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
 def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
 

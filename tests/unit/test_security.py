@@ -32,11 +32,6 @@ PULL = "/runtime.v1.ImageService/PullImage"
 VERSION = "/runtime.v1.RuntimeService/Version"
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    return request.param
-
-
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()

@@ -15,7 +15,7 @@ import pytest
 from shim import cli
 from shim.proto.runtime.v1 import api_pb2
 from shim.status import print_status
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -23,19 +23,6 @@ PULL = "/runtime.v1.ImageService/PullImage"
 
 def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both engines intercept the same way."""
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 @pytest.fixture

@@ -45,12 +45,6 @@ def pulled(ref: str = "sha256:" + "1" * 64) -> bytes:
     return api_pb2.PullImageResponse(image_ref=ref).SerializeToString()
 
 
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both engines intercept the same way."""
-    return request.param
-
-
 @pytest.fixture
 async def runtime(tmp_path):
     rt = await FakeRuntime(socket_in(str(tmp_path))).start()

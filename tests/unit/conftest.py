@@ -1,0 +1,21 @@
+"""Fixtures shared by the unit tests that run a shim in front of a scripted runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.fake_runtime import FakeRuntime, socket_in
+
+
+@pytest.fixture(params=["relay", "grpc"])
+def engine(request) -> str:
+    """Both passthrough engines (server.engine) must behave the same."""
+    return request.param
+
+
+@pytest.fixture
+async def runtime(tmp_path):
+    """A scripted runtime on a unix socket; tests set its answers."""
+    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
+    yield rt
+    await rt.stop()
