@@ -255,15 +255,10 @@ class ClientConnection(asyncio.Protocol):
         out: list[bytes] = []
         i, n = 0, len(buf)
         if not self._preface_done:
-            if n < 24:
-                self._cbuf = buf
+            if not self._take_preface(buf):
                 return
-            if buf[:24] != h2.PREFACE:
-                self._protocol_error(H2Error("not an HTTP/2 client preface"))
-                return
-            out.append(buf[:24])
+            out.append(h2.PREFACE)
             i = 24
-            self._preface_done = True
         try:
             while n - i >= 9:
                 length = buf[i] << 16 | buf[i + 1] << 8 | buf[i + 2]
@@ -335,6 +330,17 @@ class ClientConnection(asyncio.Protocol):
         self._cbuf = buf[i:]
         if out and self.upstream is not None and not self.upstream.is_closing():
             self.upstream.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def _take_preface(self, buf: bytes) -> bool:
+        """True once ``buf`` starts with the client preface; keeps a short buffer; closes on garbage."""
+        if len(buf) < 24:
+            self._cbuf = buf
+            return False
+        if buf[:24] != h2.PREFACE:
+            self._protocol_error(H2Error("not an HTTP/2 client preface"))
+            return False
+        self._preface_done = True
+        return True
 
     def _client_settings(self, payload: bytes) -> None:
         values = h2.settings_payload(payload)
@@ -588,13 +594,9 @@ class ClientConnection(asyncio.Protocol):
         buf = self._cbuf + data if self._cbuf else data
         i, n = 0, len(buf)
         if not self._preface_done:
-            if n < 24:
-                self._cbuf = buf
+            if not self._take_preface(buf):
                 return
-            if buf[:24] != h2.PREFACE:
-                self._protocol_error(H2Error("not an HTTP/2 client preface"))
-                return
-            i, self._preface_done = 24, True
+            i = 24
         out: list[bytes] = []
         try:
             while n - i >= 9:
