@@ -30,9 +30,8 @@ if ! command -v crictl >/dev/null; then
   echo "setup: go install crictl v1.37.0"
   GOBIN=/usr/local/bin go install sigs.k8s.io/cri-tools/cmd/crictl@v1.37.0
 fi
-if [ ! -x /opt/containerd2/bin/containerd ]; then
-  # containerd 2.x for the runtime-handler e2e tests (1.6 ignores ImageSpec.runtime_handler)
-  echo "setup: go install containerd v2.4.2 (a few minutes)"
-  GOBIN=/opt/containerd2/bin go install -tags "no_btrfs no_devmapper no_zfs" \
-    github.com/containerd/containerd/v2/cmd/containerd@v2.4.2
-fi
+# One file per extra component (containerd 2.x, kubelet, CRI-O, ...), each idempotent and
+# caching its build by version, run in name order.
+for step in scripts/setup.d/*.sh; do
+  bash "$step"
+done
