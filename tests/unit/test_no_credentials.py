@@ -7,8 +7,6 @@ import asyncio
 import io
 import json
 import logging
-import os
-import tempfile
 
 import grpc
 import pytest
@@ -65,7 +63,7 @@ def leaks(text: str | bytes) -> list[str]:
     return [k for k, v in SECRETS.items() if v in text]
 
 
-async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, captured_logs) -> None:
+async def test_credentials_appear_nowhere(engine: str, tmp_path, short_tmp, monkeypatch, captured_logs) -> None:
     collector = await OtlpCollector().start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
@@ -81,7 +79,7 @@ async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, ca
 
     runtime.unary[PULL] = pull
     address = f"127.0.0.1:{free_port()}"
-    admin = os.path.join(tempfile.mkdtemp(prefix="cri-admin-"), "admin.sock")
+    admin = str(short_tmp / "admin.sock")
     settings = {"pulls": {"max_parallel": 1}, "metrics": {"address": address},
                 "server": {"admin_socket": admin}}
     status_out: list[str] = []

@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -46,11 +45,11 @@ async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     return p.returncode, out.decode(), err.decode()
 
 
-async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path) -> None:
+async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path, short_tmp) -> None:
     runtime = await FakeRuntime(socket_in(str(tmp_path))).start()
     runtime.unary[PULL] = api_pb2.PullImageResponse(image_ref="sha256:" + "9" * 64).SerializeToString()
     collector = await OtlpCollector().start()
-    d = tempfile.mkdtemp(prefix="cri-proc-")
+    d = str(short_tmp)
     listen, admin, metrics = os.path.join(d, "shim.sock"), os.path.join(d, "admin.sock"), f"127.0.0.1:{free_port()}"
     config = os.path.join(d, "config.yaml")
     Path(config).write_text(yaml.safe_dump({"server": {"admin_socket": admin}, "metrics": {"address": metrics}}))

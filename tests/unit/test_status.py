@@ -7,7 +7,6 @@ import io
 import json
 import os
 import stat
-import tempfile
 
 import grpc
 import pytest
@@ -26,8 +25,8 @@ def pull_request(image: str) -> bytes:
 
 
 @pytest.fixture
-def admin_socket():
-    return os.path.join(tempfile.mkdtemp(prefix="cri-admin-"), "admin.sock")  # short: sun_path is 108 bytes
+def admin_socket(short_tmp) -> str:
+    return str(short_tmp / "admin.sock")
 
 
 async def status(path: str, as_json: bool) -> tuple[int, str]:
