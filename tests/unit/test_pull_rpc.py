@@ -54,6 +54,11 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def waiters(shim) -> list[int]:
+    """Callers waiting on each upstream pull in flight, fewest first."""
+    return sorted(row["waiters"] for row in shim.app.scheduler.snapshot()["in_flight"])
+
+
 async def test_identical_pulls_collapse_and_credentials_split(runtime: FakeRuntime, engine: str) -> None:
     slow = SlowPulls()
     runtime.unary[PULL] = slow
@@ -63,8 +68,8 @@ async def test_identical_pulls_collapse_and_credentials_split(runtime: FakeRunti
             calls = [pull(pull_request("reg/app:1"), timeout=10) for _ in range(10)]
             calls += [pull(pull_request("reg/app:1", "alice", "s3cret"), timeout=10) for _ in range(2)]
             tasks = [asyncio.ensure_future(c) for c in calls]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
-            await asyncio.sleep(0.1)
+            # every caller has joined one of two pulls, and both have reached the runtime
+            await wait_for(lambda: waiters(shim) == [2, 10] and len(runtime.calls("PullImage")) == 2)
             slow.release.set()
             responses = await asyncio.gather(*tasks)
     assert len(runtime.calls("PullImage")) == 2  # one per credential group
@@ -79,9 +84,8 @@ async def test_cap_limits_concurrent_upstream_pulls(runtime: FakeRuntime, engine
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             tasks = [asyncio.ensure_future(pull(pull_request(f"reg/app{i}:1"), timeout=10)) for i in range(6)]
-            await wait_for(lambda: slow.active == 2)
-            await asyncio.sleep(0.1)
-            assert slow.active == 2 and shim.app.scheduler.queued == 4
+            await wait_for(lambda: slow.active == 2 and shim.app.scheduler.queued == 4)  # all six arrived
+            assert shim.app.scheduler.in_flight == 2
             slow.release.set()
             await asyncio.gather(*tasks)
     assert slow.max_active == 2 and len(runtime.calls("PullImage")) == 6
@@ -117,8 +121,8 @@ async def test_runtime_error_reaches_every_waiter_unchanged(runtime: FakeRuntime
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             tasks = [asyncio.ensure_future(pull(pull_request("reg/missing:1"), timeout=10)) for _ in range(3)]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
-            await asyncio.sleep(0.05)
+            # all three wait on the one pull, which has reached the runtime
+            await wait_for(lambda: waiters(shim) == [3] and len(runtime.calls("PullImage")) == 1)
             gate.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
     for r in results:
@@ -144,7 +148,7 @@ async def test_cancelled_callers_cancel_the_upstream_pull(runtime: FakeRuntime, 
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             calls = [pull(pull_request("reg/a:1"), timeout=10) for _ in range(2)]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 1 and waiters(shim) == [2])
             for c in calls:
                 c.cancel()
             await asyncio.wait_for(cancelled.wait(), 5)
