@@ -222,7 +222,8 @@ async def test_a_kubelet_pull_sharing_a_dropped_prefetch_is_not_cancelled(runtim
 
         kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image="registry.local/shared:1"), kubelet_run,
                                                          priority=Priority.FOREGROUND))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: [r["waiters"] for r in h.scheduler.snapshot()["in_flight"]] == [2],
+                         what="kubelet's pull joined the prefetch")
         write(f, own("warm", []))
         await eventually(lambda: h.status()["sets"]["warm"]["declared"] == 0)
         await asyncio.sleep(0.05)
