@@ -12,15 +12,15 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from .. import logs, wire
+from .. import logs
 from ..errors import RpcError
+from ..handlers import with_runtime_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
 from ..pulls.scheduler import Priority, PullKey
 from .service import PULL_IMAGE, ImageService, auth_key, decode
 
 _log = logs.get("pull")
-RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
 
 
 async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
@@ -33,7 +33,7 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
         decision = await svc.handlers.for_pull(req, call)  # type: ignore[attr-defined]
         if decision is not None:
             handler, how = decision.handler, decision.source
-            request = wire.append_to_submessage(request, 1, wire.string_field(RUNTIME_HANDLER_FIELD, handler))
+            request = with_runtime_handler(request, handler)
             svc.metrics.handler_injected.labels(decision.kind).inc()
             logs.log(_log, logging.INFO, "runtime handler injected", image=image, handler=handler, source=how)
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""

@@ -156,14 +156,6 @@ class PullScheduler:
                     flight.future.set_exception(self._closed)
         self._changed()
 
-    def cancel(self, key: PullKey) -> bool:
-        """Cancel a flight whoever waits for it (image removed from a declared set)."""
-        flight = self._flights.get(key)
-        if flight is None:
-            return False
-        self._abandon(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {key.image} cancelled"))
-        return True
-
     @property
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -271,16 +263,14 @@ class PullScheduler:
         if self._flights.get(flight.key) is flight:
             del self._flights[flight.key]
 
-    def _abandon(self, flight: Flight, error: RpcError | None = None) -> None:
+    def _abandon(self, flight: Flight) -> None:
         """Nobody waits any more: drop it from the queue, or cancel the upstream call."""
         self._forget(flight)
         if flight.queued:
             self._queues[flight.priority].remove(flight)
-            flight.future.set_exception(error or RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
+            flight.future.set_exception(RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
             self._changed()
         elif flight.task is not None and not flight.task.done():
-            if error is not None and not flight.future.done():
-                flight.future.set_exception(error)
             flight.task.cancel()
 
     def _changed(self) -> None:
