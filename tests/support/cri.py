@@ -133,7 +133,7 @@ async def acall(
 # --------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = bytearray()
     n &= (1 << 64) - 1
     while True:
@@ -148,11 +148,11 @@ def _varint(n: int) -> bytes:
 
 def field_bytes(number: int, value: bytes | str) -> bytes:
     data = value.encode() if isinstance(value, str) else value
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
+    return varint(number << 3 | 2) + varint(len(data)) + data
 
 
 def field_varint(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
+    return varint(number << 3) + varint(value)
 
 
 def field_map(number: int, entries: dict[str, str]) -> bytes:
@@ -166,7 +166,7 @@ def decode(data: bytes) -> dict[int, list[int | bytes]]:
     out: dict[int, list[int | bytes]] = {}
     i, n = 0, len(data)
 
-    def varint() -> int:
+    def read_varint() -> int:
         nonlocal i
         shift = result = 0
         while True:
@@ -178,13 +178,13 @@ def decode(data: bytes) -> dict[int, list[int | bytes]]:
             shift += 7
 
     while i < n:
-        key = varint()
+        key = read_varint()
         number, wire = key >> 3, key & 7
         value: int | bytes
         if wire == 0:
-            value = varint()
+            value = read_varint()
         elif wire == 2:
-            length = varint()
+            length = read_varint()
             value = data[i : i + length]
             i += length
         elif wire == 1:

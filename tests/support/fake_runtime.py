@@ -7,7 +7,6 @@ real containerd can't help here (RunPodSandbox, streams) and for fault tests.
 
 from __future__ import annotations
 
-import asyncio
 import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable

@@ -14,17 +14,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import connectable, start_shim
 from tests.support.slow_pulls import VERSION
 
 
 @pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    rt.unary[VERSION] = b"\x0a\x050.1.0"
-    yield rt
-    await rt.stop()
+def runtime(runtime: FakeRuntime) -> FakeRuntime:
+    """tests/unit/conftest.py's runtime, answering Version."""
+    runtime.unary[VERSION] = b"\x0a\x050.1.0"
+    return runtime
 
 
 def _stale_socket(path: str) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -19,23 +18,13 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
 from tests.support.prom import free_port, scrape
+from tests.support.shim_process import connectable
 
 ROOT = Path(__file__).resolve().parents[2]
 PULL = "/runtime.v1.ImageService/PullImage"
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
 SECRET = "s3cr3t-registry-password-5521"
-
-
-def accepts(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
@@ -62,7 +51,7 @@ async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path, short_tmp
         cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
     try:
         for _ in range(200):
-            if accepts(listen):
+            if connectable(listen):
                 break
             assert proc.returncode is None, "shim exited early"
             await asyncio.sleep(0.05)
