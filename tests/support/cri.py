@@ -8,7 +8,9 @@ covers the few image-service messages the harness needs.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -302,3 +304,17 @@ def decode_version_response(data: bytes) -> dict[str, str]:
         "runtime_version": _str(f, 3),
         "runtime_api_version": _str(f, 4),
     }
+
+
+async def until_ok(ch: grpc.aio.Channel, method: str, request: bytes, timeout: float = 15.0,
+                   call_timeout: float = 5.0) -> float:
+    """Seconds until ``method`` succeeds on ``ch``, trying every 50 ms like a retrying client."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            await ch.unary_unary(method)(request, timeout=call_timeout)
+            return time.monotonic() - t0
+        except grpc.aio.AioRpcError as e:
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"{method} still failing after {timeout}s: {e.code().name} {e.details()}")
+        await asyncio.sleep(0.05)
