@@ -170,3 +170,13 @@ def test_image_names_agree_with_normalize(name: str) -> None:
     except reference.ReferenceError:
         expected = name
     assert image_names("", [name], []) == [expected]
+
+
+def test_pin_hosts_are_case_insensitive_and_split_like_references() -> None:
+    pins = PinSet.build(["REG.Example.com/app:*", "Quay.IO/org/tool:1"])
+    assert pins.match_image("", ["reg.example.com/app:v1"], []) == "reg.example.com/app:*"
+    assert pins.match_image("", ["quay.io/org/tool:1"], []) == "quay.io/org/tool:1"
+    assert PinSet.build(["reg.example.com/app:v1"]).match_image("", ["Reg.EXAMPLE.com/app:v1"], []) is not None
+    # the glob's host is decided by reference.split_domain: an upper-case first component is a host
+    assert normalize_pattern("LOCALDOMAIN/x:*") == "LOCALDOMAIN/x:*"
+    assert normalize_pattern("Index.Docker.io/busybox:*") == "docker.io/library/busybox:*"
