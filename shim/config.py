@@ -72,6 +72,8 @@ class ImageSetsConfig:
     debounce_seconds: float = 0.2
     retry_initial_seconds: float = 5.0
     retry_max_seconds: float = 300.0
+    runtime_timeout_seconds: float = 30.0  # deadline of the reconciler's own ListImages / ImageFsInfo
+    docker_config: tuple[str, ...] = ("/var/lib/kubelet/config.json",)  # registry credentials for prefetch
 
 
 @dataclass(frozen=True)
@@ -306,7 +308,12 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         retry_initial_seconds=_duration(
             "image_sets.retry_initial_seconds", d.get("retry_initial_seconds", c.retry_initial_seconds)),
         retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
+        runtime_timeout_seconds=_duration(
+            "image_sets.runtime_timeout_seconds", d.get("runtime_timeout_seconds", c.runtime_timeout_seconds)),
+        docker_config=_str_list("image_sets.docker_config", d.get("docker_config", list(c.docker_config)) or []),
     )
+    if cfg.runtime_timeout_seconds <= 0:
+        raise ConfigError("image_sets.runtime_timeout_seconds", f"must be > 0, got {cfg.runtime_timeout_seconds!r}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
                           f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")
