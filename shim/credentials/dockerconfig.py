@@ -88,12 +88,18 @@ class DockerConfigFiles:
         self.paths = tuple(paths)
         self._files: dict[str, _File] = {}
         self._keyring = Keyring()
+        self._entries: list[tuple[str, Credential]] = []
 
     def configure(self, paths: tuple[str, ...]) -> None:
         if tuple(paths) != self.paths:
             self.paths = tuple(paths)
             self._files = {p: f for p, f in self._files.items() if p in self.paths}
             self._rebuild()
+
+    def entries(self) -> list[tuple[str, Credential]]:
+        """Every (auths key, credential) in force, files re-read as for :meth:`keyring`."""
+        self.keyring()
+        return list(self._entries)
 
     def keyring(self) -> Keyring:
         """The current keyring; files that changed since the last call are re-read."""
@@ -141,7 +147,8 @@ class DockerConfigFiles:
         self._files[path] = _File(stamp, old.entries if old is not None else [], error)
 
     def _rebuild(self) -> None:
-        self._keyring = Keyring(e for p in self.paths if p in self._files for e in self._files[p].entries)
+        self._entries = [e for p in self.paths if p in self._files for e in self._files[p].entries]
+        self._keyring = Keyring(self._entries)
 
     def status(self) -> dict[str, Any]:
         """Per file: registries it has credentials for (keys only) and any error."""

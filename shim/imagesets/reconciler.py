@@ -44,7 +44,8 @@ import grpc
 
 from .. import logs
 from ..config import ImageSetsConfig
-from ..credentials import Credential, DockerConfigFiles
+from ..credentials import Credential, DockerConfigFiles, Keyring
+from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..errors import RpcError
 from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
 from ..metrics import Metrics
@@ -131,6 +132,8 @@ class Reconciler:
         self._pins = pins
         self._handler_for = handler_for
         self.credentials = credentials if credentials is not None else DockerConfigFiles(cfg.docker_config)
+        self.plugins: PluginProviders | None = None
+        self._load_plugins(cfg)
         self._statvfs = statvfs
         self._clock = clock
         self.resync_seconds = resync_seconds
@@ -163,7 +166,20 @@ class Reconciler:
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = cfg
         self.credentials.configure(cfg.docker_config)
+        self._load_plugins(cfg)
         self._wake.set()
+
+    def _load_plugins(self, cfg: ImageSetsConfig) -> None:
+        """(Re-)read the CredentialProviderConfig: at start and at every reload. A file that
+        turned bad since the config was validated keeps the running providers."""
+        if not cfg.credential_provider_config:
+            self.plugins = None
+            return
+        try:
+            self.plugins = PluginProviders.from_files(cfg.credential_provider_config, cfg.credential_provider_bin_dir)
+        except ProviderConfigError as e:
+            logs.log(_log, logging.ERROR, "credential provider config rejected; keeping the running providers",
+                     error=str(e))
 
     def set_sets(self, sets: dict[str, ImageSet]) -> None:
         """The declared sets changed: re-diff (one ListImages), cancel what is no longer declared."""
@@ -413,10 +429,14 @@ class Reconciler:
                 return decision
         return "", "none"
 
-    def _credentials(self, img: _Image) -> list[Credential | None]:
-        """What to try, in order: matching config.json entries, else anonymous."""
+    async def _credentials(self, img: _Image) -> list[Credential | None]:
+        """What to try, in order: matching config.json and credential-provider entries (one
+        keyring, most specific key first, as kubelet merges its providers), else anonymous."""
         try:
-            found: list[Credential | None] = list(self.credentials.keyring().lookup(img.spelled))
+            entries = self.credentials.entries()
+            if self.plugins is not None:
+                entries += await self.plugins.entries(img.spelled)
+            found: list[Credential | None] = list(Keyring(entries).lookup(img.spelled))
         except Exception as e:  # never let a credential file stop prefetch; never log its content
             logs.log(_log, logging.WARNING, "registry credentials unavailable; pulling anonymously",
                      error=type(e).__name__)
@@ -425,7 +445,7 @@ class Reconciler:
 
     async def _pull(self, img: _Image) -> None:
         handler, handler_source = self._handler(img)
-        attempts = self._credentials(img)
+        attempts = await self._credentials(img)
         self.pulls_started += 1
         self.metrics.pull_requests_total.labels("background").inc()
         t0 = self._clock()
@@ -557,5 +577,6 @@ class Reconciler:
             "runtime_error": self.runtime_error,
             "last_pass": dict(self.last_pass),
             "background_pulls_started": self.pulls_started,
-            "credentials": self.credentials.status(),
+            "credentials": {"docker_config": self.credentials.status(),
+                            **({"plugins": self.plugins.status()} if self.plugins is not None else {})},
         }

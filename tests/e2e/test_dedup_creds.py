@@ -161,7 +161,7 @@ def test_image_set_on_a_private_registry_uses_config_json_and_shows_no_password(
     wait_for(lambda: set_state(shim, "private").get("present") == 1, what="the set present")
     print(f"\nwithout config.json: {failed_error!r}; with it: present")
     st = status(shim)["image_sets"]
-    assert st["credentials"][str(creds)]["registries"] == [f"http://{auth_registry.host}"]
+    assert st["credentials"]["docker_config"][str(creds)]["registries"] == [f"http://{auth_registry.host}"]
     texts = status_texts(shim)
     metrics_text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     log = shim.log_text()
