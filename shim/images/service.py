@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import logging
@@ -76,38 +74,13 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 def auth_key(auth: Message) -> str:
-    """A hash of what an AuthConfig authenticates with (never the secret itself); '' when none.
+    """A hash of the full AuthConfig (never the secret itself); '' when there is none.
 
-    Equal credentials give equal keys however they are spelled: ``auth`` (base64
-    ``user:password``) counts as the username and password it encodes, as the runtimes
-    read it. Different credentials never share a key.
+    Credentials are equal when every AuthConfig field is: a pull is never shared between
+    credentials that merely look alike (``auth`` versus username and password).
     """
-    user, password = auth.username, auth.password  # type: ignore[attr-defined]
-    raw_auth = auth.auth  # type: ignore[attr-defined]
-    if raw_auth:
-        decoded = _decode_auth(raw_auth)
-        if decoded is not None and not user and not password:
-            user, password = decoded
-            raw_auth = ""
-        elif decoded == (user, password):
-            raw_auth = ""
-    parts = (user, password, raw_auth, auth.server_address, auth.identity_token,  # type: ignore[attr-defined]
-             auth.registry_token)  # type: ignore[attr-defined]
-    if not any(parts):
-        return ""
-    h = hashlib.sha256()
-    for p in parts:
-        b = p.encode()
-        h.update(len(b).to_bytes(4, "big") + b)
-    return h.hexdigest()
-
-
-def _decode_auth(value: str) -> tuple[str, str] | None:
-    try:
-        user, sep, password = base64.b64decode(value, validate=True).decode().partition(":")
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
-    return (user, password) if sep else None
+    raw = auth.SerializeToString(deterministic=True)
+    return hashlib.sha256(raw).hexdigest() if raw else ""
 
 
 @contextlib.contextmanager

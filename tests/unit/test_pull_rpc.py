@@ -198,28 +198,6 @@ async def test_spellings_of_one_image_collapse_and_each_request_is_sent_as_spell
     assert first in spellings  # the first caller's request, as that caller spelled it
 
 
-async def test_equal_credentials_spelled_differently_share_a_pull(runtime: FakeRuntime, engine: str) -> None:
-    import base64
-
-    slow = SlowPulls()
-    runtime.unary[PULL] = slow
-    by_fields = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="reg.local/app:1"),
-                                         auth=api_pb2.AuthConfig(username="alice", password="s3cret"))
-    by_auth = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="reg.local/app:1"),
-                                       auth=api_pb2.AuthConfig(auth=base64.b64encode(b"alice:s3cret").decode()))
-    other = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="reg.local/app:1"),
-                                     auth=api_pb2.AuthConfig(auth=base64.b64encode(b"alice:other").decode()))
-    async with running_shim(runtime.endpoint, engine=engine) as shim:
-        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-            pull = ch.unary_unary(PULL)
-            tasks = [asyncio.ensure_future(pull(r.SerializeToString(), timeout=10)) for r in (by_fields, by_auth, other)]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
-            await wait_for(lambda: shim.app.metrics.registry.get_sample_value("cri_shim_pull_dedup_joins_total") == 1)
-            slow.release.set()
-            await asyncio.gather(*tasks)
-    assert len(runtime.calls("PullImage")) == 2
-
-
 _SPEC = api_pb2.ImageSpec(image="nginx").SerializeToString()
 _GOOD = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="nginx")).SerializeToString()
 
