@@ -563,6 +563,8 @@ class Reconciler:
                 row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
             if s.ignored:
                 row["ignored_fields"] = list(s.ignored)
+            if any(s.handlers):
+                row["runtime_handlers"] = sorted({h for h in s.handlers if h})
             sets[name] = row
         failed = sorted((i for i in self.images.values() if i.state is State.FAILED), key=lambda i: i.retry_at)
         return {

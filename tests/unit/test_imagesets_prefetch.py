@@ -51,6 +51,8 @@ async def test_declared_handlers_and_rules_reach_the_runtime_with_a_pod(runtime,
         await reconciled(h, "own", 4)
         await reconciled(h, "mco", 1)
         await reconciled(h, "plain", 2)
+        assert h.set_status("own")["runtime_handlers"] == ["gvisor", "kata"]
+        assert h.set_status("mco")["runtime_handlers"] == ["fast"] and "runtime_handlers" not in h.set_status("plain")
     got = sorted((r.image.image, r.image.runtime_handler, r.HasField("sandbox_config")) for r in store.pull_requests)
     assert got == [("reg.local/a:1", "gvisor", True), ("reg.local/a:1", "kata", True),
                    ("reg.local/b:1", "gvisor", True), ("reg.local/d:1", "fast", True),
@@ -172,3 +174,20 @@ async def test_a_hung_image_fs_info_does_not_stop_reconciling(runtime, store, tm
         h.sets.reconciler._next_list = 0.0
         h.sets.reconciler._wake.set()
         await reconciled(h, "warm", 1)
+
+
+async def test_a_reload_that_changes_docker_config_is_used_by_the_next_pull(runtime, store, tmp_path) -> None:
+    import dataclasses
+
+    sets, one, two = tmp_path / "sets", tmp_path / "one.json", tmp_path / "two.json"
+    sets.mkdir()
+    docker_config(one, {"reg.local": {"username": "one", "password": SECRET}})
+    docker_config(two, {"reg.local": {"username": "two", "password": SECRET}})
+    (sets / "a.yaml").write_text(own("warm", ["reg.local/a:1"]))
+    async with image_sets(runtime, sets, docker_config=(str(one),)) as h:
+        await reconciled(h, "warm", 1)
+        h.sets.configure(dataclasses.replace(h.sets.cfg, docker_config=(str(two),)))
+        (sets / "a.yaml").write_text(own("warm", ["reg.local/a:1", "reg.local/b:1"]))
+        await reconciled(h, "warm", 2)
+        assert list(h.status()["credentials"]["docker_config"]) == [str(two)]
+    assert [r.auth.username for r in store.pull_requests] == ["one", "two"]
