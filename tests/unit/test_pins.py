@@ -157,7 +157,8 @@ def test_match_names_the_pin_and_its_source() -> None:
 _name = st.builds(
     lambda host, path, tail: host + path + tail,
     st.sampled_from(["", "docker.io/", "index.docker.io/", "localhost/", "localhost:5000/", "reg.example.com/",
-                     "REG/", "a_b.c/", "[::1]:5000/", "docker.io/library/", "quay.io/"]),
+                     "REG/", "a_b.c/", "[::1]:5000/", "docker.io/library/", "quay.io/",
+                     "Reg.Example.com/", "LocalHost:5000/", "Docker.IO/", "Index.Docker.io/library/"]),
     st.from_regex(r"\A[a-z0-9A-Z_.:@-]{1,8}(/[a-z0-9_.:-]{1,6}){0,2}\Z"),
     st.sampled_from(["", ":v1", ":latest", f"@{D1}", f":v1@{D1}", ":", "@sha256:ab", ":Bad Tag"]),
 )
