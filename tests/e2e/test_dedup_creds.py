@@ -8,6 +8,7 @@ node's credentials, against real containerd and a registry (through a counting p
 * An image set on a password-protected registry fails without credentials and is
   prefetched once the node's config.json has them; the password appears in no log line
   (debug), metric or status.
+* The same with a kubelet credential provider plugin (tests/support/credential_plugin.py).
 * containerd 2.x: a runtime_handlers rule (and a set's runtimeHandler) route a
   prefetched image to that handler's snapshotter.
 """
@@ -189,3 +190,37 @@ def test_a_rule_routes_a_prefetched_image_to_its_handlers_snapshotter(ctrd2, shi
     assert runtime_used(ctrd2, plain.ref) is None  # no rule, no handler: the default snapshotter
     assert snapshots(ctrd2, "overlayfs") > 0 and snapshots(ctrd2, "native") > 0
     assert "handler_source=runtime_handlers.rules[0]" in shim.log_text()
+
+
+def test_image_set_on_a_private_registry_with_a_credential_provider_plugin(
+        containerd, shim_factory, make_image, auth_registry: RegistryWithProxy, tmp_path) -> None:
+    img = make_image(registry=auth_registry)
+    sets, bin_dir = tmp_path / "sets", tmp_path / "bin"
+    sets.mkdir()
+    bin_dir.mkdir()
+    plugin = Path(__file__).parent.parent / "support" / "credential_plugin.py"
+    exe = bin_dir / "test-provider"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {plugin} \"$@\"\n")
+    exe.chmod(0o755)
+    runs = tmp_path / "runs.log"
+    providers = tmp_path / "providers.yaml"
+    providers.write_text(json.dumps({
+        "apiVersion": "kubelet.config.k8s.io/v1", "kind": "CredentialProviderConfig", "providers": [{
+            "name": "test-provider", "matchImages": [auth_registry.host], "defaultCacheDuration": "10m",
+            "apiVersion": "credentialprovider.kubelet.k8s.io/v1", "args": ["--user", AUTH_USER],
+            "env": [{"name": "PLUGIN_RUNS", "value": str(runs)}, {"name": "PLUGIN_PASSWORD", "value": AUTH_PASSWORD}],
+        }]}))
+    port = free_port()
+    shim = shim_factory({"image_sets": {"dir": str(sets), "debounce_seconds": 0.05, "docker_config": [],
+                                        "credential_provider_config": str(providers),
+                                        "credential_provider_bin_dir": str(bin_dir)},
+                         "metrics": {"address": f"127.0.0.1:{port}"}}, log_level="debug")
+    image_set(sets / "private.yaml", "private", [img.ref])
+    wait_for(lambda: set_state(shim, "private").get("present") == 1, what="the set present")
+    assert [json.loads(line)["image"] for line in runs.read_text().splitlines()] == [img.ref]
+    texts = status_texts(shim)
+    metrics_text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for where, text in [("log", shim.log_text()), ("metrics", metrics_text), ("status --json", texts[0]),
+                        ("status", texts[1])]:
+        assert AUTH_PASSWORD not in text, where
+    assert "test-provider" in texts[0]

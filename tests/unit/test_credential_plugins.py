@@ -1,5 +1,5 @@
 """kubelet credential provider plugins for image-set prefetch, with a small plugin of our
-own (tests/unit/credential_plugin.py): the exec protocol, matchImages, the answer cache
+own (tests/support/credential_plugin.py): the exec protocol, matchImages, the answer cache
 (cacheKeyType, cacheDuration), failures and timeouts, and no secret in logs or status."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.support.prefetch_store import FakeImages
 from tests.unit.test_imagesets import image_sets, own, reconciled
 
 SECRET = "plugin-pw-41d9c2"
-PLUGIN = Path(__file__).with_name("credential_plugin.py")
+PLUGIN = Path(__file__).parent.parent / "support" / "credential_plugin.py"
 
 
 @pytest.fixture
