@@ -15,9 +15,9 @@ against the cap. Who may join whom (the join rule):
 * A **background** caller (image-set prefetch) joins any flight of its group,
   whatever its credentials or namespace: it only wants the image present and adds
   nothing to the other caller's pull. It prefers a flight with its own key.
-* A flight's result, or its error, goes to every caller that joined it; a caller
-  that leaves (its deadline, a cancel) does not end the flight while another waits. Each caller waits with its own deadline; the flight
-goes on while anyone waits and is cancelled (or dropped from the queue) when the
+
+Each caller waits with its own deadline; the flight goes on while anyone waits
+(foreground or background) and is cancelled (or dropped from the queue) when the
 last waiter leaves. Results and errors fan out to every waiter still there. A
 finished flight is forgotten at once: a later pull goes upstream again.
 
