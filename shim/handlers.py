@@ -309,6 +309,11 @@ class HandlerResolver:
             return Decision(pod.handler, f"pod {uid} learned from RunPodSandbox", "pod")
         return Decision(pod.handler, f"pod {uid} via ListPodSandbox", "lookup")
 
+    def for_prefetch(self, image: str) -> tuple[str, str] | None:
+        """Image-set prefetch: (handler, rule) of the first rule matching the image without a pod."""
+        decision = self.match_rule(image, None, None, ())
+        return (decision.handler, decision.source) if decision is not None else None
+
     def for_image(self, spec: api_pb2.ImageSpec) -> Decision | None:
         """ImageStatus / RemoveImage: rules without pod matchers, annotations from ImageSpec."""
         return self.match_rule(spec.image, None, None, (spec.annotations,))

@@ -85,9 +85,10 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool = True,
-                     scheduler_cap: int = 4, free_bytes: int = 10 << 30, **cfg: Any) -> AsyncIterator[Harness]:
+                     scheduler_cap: int = 4, free_bytes: int = 10 << 30, options: dict[str, Any] | None = None,
+                     **cfg: Any) -> AsyncIterator[Harness]:
     settings = dict(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
-                    retry_max_seconds=0.2)
+                    retry_max_seconds=0.2, docker_config=())
     settings.update(cfg)
     config = ImageSetsConfig(**settings)
     upstream = Upstream(runtime.endpoint, 16 << 20)
@@ -102,7 +103,8 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
 
     h = Harness(None, scheduler, metrics, pin_updates, disk, upstream)  # type: ignore[arg-type]
     h.sets = ImageSets(config, upstream, scheduler, metrics, on_pins=pin_updates.append, pins=lambda: h.pins,
-                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05)
+                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05,
+                       **(options or {}))
     await h.sets.start()
     try:
         yield h

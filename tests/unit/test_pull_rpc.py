@@ -178,3 +178,50 @@ async def test_request_bytes_reach_runtime_unchanged(runtime: FakeRuntime, engin
     got = runtime.calls("PullImage")[0]
     assert got.request == raw
     assert got.metadata["traceparent"] == md[0][1]
+
+
+async def test_spellings_of_one_image_collapse_and_each_request_is_sent_as_spelled(runtime: FakeRuntime,
+                                                                                  engine: str) -> None:
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    spellings = ["nginx", "docker.io/library/nginx", "docker.io/library/nginx:latest", "index.docker.io/nginx",
+                 "Docker.IO/library/nginx:latest", "library/nginx:latest"]
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pull_request(s), timeout=10)) for s in spellings * 2]
+            tasks.append(asyncio.ensure_future(pull(pull_request("nginx:1.27"), timeout=10)))  # another image
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
+            await wait_for(lambda: shim.app.metrics.registry.get_sample_value(
+                "cri_shim_pull_dedup_joins_total") == len(spellings) * 2 - 1)
+            slow.release.set()
+            await asyncio.gather(*tasks)
+    sent = [api_pb2.PullImageRequest.FromString(c.request).image.image for c in runtime.calls("PullImage")]
+    assert len(sent) == 2 and "nginx:1.27" in sent
+    first = next(s for s in sent if s != "nginx:1.27")
+    assert first in spellings  # the first caller's request, as that caller spelled it
+
+
+_SPEC = api_pb2.ImageSpec(image="nginx").SerializeToString()
+_GOOD = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="nginx")).SerializeToString()
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"\x0a" + bytes([len(_SPEC) + 2]) + _SPEC + b"\x1b\x1c", "wire type 3 (group)"),  # a group in ImageSpec
+    (_GOOD + b"\x2b\x2c", "wire type 3 (group)"),  # a group at the top level
+    (_GOOD + b"\x18\x05", "field 3 (sandbox_config) has wire type 0"),
+    (_GOOD + b"\x15\x00\x00\x00\x00", "field 2 (auth) has wire type 5"),
+    (b"\x0a\x02\x08\x01", "field image.image (1) has wire type 0"),
+], ids=["group-in-imagespec", "group-top-level", "sandbox-config-varint", "auth-fixed32", "image-varint"])
+@pytest.mark.parametrize("rules", [False, True], ids=["no-rules", "handler-rule"])
+async def test_parseable_but_malformed_request_is_invalid_argument(runtime: FakeRuntime, engine: str, raw: bytes,
+                                                                    says: str, rules: bool) -> None:
+    cfg = {"runtime_handlers": {"rules": [{"handler": "kata"}]}} if rules else {}
+    runtime.unary[PULL] = b"\x0a\x07sha256:x"
+    async with running_shim(runtime.endpoint, cfg, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(PULL)(raw, timeout=5)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("cri-shim: malformed PullImageRequest: ") and says in e.value.details()
+    assert runtime.calls("PullImage") == []

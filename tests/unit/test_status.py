@@ -64,8 +64,9 @@ async def test_status_shows_queue_in_flight_waiters_and_upstream(engine: str,
             assert doc["pulls"]["max_parallel"] == 1
             [running] = doc["pulls"]["in_flight"]
             [queued] = doc["pulls"]["queued"]
-            assert (running["image"], running["waiters"]) == ("web:1", 3)
-            assert (queued["image"], queued["waiters"]) == ("db:2", 1)
+            # the normalized name the pulls are collapsed under
+            assert (running["image"], running["waiters"]) == ("docker.io/library/web:1", 3)
+            assert (queued["image"], queued["waiters"]) == ("docker.io/library/db:2", 1)
             assert "running_seconds" in running and "running_seconds" not in queued
             assert doc["image_sets"] == {"sets": [{"name": "base", "images": 3, "present": 2}]}
             assert doc["tracing"] == {"exporter": "off"}
