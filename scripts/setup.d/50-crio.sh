@@ -11,6 +11,7 @@ DEST=/var/cache/cri-shim/crio-$VERSION
 
 need_apt=()
 command -v conmon >/dev/null || need_apt+=(conmon)
+command -v runc >/dev/null || need_apt+=(runc)
 command -v gcc >/dev/null || need_apt+=(gcc libc6-dev)
 command -v make >/dev/null || need_apt+=(make)
 if [ ${#need_apt[@]} -gt 0 ]; then

@@ -90,6 +90,24 @@ def binary_paths() -> dict[str, str | None]:
             "conmon": binaries.find("conmon"), "runc": binaries.find("runc")}
 
 
+def require() -> dict[str, str]:
+    """The binaries, or skip the test (fail under CI) naming what is missing and how to get it."""
+    import pytest
+
+    from tests.support import binaries
+
+    paths = binary_paths()
+    missing = sorted(name for name, path in paths.items() if path is None)
+    if missing:
+        msg = (f"CRI-O test binaries missing: {', '.join(missing)} "
+               f"(run `bash scripts/setup.d/50-crio.sh`: crio and pinns {VERSION} into {CACHE_DIR}, "
+               "conmon and runc from Debian)")
+        if binaries.in_ci():
+            pytest.fail(msg + " (CI is set: the crio suite must not be skipped)", pytrace=False)
+        pytest.skip(msg)
+    return {name: path for name, path in paths.items() if path is not None}
+
+
 class Crio:
     """A CRI-O subprocess rooted in ``workdir``.
 
