@@ -25,6 +25,7 @@ from . import reference
 from .reference import ReferenceError
 
 _GLOB_CHARS = frozenset("*?[")
+_SHORT_ID = re.compile(r"sha256:[0-9a-f]{1,63}", re.ASCII)
 _IPV6_HOST = re.compile(r"\[[0-9a-fA-F:]+\](?::[0-9]+)?/")  # [fc00::1]:5000/ is a host, not a [class]
 
 
@@ -68,6 +69,9 @@ def normalize_pattern(p: str) -> str:
         return _normalize_glob(p)
     if reference.is_image_id(p):
         return reference.normalize(p)
+    if _SHORT_ID.fullmatch(p):  # would parse as the tag of docker.io/library/sha256: never what was meant
+        raise ValueError(f"{p!r} is a shortened image ID; an ID pin needs all 64 hex digits "
+                         "(with or without 'sha256:')")
     try:
         ref = reference.parse(p)
     except ReferenceError as e:

@@ -77,3 +77,13 @@ async def test_id_pin_against_a_runtime_reporting_bare_ids(runtime, engine, patt
             await ch.unary_unary(SVC + "RemoveImage")(
                 api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=HEX_B)).SerializeToString(), timeout=5)
     assert runtime.calls("RemoveImage") and [i.id for i in store.images] == [HEX_A]
+
+
+@pytest.mark.parametrize("pattern", [f"sha256:{HEX_A[:12]}", f"sha256:{HEX_A[:63]}"])
+def test_shortened_id_pin_is_refused_naming_the_key(pattern: str) -> None:
+    """``sha256:<short hex>`` would be a tag of docker.io/library/sha256 and pin nothing."""
+    from shim.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"pins": {"images": [HEX_A, pattern]}})
+    assert e.value.key == "pins.images[1]" and "all 64 hex digits" in str(e.value)
