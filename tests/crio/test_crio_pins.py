@@ -97,3 +97,23 @@ def test_crio_pinned_images_only_mark(crio_factory, make_image, shim_factory) ->
     assert remove(shim.socket, theirs.ref).ok  # CRI-O's pin does not stop a removal
     assert status(runtime.socket, theirs.ref) is None
     assert status(runtime.socket, ours.ref) is not None
+
+
+def test_stream_images_with_pins_is_crio_s_own_answer(crio: Crio, shim_factory) -> None:
+    """CRI-O v1.34 has no StreamImages: with pins the shim intercepts it and still hands on
+    CRI-O's UNIMPLEMENTED, as it is."""
+    shim = shim_factory({"server": {"admin_socket": ""}, "pins": {"images": ["registry.example/any:*"]}})
+
+    def stream(socket: object) -> tuple[list[bytes], grpc.StatusCode, str]:
+        with grpc.insecure_channel(cri.target(str(socket))) as ch:
+            it = ch.unary_stream("/runtime.v1.ImageService/StreamImages")(b"", timeout=10)
+            got: list[bytes] = []
+            try:
+                got.extend(it)
+            except grpc.RpcError as e:
+                return got, e.code(), e.details()  # type: ignore[attr-defined]
+            return got, it.code(), it.details()  # type: ignore[attr-defined]
+
+    direct = stream(crio.socket)
+    assert direct[:2] == ([], grpc.StatusCode.UNIMPLEMENTED), direct
+    assert stream(shim.socket) == direct
