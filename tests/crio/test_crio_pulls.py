@@ -139,8 +139,9 @@ def test_short_deadline_caller_leaves_others_get_the_image(crio: Crio, shim_fact
         joined = [f.result(timeout=60) for f in patient]
     finally:
         proxy.release_blobs()
-    assert [r.code for r in joined] == [grpc.StatusCode.CANCELLED] * 2, joined
-    assert all("context canceled" in (r.details or "") for r in joined), joined
+    # the first call's end, as CRI-O saw it first: its deadline or the client's cancel
+    ends = {grpc.StatusCode.DEADLINE_EXCEEDED: "context deadline exceeded", grpc.StatusCode.CANCELLED: "context canceled"}
+    assert all(r.code in ends and ends[r.code] in (r.details or "") for r in joined), joined
 
     shim, port = start_shim(shim_factory)
     img = make_image(filler_bytes=100_000)
