@@ -175,15 +175,24 @@ class Crio:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def add_registry_host(self, host: str) -> None:
+    def add_registry_host(self, host: str, timeout: float = 10.0) -> None:
         """Let CRI-O pull from plain-HTTP ``host`` (``127.0.0.1:PORT``).
 
-        CRI-O reads ``registries.conf`` per pull (containers/image caches it by mtime),
-        so this takes effect without a restart.
+        containers/image caches ``registries.conf``; a running CRI-O gets SIGHUP and this
+        returns once it has logged the new registry configuration.
         """
         if host not in self._registries:
             self._registries.append(host)
         self._write_registries()
+        if self._proc is not None and self._proc.poll() is None:
+            applied = "Applied new registry configuration"
+            before = self.log_text().count(applied)
+            self._proc.send_signal(signal.SIGHUP)
+            deadline = time.monotonic() + timeout
+            while self.log_text().count(applied) <= before:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CRI-O did not reload {self.registries_conf}:\n{self.log_tail()}")
+                time.sleep(0.05)
 
     def _write_registries(self) -> None:
         entries = "".join(
