@@ -428,6 +428,11 @@ class ClientConnection(asyncio.Protocol):
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
                 continue
+            if sid and sid in self.local:
+                # A stream we answer ourselves whose header block the runtime had to see: grpc-go
+                # may answer it (an unknown method: trailers at once) and then RST_STREAM(NO_ERROR)
+                # before it reads our RST_STREAM. None of that is the client's.
+                continue
             if ftype == h2.SETTINGS:
                 if not flags & h2.ACK:
                     raw = h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(raw[9:]))
