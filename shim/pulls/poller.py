@@ -39,7 +39,7 @@ from ..errors import RpcError
 from ..metrics import Metrics
 from ..upstream import Upstream
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
-from .progress import FlightProgress, Manifest, StoredManifest, Unresolved, human_bytes, ingest_digest, \
+from .progress import RATE_WINDOW_SECONDS, FlightProgress, Manifest, StoredManifest, Unresolved, human_bytes, ingest_digest, \
     parse_manifest, resolve, stall_message, stall_window
 from .scheduler import Flight, PullScheduler
 
@@ -64,6 +64,7 @@ class Tracked:
     digest: str | None = None
     stalled: bool = False
     ended_wall: float | None = None
+    resolved_tick: int = -1  # the poll that found the manifest: its blobs are first looked up on the next one
 
 
 @dataclass
@@ -89,6 +90,7 @@ class ProgressPoller:
     no_api: str | None = None
     no_api_at: float = 0.0
     ticks: int = 0
+    autostart: bool = True  # tests drive tick() themselves
     _task: asyncio.Task[None] | None = None
     _closed: bool = False
 
@@ -99,6 +101,8 @@ class ProgressPoller:
 
     def configure(self, cfg: PullsConfig) -> None:
         self.cfg = cfg
+        for t in self.running.values():
+            t.progress.keep_seconds = self._keep_seconds()
         if cfg.progress_interval_seconds <= 0:
             for t in self.running.values():
                 t.progress.unknown = "pull progress is off (pulls.progress_interval_seconds: 0)"
@@ -107,6 +111,10 @@ class ProgressPoller:
                 if t.progress.unknown and t.progress.unknown.startswith("pull progress is off"):
                     t.progress.unknown = None
             self._ensure_task()
+
+    def _keep_seconds(self) -> float:
+        window = stall_window(self.cfg.stall_timeout_seconds, self.cfg.stall_min_bytes_per_second)
+        return max(RATE_WINDOW_SECONDS, window) + 5.0
 
     @property
     def enabled(self) -> bool:
@@ -117,6 +125,7 @@ class ProgressPoller:
     def flight_started(self, flight: Flight) -> None:
         now = self.clock()
         t = Tracked(flight, FlightProgress(flight.key.image, now), self.wall())
+        t.progress.keep_seconds = self._keep_seconds()
         try:
             ref = reference.parse(flight.key.image)
             t.host, t.repo, t.digest = _source_host(ref.domain), ref.path, ref.digest
@@ -155,7 +164,7 @@ class ProgressPoller:
     # ------------------------------------------------------------------ the loop
 
     def _ensure_task(self) -> None:
-        if self._closed or not self.enabled or (self._task is not None and not self._task.done()):
+        if not self.autostart or self._closed or not self.enabled or (self._task is not None and not self._task.done()):
             return
         with contextlib.suppress(RuntimeError):  # no running loop: nothing to poll for
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="pull-progress")
@@ -270,13 +279,14 @@ class ProgressPoller:
                 p.unknown = f"{found} is not an image manifest the shim can read"
                 continue
             p.set_manifest(manifest)
+            t.resolved_tick = self.ticks
             taken[found] = t.ref
             logs.log(_log, logging.DEBUG, "pull manifest known", image=t.flight.key.image, manifest=found,
                      layers=len(manifest.layers), bytes=manifest.total)
 
     def _observe(self, t: Tracked, now: float, ingests: dict[str, tuple[int, float, str]], committed: set[str]) -> None:
         p = t.progress
-        if p.manifest is None:
+        if p.manifest is None or t.resolved_tick == self.ticks:
             return
         mine = {b.digest for b in p.manifest.blobs}
         offsets = {d: ingests[d][0] for d in mine if d in ingests}

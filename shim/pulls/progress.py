@@ -193,6 +193,7 @@ class FlightProgress:
     samples: deque[tuple[float, int]] = field(default_factory=deque)  # (now, bytes done) while downloading
     phase: str = "resolving"  # resolving | downloading | unpacking | unknown
     steps_done: set[int] = field(default_factory=set)
+    keep_seconds: float = 3600.0  # samples older than this are dropped (the poller sets it from its windows)
 
     # -- updates
 
@@ -233,8 +234,8 @@ class FlightProgress:
             self.samples.clear()
         return self._new_steps()
 
-    def _trim(self, now: float, keep: float = 3600.0) -> None:
-        while len(self.samples) > 2 and self.samples[1][0] <= now - keep:
+    def _trim(self, now: float) -> None:
+        while len(self.samples) > 2 and self.samples[1][0] <= now - self.keep_seconds:
             self.samples.popleft()
 
     def _new_steps(self) -> list[int]:
@@ -279,8 +280,8 @@ class FlightProgress:
             return None
         t1, b1 = self.samples[-1]
         start = self.samples[0]
-        for t, b in self.samples:
-            if t >= t1 - window:
+        for t, b in self.samples:  # the last sample at or before the window's start
+            if t > t1 - window:
                 break
             start = (t, b)
         t0, b0 = start

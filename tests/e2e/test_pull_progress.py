@@ -132,6 +132,7 @@ async def test_trickling_pull_is_cancelled_as_stalled_and_its_ingest_is_gone(
         await asyncio.sleep(0.2)
         left = await ingests(ctd.socket)
     print(f"ingests left in containerd: {[(s.ref, s.offset) for s in left]}")
+    print("\n".join(line for line in shim.log_text().splitlines() if "stalled" in line or "abort" in line))
     assert left == []
 
 
@@ -174,6 +175,12 @@ async def test_polling_cost_is_bounded_whatever_the_number_of_pulls(
         await asyncio.gather(*(pull(cri.pull_image_request(i.ref), timeout=120) for i in images))
         seconds = time.monotonic() - t0
     calls = metric(port, "cri_shim_pull_progress_calls_total")
+    by_method = {m: metric(port, f'cri_shim_pull_progress_calls_total{{method="{m}"}}')
+                 for m in ("ListStatuses", "List", "Read", "Abort")}
+    polls = by_method["ListStatuses"]
     print(f"\n12 concurrent pulls, 36 MiB at 6 MiB/s: {seconds:.1f}s, {calls:.0f} content-API calls "
-          f"= {calls / seconds:.2f}/s")
-    assert calls / seconds <= 4.5
+          f"= {calls / seconds:.2f}/s; by method {by_method}")
+    assert polls <= seconds / 1 + 2  # one ListStatuses per interval, not per pull
+    assert by_method["List"] <= polls  # at most one List per poll
+    assert by_method["Read"] <= len(images)  # each manifest read once
+    assert (calls - by_method["Read"]) / seconds <= 2.5
