@@ -288,7 +288,7 @@ def progress_line(pr: dict[str, Any]) -> str:
     done, total = int(pr.get("bytes_done") or 0), int(pr.get("bytes_total") or 0)
     frac = done / total if total else 1.0
     filled = int(round(frac * BAR_WIDTH))
-    parts = [f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}]", f"{100 * frac:3.0f}%",
+    parts = [f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {100 * frac:3.0f}%",
              f"{human_bytes(done)} / {human_bytes(total)}",
              f"{pr.get('layers_done', 0)}/{pr.get('layers_total', 0)} layers"]
     if phase == "unpacking":
