@@ -283,7 +283,7 @@ def progress_line(pr: dict[str, Any]) -> str:
     from .pulls.progress import human_bytes
 
     phase = pr.get("phase", "unknown")
-    if phase in ("unknown", "resolving"):
+    if "bytes_total" not in pr:
         return f"[{'?' * BAR_WIDTH}]  {phase}: {pr.get('reason', '')}".rstrip(": ")
     done, total = int(pr.get("bytes_done") or 0), int(pr.get("bytes_total") or 0)
     frac = done / total if total else 1.0

@@ -127,12 +127,16 @@ class ContentClient:
         req = pb.ReadContentRequest(digest=digest, size=min(size, MAX_MANIFEST_BYTES) if size else 0).SerializeToString()
         chunks: list[bytes] = []
         got = 0
-        async for raw in self.upstream.server_stream(READ, req, metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS):
-            data = pb.ReadContentResponse.FromString(raw).data
-            got += len(data)
-            if got > MAX_MANIFEST_BYTES:
-                raise ValueError(f"{digest} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
-            chunks.append(data)
+        try:
+            async for raw in self.upstream.server_stream(READ, req, metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS):
+                data = pb.ReadContentResponse.FromString(raw).data
+                got += len(data)
+                if got > MAX_MANIFEST_BYTES:
+                    raise ValueError(f"{digest} is larger than {MAX_MANIFEST_BYTES} bytes: not a manifest")
+                chunks.append(data)
+        except RpcError as e:
+            self._check(e)
+            raise
         return b"".join(chunks)
 
     async def abort(self, ref: str) -> None:

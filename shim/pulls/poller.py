@@ -196,12 +196,14 @@ class ProgressPoller:
             if now - self.no_api_at < NO_API_RECHECK_SECONDS:
                 return
             self.no_api = None
-        active = [t for t in self.running.values() if t.progress.unknown is None]
         try:
-            ingests = await self.client.list_statuses() if (active or self.cleanups) else []
+            await self._poll(now)
         except NoContentApi as e:
             self._no_content_api(str(e), now)
-            return
+
+    async def _poll(self, now: float) -> None:
+        active = [t for t in self.running.values() if t.progress.unknown is None]
+        ingests = await self.client.list_statuses() if (active or self.cleanups) else []
         by_digest: dict[str, tuple[int, float, str]] = {}
         for i in ingests:
             d = ingest_digest(i.ref)

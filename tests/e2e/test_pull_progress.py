@@ -23,7 +23,8 @@ import pytest
 
 from shim.proto.containerd.services.content.v1 import content_pb2
 from shim.status import fetch_status
-from tests.support import cri, oci
+from tests.support import binaries, containerd2, cri, oci
+from tests.support.containerd import hosts_toml
 from tests.support.registry import free_port
 
 pytestmark = pytest.mark.e2e
@@ -31,6 +32,25 @@ PULL = "/runtime.v1.ImageService/PullImage"
 LIST_STATUSES = "/containerd.services.content.v1.Content/ListStatuses"
 NS = (("containerd-namespace", "k8s.io"),)
 MiB = 1 << 20
+
+
+@pytest.fixture(params=["containerd-1.6", "containerd-2.x"])
+def ctd_socket(request, containerd_factory, registry, tmp_path):
+    """A fresh containerd of each generation (their ingest refs and content labels are what progress reads)."""
+    if request.param == "containerd-1.6":
+        yield containerd_factory().socket
+        return
+    binary, why = containerd2.find()
+    if binary is None:
+        if binaries.in_ci():
+            pytest.fail(f"{why}; end-to-end tests are required in CI")
+        pytest.skip(why)
+    c = containerd2.Containerd2(binary, tmp_path / "c2", {})
+    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
+    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
+    c.start()
+    yield c.socket
+    c.stop()
 
 
 def metric(port: int, name: str) -> float:
@@ -59,12 +79,11 @@ async def ingests(socket) -> list:
 
 
 async def test_progress_grows_in_status_and_metrics_and_collapsed_callers_share_it(
-        containerd_factory, make_image, proxy, shim_factory) -> None:
-    ctd = containerd_factory()
+        ctd_socket, make_image, proxy, shim_factory) -> None:
     image = big_image(make_image, 24)
     port = free_port()
     shim = shim_factory({"pulls": {"progress_interval_seconds": 0.5, "progress_log_after_seconds": 0},
-                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=ctd.socket)
+                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=ctd_socket)
     proxy.set_link_throttle(4_000_000)
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         pull = ch.unary_unary(PULL)
@@ -81,7 +100,7 @@ async def test_progress_grows_in_status_and_metrics_and_collapsed_callers_share_
     elapsed = time.monotonic() - t0
     assert len({bytes(r) for r in results}) == 1
     done = [v["progress"]["bytes_done"] for _, v in views]
-    print(f"\n24 MiB at 4 MB/s: {elapsed:.1f}s; {len(views)} status views while downloading:")
+    print(f"\n{ctd_socket}: 24 MiB at 4 MB/s: {elapsed:.1f}s; {len(views)} status views while downloading:")
     for (t, v), c in zip(views, counters):
         p = v["progress"]
         print(f"  t={t:5.2f}s waiters={v['waiters']} {p['bytes_done']:>9}/{p['bytes_total']} "
@@ -104,13 +123,12 @@ async def test_progress_grows_in_status_and_metrics_and_collapsed_callers_share_
 
 
 async def test_trickling_pull_is_cancelled_as_stalled_and_its_ingest_is_gone(
-        containerd_factory, make_image, proxy, shim_factory) -> None:
-    ctd = containerd_factory()
+        ctd_socket, make_image, proxy, shim_factory) -> None:
     image = big_image(make_image, 2, layers=1)
     port = free_port()
     shim = shim_factory({"pulls": {"progress_interval_seconds": 0.5, "stall_timeout_seconds": 5,
                                    "stall_min_bytes_per_second": 65536},
-                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=ctd.socket)
+                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=ctd_socket)
     proxy.set_throttle(2000)
     t0 = time.monotonic()
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
@@ -127,10 +145,10 @@ async def test_trickling_pull_is_cancelled_as_stalled_and_its_ingest_is_gone(
     assert took < 30
     assert await asyncio.to_thread(metric, port, "cri_shim_pull_stalls_total") == 1
     deadline = time.monotonic() + 10
-    left = await ingests(ctd.socket)
+    left = await ingests(ctd_socket)
     while left and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
-        left = await ingests(ctd.socket)
+        left = await ingests(ctd_socket)
     print(f"ingests left in containerd: {[(s.ref, s.offset) for s in left]}")
     print("\n".join(line for line in shim.log_text().splitlines() if "stalled" in line or "abort" in line))
     assert left == []
