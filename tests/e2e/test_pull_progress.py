@@ -114,7 +114,7 @@ async def test_progress_grows_in_status_and_metrics_and_collapsed_callers_share_
     assert done == sorted(done) and done[-1] > done[0]
     assert counters == sorted(counters) and counters[-1] > counters[0]
     rates = [v["progress"]["bytes_per_second"] for _, v in views[2:] if v["progress"]["bytes_per_second"]]
-    assert rates and all(1_000_000 < r < 8_000_000 for r in rates), rates
+    assert rates and all(500_000 < r < 8_000_000 for r in rates), rates  # the link is 4 MB/s
     final = await asyncio.to_thread(metric, port, "cri_shim_pull_bytes_total")
     assert image.image.size * 0.95 <= final <= image.image.size * 1.01, final
     log = shim.log_text()
