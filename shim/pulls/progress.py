@@ -275,7 +275,11 @@ class FlightProgress:
         return sum(1 for b in self.manifest.layers if b.digest in self.committed) if self.manifest else 0
 
     def rate(self, now: float, window: float = RATE_WINDOW_SECONDS) -> float | None:
-        """Bytes per second over the last ``window`` seconds of downloading; None before 2 samples."""
+        """Bytes per second over the last ``window`` seconds of downloading. With one sample
+        only: what this pull downloaded since it started, over that time. None before."""
+        if len(self.samples) == 1:
+            elapsed = self.samples[0][0] - self.started
+            return self.downloaded / elapsed if elapsed > 0 and self.downloaded else None
         if len(self.samples) < 2:
             return None
         t1, b1 = self.samples[-1]

@@ -89,6 +89,12 @@ def test_rate_is_over_the_last_ten_seconds() -> None:
     assert p.rate(20.0) == pytest.approx(MiB)
 
 
+def test_the_first_rate_is_what_the_pull_downloaded_since_it_started() -> None:
+    p = progress(manifest(10 * MiB), started=0.0)
+    p.observe(2.0, {D["l1"]: 2 * MiB}, {D["cfg"]}, {D["l1"]})  # the config was there already
+    assert p.rate(2.0) == MiB and p.eta(2.0) == pytest.approx(8.0)
+
+
 def test_each_step_is_reported_once_when_crossed() -> None:
     p = progress(manifest(100, config=0))
     assert p.observe(0.0, {D["l1"]: 10}, set(), ()) == []
