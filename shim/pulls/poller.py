@@ -195,6 +195,9 @@ class ProgressPoller:
         if self.no_api is not None:
             if now - self.no_api_at < NO_API_RECHECK_SECONDS:
                 return
+            for t in self.running.values():  # ask again (the runtime may have been replaced)
+                if t.progress.unknown == self.no_api:
+                    t.progress.unknown = None
             self.no_api = None
         try:
             await self._poll(now)
