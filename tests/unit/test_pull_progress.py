@@ -257,3 +257,33 @@ def test_a_digest_pull_of_a_manifest_or_of_an_index() -> None:
     ms = [index, stored(D["m"], 102.0), stored(D["m2"], 3.0, blobs=(D["l2"],))]
     assert resolve("app", D["idx"], 100.0, (), ms, (), {}, "reg/app@" + D["idx"]) == D["m"]
     assert isinstance(resolve("app", D["x"], 100.0, (), ms, (), {}, "reg/app@" + D["x"]), Unresolved)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("pulls,key,says", [
+    ({"progress_interval_seconds": 0.01}, "pulls.progress_interval_seconds", "must be 0 (off) or >= 0.1"),
+    ({"progress_interval_seconds": -1}, "pulls.progress_interval_seconds", "must be >= 0"),
+    ({"stall_timeout_seconds": "soon"}, "pulls.stall_timeout_seconds", "expected a duration"),
+    ({"stall_timeout_seconds": 5, "progress_interval_seconds": 0}, "pulls.stall_timeout_seconds",
+     "needs pull progress"),
+    ({"stall_timeout_seconds": 1, "progress_interval_seconds": 1}, "pulls.stall_timeout_seconds",
+     "at least twice pulls.progress_interval_seconds"),
+    ({"stall_min_bytes_per_second": "fast"}, "pulls.stall_min_bytes_per_second", "expected a size in bytes"),
+    ({"progress_log_after_seconds": True}, "pulls.progress_log_after_seconds", "expected a duration"),
+])
+def test_bad_progress_settings_name_the_key(pulls: dict, key: str, says: str) -> None:
+    from shim.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"pulls": pulls})
+    assert e.value.key == key and says in str(e.value)
+
+
+def test_progress_settings_take_units() -> None:
+    from shim.config import from_dict
+
+    p = from_dict({"pulls": {"stall_timeout_seconds": "1m", "stall_min_bytes_per_second": "64KiB",
+                             "progress_interval_seconds": "500ms"}}).pulls
+    assert (p.stall_timeout_seconds, p.stall_min_bytes_per_second, p.progress_interval_seconds) == (60, 65536, 0.5)
