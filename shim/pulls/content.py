@@ -46,6 +46,7 @@ class StoredBlob:
     size: int
     labels: dict[str, str]
     touched_wall: float  # the later of created_at and updated_at (containerd 1.6 leaves updated_at unset in List)
+    created_wall: float = 0.0  # when it was committed
 
 
 def _wall(ts: object) -> float:
@@ -115,7 +116,7 @@ class ContentClient:
             async for raw in self.upstream.server_stream(LIST, req, metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS):
                 for i in pb.ListContentResponse.FromString(raw).info:
                     out.append(StoredBlob(i.digest, i.size, dict(i.labels),
-                                          max(_wall(i.created_at), _wall(i.updated_at))))
+                                          max(_wall(i.created_at), _wall(i.updated_at)), _wall(i.created_at)))
         except RpcError as e:
             self._check(e)
             raise

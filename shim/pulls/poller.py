@@ -145,7 +145,12 @@ class ProgressPoller:
             return
         t.ended_wall = self.wall()
         p = t.progress
-        seconds = self.clock() - p.started
+        now = self.clock()
+        if flight.result == "success" and p.known:  # all of it is in, whether or not a poll saw the end
+            for step in p.complete():
+                self._step(t, step, now)
+            self._count_bytes(p, only_seen=True)
+        seconds = now - p.started
         if p.known and p.downloaded >= (1 << 20) and seconds > 0:
             self.metrics.pull_throughput.observe(p.downloaded / seconds)
         if t.digest is None and t.repo:
@@ -214,7 +219,7 @@ class ProgressPoller:
                 by_digest[d] = (i.offset, i.started_wall, i.ref)
         await self._abort_leftovers(by_digest, now)
         stored = await self._list(active, by_digest)
-        committed = {b.digest for b in stored}
+        committed = {b.digest: b.created_wall for b in stored}
         await self._resolve(active, stored, by_digest)
         now = self.clock()
         for t in active:
@@ -289,25 +294,37 @@ class ProgressPoller:
             logs.log(_log, logging.DEBUG, "pull manifest known", image=t.flight.key.image, manifest=found,
                      layers=len(manifest.layers), bytes=manifest.total)
 
-    def _observe(self, t: Tracked, now: float, ingests: dict[str, tuple[int, float, str]], committed: set[str]) -> None:
+    def _observe(self, t: Tracked, now: float, ingests: dict[str, tuple[int, float, str]],
+                 committed: dict[str, float]) -> None:
+        """``committed``: blob -> when it was committed (wall clock)."""
         p = t.progress
         if p.manifest is None or t.resolved_tick == self.ticks:
             return
         mine = {b.digest for b in p.manifest.blobs}
         offsets = {d: ingests[d][0] for d in mine if d in ingests}
-        fresh = {d for d in offsets if ingests[d][1] >= t.started_wall}
-        steps = p.observe(now, offsets, committed & mine, fresh)
-        for d, v in p.offsets.items():  # node-wide byte counter: each blob's growth counted once
-            base = self.counted.setdefault(d, p.baseline.get(d, v))
-            if v > base:
-                self.metrics.pull_bytes.inc(v - base)
-                self.counted[d] = v
+        done = mine & committed.keys()
+        # what this pull brought in: ingests it started, blobs committed since it started
+        fresh = {d for d in offsets if ingests[d][1] >= t.started_wall} | \
+                {d for d in done if committed[d] >= t.started_wall}
+        steps = p.observe(now, offsets, done, fresh)
+        self._count_bytes(p)
         for step in steps:
             self._step(t, step, now)
         if not t.stalled and self.cfg.stall_timeout_seconds > 0:
             stall = p.stall(now, self.cfg.stall_timeout_seconds, self.cfg.stall_min_bytes_per_second)
             if stall is not None:
                 self._stalled(t, stall)
+
+    def _count_bytes(self, p: FlightProgress, only_seen: bool = False) -> None:
+        """cri_shim_pull_bytes_total: each blob's growth counted once node-wide. ``only_seen``:
+        skip blobs no poll saw (whether they were there before the pull is not known)."""
+        for d, v in p.offsets.items():
+            if only_seen and d not in p.baseline:
+                continue
+            base = self.counted.setdefault(d, p.baseline.get(d, v))
+            if v > base:
+                self.metrics.pull_bytes.inc(v - base)
+                self.counted[d] = v
 
     def _step(self, t: Tracked, step: int, now: float) -> None:
         p = t.progress

@@ -203,8 +203,9 @@ class FlightProgress:
     def observe(self, now: float, ingests: Mapping[str, int], committed: Iterable[str],
                 fresh_ingests: Iterable[str] = ()) -> list[int]:
         """One poll: ``ingests`` (blob -> offset being written), ``committed`` (blobs in the
-        store). ``fresh_ingests``: ingests started after this pull began (their bytes all
-        count as downloaded by it). Returns the percent steps newly crossed."""
+        store). ``fresh_ingests``: blobs whose ingest started, or which were committed, after
+        this pull began (all their bytes count as downloaded by it). Returns the percent
+        steps newly crossed."""
         if self.manifest is None:
             return []
         committed = set(committed)
@@ -232,6 +233,17 @@ class FlightProgress:
         else:
             self.phase = "unpacking"  # every blob is in: the runtime unpacks, no bytes move
             self.samples.clear()
+        return self._new_steps()
+
+    def complete(self) -> list[int]:
+        """The runtime answered the pull: every blob is in. Returns the steps newly crossed
+        (a pull can finish between two polls)."""
+        if self.manifest is None:
+            return []
+        for b in self.manifest.blobs:
+            self.offsets[b.digest] = b.size
+            self.committed.add(b.digest)
+        self.phase = "done"
         return self._new_steps()
 
     def _trim(self, now: float) -> None:

@@ -34,9 +34,19 @@ NS = (("containerd-namespace", "k8s.io"),)
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["containerd-1.6", "containerd-2.x"])
+class TransferContainerd2(containerd2.Containerd2):
+    """containerd 2.x pulling the way it does by default on a node: through its transfer
+    service (not the CRI plugin's local pull), into overlayfs."""
+
+    def _config(self) -> str:
+        return super()._config().replace("use_local_image_pull = true", "use_local_image_pull = false") \
+            .replace('snapshotter = "native"', 'snapshotter = "overlayfs"')
+
+
+@pytest.fixture(params=["containerd-1.6", "containerd-2.x", "containerd-2.x-transfer"])
 def ctd_socket(request, containerd_factory, registry, tmp_path):
-    """A fresh containerd of each generation (their ingest refs and content labels are what progress reads)."""
+    """A fresh containerd of each generation and pull path (their ingest refs and content
+    labels are what progress reads)."""
     if request.param == "containerd-1.6":
         yield containerd_factory().socket
         return
@@ -45,7 +55,8 @@ def ctd_socket(request, containerd_factory, registry, tmp_path):
         if binaries.in_ci():
             pytest.fail(f"{why}; end-to-end tests are required in CI")
         pytest.skip(why)
-    c = containerd2.Containerd2(binary, tmp_path / "c2", {})
+    cls = TransferContainerd2 if request.param.endswith("transfer") else containerd2.Containerd2
+    c = cls(binary, tmp_path / "c2", {})
     (c.dir / "certs.d" / registry.host).mkdir(parents=True)
     (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
     c.start()

@@ -42,7 +42,7 @@ class Store:
         labels = {f"containerd.io/distribution.source.{host}": repo, "containerd.io/gc.ref.content.config": cfg,
                   **{f"containerd.io/gc.ref.content.l.{i}": d for i, d in enumerate(layers)}}
         self.blobs[m] = (len(data), labels, touched, data)
-        self.blobs[cfg] = (100, {}, touched, b"{}")
+        self.blobs[cfg] = (100, {}, START_WALL - 10, b"{}")  # already in the store before the pull
         return m, layers
 
     def write(self, digest: str, offset: int, total: int) -> None:
@@ -57,8 +57,12 @@ class Store:
 
         async def list_statuses(request: bytes, context) -> bytes:
             store.namespaces.add(dict(context.invocation_metadata()).get("containerd-namespace", ""))
-            return pb.ListStatusesResponse(statuses=[pb.Status(ref=r, offset=o, total=t)
-                                                     for r, (o, t, _) in store.ingests.items()]).SerializeToString()
+            statuses = []
+            for r, (o, t, started) in store.ingests.items():
+                st = pb.Status(ref=r, offset=o, total=t)
+                st.started_at.seconds = int(started)
+                statuses.append(st)
+            return pb.ListStatusesResponse(statuses=statuses).SerializeToString()
 
         async def abort(request: bytes, context) -> bytes:
             ref = pb.AbortRequest.FromString(request).ref

@@ -230,3 +230,43 @@ async def test_two_tags_of_one_repository_at_once_are_unknown_rather_than_guesse
     for r in runners:
         r.gate.set_result(b"ok")
     await asyncio.gather(*waiters)
+
+
+async def test_a_pull_that_ends_between_two_polls_still_counts_all_its_bytes_and_reaches_100(env) -> None:
+    store, scheduler, clock, metrics, make = env
+    poller = make()
+    m, (l0,) = store.add_image("team/app", "d", [4 * MiB])
+    runner = Runner()
+    events: list[str] = []
+    waiter = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/app:v1"), runner,
+                                                  listener=lambda n, a: events.append(n)))
+    await settle()
+    await poller.tick()  # the manifest
+    store.write(l0, MiB, 4 * MiB)
+    clock.now = 1.0
+    await poller.tick()
+    assert events == ["pull 25%"] and sample(metrics, "cri_shim_pull_bytes_total") == MiB
+    runner.gate.set_result(b"ok")  # the rest arrived and the runtime answered before the next poll
+    await waiter
+    assert events == ["pull 25%", "pull 50%", "pull 75%", "pull 100%"]
+    assert sample(metrics, "cri_shim_pull_bytes_total") == 4 * MiB
+
+
+async def test_blobs_committed_since_the_pull_started_count_as_downloaded_older_ones_do_not(env) -> None:
+    store, scheduler, clock, metrics, make = env
+    poller = make()
+    m, (l0, l1) = store.add_image("team/app", "e", [3 * MiB, 5 * MiB])
+    store.blobs[l0] = (3 * MiB, {}, START_WALL - 60, b"")  # a base layer another image brought earlier
+    store.commit(l1, 5 * MiB)  # downloaded by this pull between two polls (committed at START_WALL + 2)
+    runner = Runner()
+    waiter = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/app:v1"), runner))
+    await settle()
+    flight_id = scheduler.snapshot()["in_flight"][0]["id"]
+    await poller.tick()
+    clock.now = 1.0
+    await poller.tick()
+    assert poller.view(flight_id)["bytes_done"] == 100 + 8 * MiB
+    assert sample(metrics, "cri_shim_pull_bytes_total") == 5 * MiB
+    runner.gate.set_result(b"ok")
+    await waiter
+    assert sample(metrics, "cri_shim_pull_bytes_total") == 5 * MiB
