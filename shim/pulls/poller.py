@@ -123,6 +123,18 @@ class ProgressPoller:
     # ------------------------------------------------------------------ scheduler hooks
 
     def flight_started(self, flight: Flight) -> None:
+        try:
+            self._started(flight)
+        except Exception:  # never in the scheduler's way
+            _log.exception("pull progress: cannot follow a pull")
+
+    def flight_finished(self, flight: Flight) -> None:
+        try:
+            self._finished(flight)
+        except Exception:  # the scheduler must get its slot back whatever happens here
+            _log.exception("pull progress: error at the end of a pull")
+
+    def _started(self, flight: Flight) -> None:
         now = self.clock()
         t = Tracked(flight, FlightProgress(flight.key.image, now), self.wall())
         t.progress.keep_seconds = self._keep_seconds()
@@ -139,7 +151,7 @@ class ProgressPoller:
         self.running[flight.seq] = t
         self._ensure_task()
 
-    def flight_finished(self, flight: Flight) -> None:
+    def _finished(self, flight: Flight) -> None:
         t = self.running.pop(flight.seq, None)
         if t is None:
             return
