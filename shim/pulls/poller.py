@@ -278,9 +278,11 @@ class ProgressPoller:
             candidates = [StoredManifest.from_labels(b.digest, b.labels, b.touched_wall, t.host) for b in stored
                           if b.labels.get("containerd.io/gc.ref.content.config") is not None
                           or any(k.startswith("containerd.io/gc.ref.content.m.") for k in b.labels)]
-            others = {o.ref for o in [*self.running.values(), *self.recent]
-                      if o is not t and o.host == t.host and o.repo == t.repo and o.digest is None
-                      and (o.ended_wall is None or o.ended_wall >= t.started_wall)}
+            others: dict[str, float] = {}  # other tags of the repository pulled meanwhile -> first start
+            for o in [*self.running.values(), *self.recent]:
+                if o is not t and o.host == t.host and o.repo == t.repo and o.digest is None \
+                        and (o.ended_wall is None or o.ended_wall >= t.started_wall):
+                    others[o.ref] = min(others.get(o.ref, o.started_wall), o.started_wall)
             found = resolve(t.repo, t.digest, t.started_wall, others, candidates, ingests.keys(), taken, t.ref)
             if isinstance(found, Unresolved):
                 p.pending_reason = found.reason

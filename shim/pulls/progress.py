@@ -120,7 +120,7 @@ class Unresolved:
     reason: str
 
 
-def resolve(repo: str, digest: str | None, started_wall: float, other_refs: Iterable[str],
+def resolve(repo: str, digest: str | None, started_wall: float, other_refs: Mapping[str, float],
             stored: Iterable[StoredManifest], ingesting: Iterable[str],
             taken: Mapping[str, str], ref: str) -> str | Unresolved:
     """The digest of the image manifest a running pull is fetching, when it is certain.
@@ -132,8 +132,10 @@ def resolve(repo: str, digest: str | None, started_wall: float, other_refs: Iter
       it when fetched. The candidates are the image manifests of that repository
       touched since the pull started, or with a blob being downloaded now. When other
       tags of the same repository were pulled through the shim meanwhile
-      (``other_refs``), their manifests (``taken``: manifest -> ref) are set aside, and
-      while one of them is still unknown so is this one.
+      (``other_refs``: ref -> when the first of its pulls started), their known
+      manifests (``taken``: manifest -> ref) are set aside. While one of them is still
+      unknown, only a manifest touched after this pull started and before any of those
+      did can be this pull's for sure.
 
     Exactly one candidate: its digest. Otherwise ``Unresolved`` with the reason.
     """
@@ -149,11 +151,16 @@ def resolve(repo: str, digest: str | None, started_wall: float, other_refs: Iter
         kids = [by_digest[c] for c in top.children if c in by_digest and not by_digest[c].is_index
                 and (by_digest[c].touched >= started_wall or by_digest[c].blobs & busy)]
         return kids[0].digest if len(kids) == 1 else Unresolved("platform manifest not known yet")
-    others = set(other_refs) - {ref}
     mine = [m for m in stored if not m.is_index and m.blobs
             and (m.touched >= started_wall or m.blobs & busy)
             and taken.get(m.digest, ref) == ref]
-    if others and len(set(taken.values()) & others) < len(others):
+    known = set(taken.values())
+    unknown_others = [start for r, start in other_refs.items() if r != ref and r not in known]
+    if unknown_others:
+        limit = min(unknown_others)
+        sure = [m for m in mine if started_wall <= m.touched < limit]
+        if len(sure) == 1:
+            return sure[0].digest
         return Unresolved("other tags of this repository are being pulled")
     if len(mine) == 1:
         return mine[0].digest

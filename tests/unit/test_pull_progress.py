@@ -231,32 +231,43 @@ def test_labels_of_a_stored_manifest_are_read_like_containerd_writes_them() -> N
 
 def test_a_tag_pull_gets_the_one_manifest_of_its_repository_touched_since_it_started() -> None:
     ms = [stored(D["m"], 105.0), stored(D["m2"], 50.0, blobs=(D["l2"],)), stored(D["x"], 106.0, repos=("else",))]
-    assert resolve("app", None, 100.0, (), ms, (), {}, "reg/app:v1") == D["m"]
+    assert resolve("app", None, 100.0, {}, ms, (), {}, "reg/app:v1") == D["m"]
 
 
 def test_an_old_manifest_whose_blobs_are_downloading_now_is_the_pulls() -> None:
     """A retry after a cancelled pull: the manifest was committed long ago."""
     ms = [stored(D["m"], 5.0), stored(D["m2"], 6.0, blobs=(D["l2"],))]
-    assert resolve("app", None, 100.0, (), ms, {D["l1"]}, {}, "reg/app:v1") == D["m"]
+    assert resolve("app", None, 100.0, {}, ms, {D["l1"]}, {}, "reg/app:v1") == D["m"]
 
 
 def test_nothing_fetched_yet_is_unresolved() -> None:
-    assert resolve("app", None, 100.0, (), [stored(D["m"], 5.0)], (), {}, "reg/app:v1") == \
+    assert resolve("app", None, 100.0, {}, [stored(D["m"], 5.0)], (), {}, "reg/app:v1") == \
         Unresolved("manifest not fetched yet")
 
 
 def test_two_tags_of_one_repository_at_once_stay_unknown_until_the_other_is_known() -> None:
     ms = [stored(D["m"], 105.0), stored(D["m2"], 106.0, blobs=(D["l2"],))]
-    assert isinstance(resolve("app", None, 100.0, {"reg/app:v2"}, ms, (), {}, "reg/app:v1"), Unresolved)
-    assert resolve("app", None, 100.0, {"reg/app:v2"}, ms, (), {D["m2"]: "reg/app:v2"}, "reg/app:v1") == D["m"]
+    v2 = {"reg/app:v2": 100.0}  # started with v1
+    assert isinstance(resolve("app", None, 100.0, v2, ms, (), {}, "reg/app:v1"), Unresolved)
+    assert resolve("app", None, 100.0, v2, ms, (), {D["m2"]: "reg/app:v2"}, "reg/app:v1") == D["m"]
+
+
+def test_a_manifest_touched_before_the_other_tag_started_is_the_earlier_pulls() -> None:
+    ms = [stored(D["m"], 101.0), stored(D["m2"], 104.0, blobs=(D["l2"],))]
+    # v1 started at 100, v2 at 103: only v1 can have touched a manifest at 101
+    assert resolve("app", None, 100.0, {"reg/app:v2": 103.0}, ms, (), {}, "reg/app:v1") == D["m"]
+    # v2 sees v1 known, sets its manifest aside, and is left with one candidate
+    assert resolve("app", None, 103.0, {"reg/app:v1": 100.0}, ms, (), {D["m"]: "reg/app:v1"}, "reg/app:v2") == D["m2"]
+    # but while v1 is unknown, v2 cannot tell (v1 may have touched the manifest at 104)
+    assert isinstance(resolve("app", None, 103.0, {"reg/app:v1": 100.0}, ms, (), {}, "reg/app:v2"), Unresolved)
 
 
 def test_a_digest_pull_of_a_manifest_or_of_an_index() -> None:
-    assert resolve("app", D["m"], 100.0, (), [stored(D["m"], 1.0)], (), {}, "reg/app@" + D["m"]) == D["m"]
+    assert resolve("app", D["m"], 100.0, {}, [stored(D["m"], 1.0)], (), {}, "reg/app@" + D["m"]) == D["m"]
     index = stored(D["idx"], 101.0, blobs=(), children=(D["m"], D["m2"]))
     ms = [index, stored(D["m"], 102.0), stored(D["m2"], 3.0, blobs=(D["l2"],))]
-    assert resolve("app", D["idx"], 100.0, (), ms, (), {}, "reg/app@" + D["idx"]) == D["m"]
-    assert isinstance(resolve("app", D["x"], 100.0, (), ms, (), {}, "reg/app@" + D["x"]), Unresolved)
+    assert resolve("app", D["idx"], 100.0, {}, ms, (), {}, "reg/app@" + D["idx"]) == D["m"]
+    assert isinstance(resolve("app", D["x"], 100.0, {}, ms, (), {}, "reg/app@" + D["x"]), Unresolved)
 
 
 # --------------------------------------------------------------------------- configuration
