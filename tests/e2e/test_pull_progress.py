@@ -218,3 +218,30 @@ async def test_polling_cost_is_bounded_whatever_the_number_of_pulls(
     assert by_method["List"] <= polls  # at most one List per poll
     assert by_method["Read"] <= len(images)  # each manifest read once
     assert (calls - by_method["Read"]) / seconds <= 2.5
+
+
+async def test_two_tags_of_one_repository_each_get_their_own_manifest(
+        containerd_factory, make_image, proxy, shim_factory) -> None:
+    ctd = containerd_factory()
+    repo = f"e2e/two-tags-{os.getpid()}-{time.monotonic_ns()}"
+    v1 = make_image(repo, "v1", layers=[oci.make_layer({"a.bin": os.urandom(6 * MiB)})])
+    v2 = make_image(repo, "v2", layers=[oci.make_layer({"b.bin": os.urandom(4 * MiB)}),
+                                         oci.make_layer({"c.bin": os.urandom(4 * MiB)})])
+    shim = shim_factory({"pulls": {"progress_interval_seconds": 0.3}}, upstream=ctd.socket)
+    proxy.set_link_throttle(3 * MiB)
+    totals: dict[str, set[int]] = {v1.ref: set(), v2.ref: set()}
+    async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+        pull = ch.unary_unary(PULL)
+        first = asyncio.ensure_future(pull(cri.pull_image_request(v1.ref), timeout=120))
+        second = None
+        while not (first.done() and second is not None and second.done()):
+            for row in await asyncio.to_thread(running, shim):
+                if "bytes_total" in row.get("progress", {}):
+                    totals[row["image"]].add(row["progress"]["bytes_total"])
+            if second is None and totals[v1.ref]:  # v1's manifest is known: now v2 starts
+                second = asyncio.ensure_future(pull(cri.pull_image_request(v2.ref), timeout=120))
+            await asyncio.sleep(0.2)
+        await asyncio.gather(first, second)
+    print(f"\nbytes_total seen: v1 {totals[v1.ref]} (image {v1.image.size}), "
+          f"v2 {totals[v2.ref]} (image {v2.image.size})")
+    assert totals == {v1.ref: {v1.image.size}, v2.ref: {v2.image.size}}
