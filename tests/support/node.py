@@ -361,7 +361,7 @@ class Kubelet:
 
     def __init__(self, binary: str, workdir: Path, *, runtime_endpoint: str, image_endpoint: str | None = None,
                  node_name: str = "crishim-node", config: Mapping[str, Any] | None = None,
-                 verbosity: int = 2) -> None:
+                 verbosity: int = 2, args: Sequence[str] = ()) -> None:
         self.binary = binary
         self.dir = Path(workdir)
         self.runtime_endpoint = runtime_endpoint
@@ -369,6 +369,7 @@ class Kubelet:
         self.node_name = node_name
         self.extra_config = dict(config or {})
         self.verbosity = verbosity
+        self.args = list(args)  # more flags, e.g. --vmodule=image_gc_manager=5
         self.manifests = self.dir / "manifests"
         self.root = self.dir / "root"
         self.log_path = self.dir / "kubelet.log"
@@ -403,7 +404,6 @@ class Kubelet:
             "healthzPort": self.healthz_port,
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
-            "localStorageCapacityIsolation": False,
             # Other tests share this disk: never evict because of its state.
             "evictionHard": {"memory.available": "1Mi", "nodefs.available": "0%", "imagefs.available": "0%",
                              "nodefs.inodesFree": "0%", "imagefs.inodesFree": "0%"},
@@ -417,7 +417,7 @@ class Kubelet:
         self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         argv = [self.binary, "--config", str(self.config_path), "--root-dir", str(self.root),
                 "--cert-dir", str(self.dir / "pki"), "--hostname-override", self.node_name,
-                f"--v={self.verbosity}"]
+                f"--v={self.verbosity}", *self.args]
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True)
@@ -458,8 +458,17 @@ class Kubelet:
             proc.wait(5)
 
     def close(self) -> None:
+        """Stop kubelet, unmount what it mounted and remove the /var/log/containers links it made
+        (that directory is fixed in kubelet, shared by every kubelet on the machine)."""
         self.stop()
         subprocess.run(["umount", "-R", "-l", str(self.root)], capture_output=True, check=False)
+        links = Path("/var/log/containers")
+        for link in links.glob("*.log") if links.is_dir() else ():
+            try:
+                if os.readlink(link).startswith(str(self.dir) + "/"):
+                    link.unlink()
+            except OSError:
+                pass
 
     def add_static_pod(self, manifest: Mapping[str, Any]) -> Path:
         """Write a static pod manifest (atomically: kubelet polls the directory)."""
