@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import time
 from collections import Counter
 
@@ -31,6 +32,7 @@ from tests.support.node import (
     rootfs_image,
     rootfs_layer,
     running_containers,
+    short_dir,
     static_pod,
     wait_running,
 )
@@ -60,13 +62,16 @@ def why(*sources: object) -> object:
     return tails
 
 
-@pytest.mark.parametrize("mode", ["full", "image-only"])
+@pytest.mark.parametrize("mode", ["full", "image-only", "full-evented-pleg"])
 async def test_kubelet_runs_static_pods_through_the_shim(
         mode: str, node_containerd: NodeContainerd, node_images: NodeImages, registry: RegistryWithProxy,
         node_shim, kubelet_factory) -> None:
     shim = await node_shim()
-    runtime_endpoint = shim.endpoint if mode == "full" else node_containerd.endpoint
-    kubelet: Kubelet = kubelet_factory(runtime_endpoint=runtime_endpoint, image_endpoint=shim.endpoint)
+    runtime_endpoint = node_containerd.endpoint if mode == "image-only" else shim.endpoint
+    # EventedPLEG (off by default in 1.35) makes kubelet follow GetContainerEvents, a server stream.
+    config = {"featureGates": {"EventedPLEG": True}} if mode == "full-evented-pleg" else {}
+    kubelet: Kubelet = kubelet_factory(runtime_endpoint=runtime_endpoint, image_endpoint=shim.endpoint,
+                                       config=config)
     kubelet.add_static_pod(static_pod("web", node_images.busybox.ref,
                                       ["sh", "-c", "echo hello from web; exec sleep 3600"]))
     direct = Crictl(node_containerd.endpoint, timeout=60)
@@ -93,7 +98,9 @@ async def test_kubelet_runs_static_pods_through_the_shim(
                                            "RunPodSandbox", "CreateContainer", "StartContainer",
                                            "PodSandboxStatus", "RuntimeConfig")}
     assert image_calls <= seen, f"missing: {sorted(image_calls - seen)}; seen: {sorted(seen)}"
-    if mode == "full":
+    if mode == "full-evented-pleg":
+        runtime_calls.add(RUNTIME + "GetContainerEvents")
+    if mode != "image-only":
         assert runtime_calls <= seen, f"missing: {sorted(runtime_calls - seen)}; seen: {sorted(seen)}"
     else:
         # image-only: kubelet talks to containerd for everything else
@@ -206,3 +213,49 @@ async def test_kubelet_image_gc_leaves_pinned_images(
     res = via_shim.rmi(pinned.ref)
     assert res.returncode != 0 and "is pinned by pins.images entry" in res.stderr, res
     assert pinned.image_id in image_ids(via_shim)
+
+
+async def test_shim_restart_under_a_running_kubelet(
+        node_containerd: NodeContainerd, node_images: NodeImages, registry: RegistryWithProxy,
+        node_shim, kubelet_factory) -> None:
+    sock_dir = short_dir("nodes-")
+    try:
+        listen = str(sock_dir / "cri-shim.sock")
+        shim = await node_shim(listen_path=listen)
+        kubelet: Kubelet = kubelet_factory(runtime_endpoint=shim.endpoint, image_endpoint=shim.endpoint)
+        kubelet.add_static_pod(static_pod("steady", node_images.busybox.ref))
+        direct = Crictl(node_containerd.endpoint, timeout=60)
+        steady = kubelet.pod_name("steady")
+        before = (await asyncio.to_thread(wait_running, direct, {steady}, timeout=120,
+                                          why=why(kubelet, node_containerd)))[steady]
+
+        offset = len(kubelet.log())
+        shim.terminate()  # what `systemctl restart cri-shim` does first
+        assert await shim.wait_exit(30) == 0
+
+        def kubelet_noticed() -> str:
+            deadline = time.monotonic() + 30
+            while "code = Unavailable" not in (tail := kubelet.log()[offset:]):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"kubelet never saw the shim gone:\n{tail[-3000:]}")
+                time.sleep(0.2)
+            return next(line for line in tail.splitlines() if "code = Unavailable" in line)
+
+        print("kubelet while the shim is down:", await asyncio.to_thread(kubelet_noticed))
+        again = await node_shim(listen_path=listen)
+        # kubelet reconnects by itself (its gRPC backoff is capped at 3 s): its PLEG relists arrive.
+        await again.wait_log("msg=relayed method=/runtime.v1.RuntimeService/ListPodSandbox", timeout=30)
+
+        kubelet.add_static_pod(static_pod("after", node_images.busybox.ref))
+        after = kubelet.pod_name("after")
+        now = await asyncio.to_thread(wait_running, Crictl(again.endpoint, timeout=60), {steady, after},
+                                      timeout=120, why=why(kubelet, node_containerd))
+        # The pod that ran across the restart: same container, same sandbox, never restarted.
+        assert now[steady]["id"] == before["id"]
+        assert now[steady]["podSandboxId"] == before["podSandboxId"]
+        assert now[steady]["metadata"]["attempt"] == 0
+        sandboxes = [p for p in ready_pods(direct).values() if p["metadata"]["name"] == steady]
+        assert len(sandboxes) == 1
+        assert kubelet.running
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
