@@ -206,13 +206,22 @@ async def test_kubelet_image_gc_leaves_pinned_images(
     assert node_images.busybox.image_id in images  # in use by the running pod
     after = running_containers(via_shim)
     assert after[pod]["id"] == running[pod]["id"] and after[pod]["metadata"]["attempt"] == 0
-    gc_lines = [line for line in kubelet.log().splitlines() if pinned.image_id.split(":")[1][:12] in line
-                or "Image is pinned" in line or "Removing image" in line or "garbage collection" in line]
-    print("kubelet image GC log:\n" + "\n".join(gc_lines[-20:]))
+    # kubelet reads `pinned: true` from ListImages (the shim adds it) and never asks to remove the
+    # pinned image; it says so only at -v=5. The unpinned one it removes, logging at -v=0.
+    log = kubelet.log()
+    assert f'"Image is pinned, skipping garbage collection" imageID="{pinned.image_id}"' in log
+    assert f'"Removing image to free bytes" imageID="{unpinned.image_id}"' in log
+    scrape = await prom.scrape(shim.metrics_address)  # type: ignore[attr-defined]
+    assert scrape.value("cri_shim_remove_denied_total") == 0  # no refusal was needed
+    print("kubelet image GC log:\n" + "\n".join(line for line in log.splitlines()
+                                                 if "Image is pinned" in line or "Removing image" in line))
     # What an operator (or anything else) sees when removing a pinned image by hand:
     res = via_shim.rmi(pinned.ref)
     assert res.returncode != 0 and "is pinned by pins.images entry" in res.stderr, res
+    print("crictl rmi of a pinned image:", res.stderr.strip())
     assert pinned.image_id in image_ids(via_shim)
+    scrape = await prom.scrape(shim.metrics_address)  # type: ignore[attr-defined]
+    assert scrape.value("cri_shim_remove_denied_total") == 1
 
 
 async def test_shim_restart_under_a_running_kubelet(
