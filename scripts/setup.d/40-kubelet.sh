@@ -27,7 +27,6 @@ text = open("go.mod").read()
 text = re.sub(r"(k8s\.io/[\w.-]+) => \./staging/src/k8s\.io/[\w.-]+", rf"\1 => \1 {ver}", text)
 open("go.mod", "w").write(text)
 PY
-GOFLAGS=-mod=mod go mod tidy >/dev/null 2>&1 || true
 CGO_ENABLED=0 GOFLAGS=-mod=mod nice -n 10 go build -o "$work/kubelet" ./cmd/kubelet
 install -m 0755 "$work/kubelet" "$CACHE/kubelet.tmp"
 mv "$CACHE/kubelet.tmp" "$CACHE/kubelet"
