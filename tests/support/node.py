@@ -496,7 +496,7 @@ class Kubelet:
 
 
 def crictl_json(crictl: Crictl, *args: str) -> Any:
-    res = crictl.run(*args, "-o", "json")
+    res = crictl.run(args[0], "-o", "json", *args[1:])
     if res.returncode != 0:
         raise AssertionError(f"crictl {' '.join(args)} failed ({res.returncode}): {res.stderr.strip()}")
     return json.loads(res.stdout)
