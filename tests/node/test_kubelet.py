@@ -77,6 +77,8 @@ def why(*sources: object) -> object:
 async def test_kubelet_runs_static_pods_through_the_shim(
         mode: str, node_containerd: NodeContainerd, node_images: NodeImages, registry: RegistryWithProxy,
         node_shim, kubelet_factory) -> None:
+    assert registry.proxy is not None
+    registry.proxy.reset()
     shim = await node_shim()
     runtime_endpoint = node_containerd.endpoint if mode == "image-only" else shim.endpoint
     # EventedPLEG (off by default in 1.35) makes kubelet follow GetContainerEvents, a server stream.
@@ -107,6 +109,7 @@ async def test_kubelet_runs_static_pods_through_the_shim(
     assert container_inspect(via_shim, cid)["status"]["state"] == "CONTAINER_RUNNING"
     # The image came from the registry, pulled through the shim.
     assert registry.stats().manifest_requests_for("node/busybox", "1") >= 1
+    assert registry.stats().manifest_requests_for("node/pause", "1") >= 1  # containerd's own pull
     assert IMAGE + "PullImage" in seen, sorted(seen)
 
     # kubelet's own calls reached containerd through the shim.
