@@ -102,8 +102,9 @@ def require_node() -> tuple[str, str]:
 
 
 def short_dir(prefix: str = "node-") -> Path:
-    """A short directory under /tmp (unix socket paths must stay below 108 bytes)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A short directory (unix socket paths must stay below 108 bytes), under the session's
+    temp dir in tests (tests/conftest.py checks nothing is left there)."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 # --------------------------------------------------------------------------
