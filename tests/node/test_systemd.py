@@ -290,6 +290,42 @@ def test_stop_drains(node: Node, make_image: Any, proxy: CountingProxy) -> None:
     assert 'msg="shutting down" grace_seconds=10' in journal and 'msg=stopped' in journal, journal
 
 
+def test_crash_and_bad_config_recover_by_themselves(node: Node) -> None:
+    """Restart=always, no start limit: a killed shim is back within RestartSec (its stale
+    socket replaced); a bad config at start exits 2 naming the key, and fixing the file is
+    all it takes: systemd keeps trying every 2 s."""
+    node.reset()
+    node.m.systemctl("start", "cri-shim")
+    pid = node.main_pid()
+    node.m.systemctl("kill", "--signal=SIGKILL", "cri-shim")
+    t0 = time.monotonic()
+    deadline = t0 + 15
+    while not (node.m.show("cri-shim", "ActiveState")["ActiveState"] == "active" and node.version().ok):
+        assert time.monotonic() < deadline, node.m.show("cri-shim", "ActiveState", "SubState", "Result")
+        time.sleep(0.1)
+    node.timings["back after SIGKILL"] = time.monotonic() - t0
+    unit = node.m.show("cri-shim", "MainPID", "NRestarts")
+    assert unit["MainPID"] != str(pid) and unit["NRestarts"] == "1", unit
+
+    node.reset(pulls={"max_parallel": -1})
+    start = node.m.systemctl("start", "cri-shim", check=False)
+    assert start.returncode != 0, "a bad config must fail `systemctl start`"
+    unit = node.m.show("cri-shim", "ExecMainStatus", "ActiveState")
+    assert unit["ExecMainStatus"] == "2", unit
+    journal = node.m.journal("cri-shim", 10)
+    assert "pulls.max_parallel: must be >= 0, got -1" in journal, journal
+    node.write_config(pulls={"max_parallel": 3})
+    t0 = time.monotonic()
+    deadline = t0 + 15
+    while not node.version().ok:
+        assert time.monotonic() < deadline, (node.m.show("cri-shim", "ActiveState", "SubState", "NRestarts"),
+                                             node.m.journal("cri-shim", 10))
+        time.sleep(0.1)
+    node.timings["serving after the config was fixed"] = time.monotonic() - t0
+    assert node.m.status_json()["pulls"]["max_parallel"] == 3
+    assert node.m.show("cri-shim", "ActiveState")["ActiveState"] == "active"
+
+
 def _install_fake_kubelet(node: Node, dropin: str) -> None:
     node.m.write("/usr/local/bin/fake-kubelet", FAKE_KUBELET, mode=0o755)
     node.m.write("/etc/systemd/system/kubelet.service", KUBELET_UNIT)
