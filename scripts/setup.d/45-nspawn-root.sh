@@ -63,8 +63,10 @@ EOF
 # /usr/local/bin. Done here once so its dependencies are cached in the root; the tests
 # reinstall the checkout under test with the same pip command.
 mkdir -p "$root/src/cri-shim"
-nspawn=(systemd-nspawn -q -D "$root" --register=no --keep-unit --resolv-conf=copy-host
-        --overlay="$PWD::/src/cri-shim")
+# No systemd on the host to register with: --register=no --keep-unit. A machine name of
+# our own, so concurrent runs don't share nspawn's per-machine state.
+nspawn=(systemd-nspawn -q -D "$root" --register=no --keep-unit --machine="cri-shim-setup-$$"
+        --resolv-conf=copy-host --overlay="$PWD::/src/cri-shim")
 "${nspawn[@]}" /usr/bin/python3 -m venv /opt/cri-shim
 "${nspawn[@]}" /opt/cri-shim/bin/pip install -q /src/cri-shim
 "${nspawn[@]}" /bin/ln -sf /opt/cri-shim/bin/cri-shim /usr/local/bin/cri-shim
