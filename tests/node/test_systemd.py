@@ -18,6 +18,7 @@ import re
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from tests.support.fixtures import (  # noqa: F401  (fixtures used by this modul
     registry,
 )
 from tests.support.proxy import CountingProxy
-from tests.support.registry import RegistryWithProxy
+from tests.support.registry import RegistryWithProxy, free_port
 
 pytestmark = pytest.mark.node
 
@@ -289,6 +290,35 @@ def test_stop_drains(node: Node, make_image: Any, proxy: CountingProxy) -> None:
     assert not node.socket.exists()
     journal = node.m.journal("cri-shim", 20)
     assert 'msg="shutting down" grace_seconds=10' in journal and 'msg=stopped' in journal, journal
+
+
+def test_features_work_inside_the_sandbox(node: Node, make_image: Any) -> None:
+    """Under the unit's hardening (read-only system, syscall and address-family filters):
+    an image set dropped into a watched directory is seen through inotify, prefetched and
+    pinned; the metrics endpoint answers on TCP."""
+    port = free_port()
+    sets = "/etc/cri-shim/image-sets"
+    node.m.remove([sets])
+    node.m.path(sets).mkdir(parents=True)
+    node.reset(metrics={"address": f"127.0.0.1:{port}"}, image_sets={"dir": sets, "debounce_seconds": 0.1})
+    node.m.systemctl("start", "cri-shim")
+    st = node.m.status_json()["image_sets"]
+    assert st["watch"] == "inotify", st
+    image = make_image(filler_bytes=1024)
+    node.m.write(f"{sets}/warm.yaml", yaml.safe_dump({
+        "apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": "warm"},
+        "spec": {"pin": True, "images": [{"name": image.ref}]}}))
+    node.wait_status(lambda s: s["image_sets"]["sets"].get("warm", {}).get("present") == 1,
+                     "the image set's image present")
+    req = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=image.ref)).SerializeToString()
+    r = api_pb2.ImageStatusResponse.FromString(cri.call(node.socket, "ImageStatus", req).unwrap())
+    assert r.image.id == image.image_id and r.image.pinned, r
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert 'cri_shim_image_set_images{set="warm",state="present"} 1.0' in metrics, metrics[-2000:]
+    journal = node.m.journal("cri-shim", 100, current=True)
+    assert "msg=serving" in journal, journal
+    assert "level=warning" not in journal and "level=error" not in journal, journal
 
 
 def test_crash_and_bad_config_recover_by_themselves(node: Node) -> None:

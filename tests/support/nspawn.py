@@ -159,8 +159,12 @@ class Machine:
         out = self.systemctl("show", unit, "--property=" + ",".join(props)).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
-    def journal(self, unit: str, lines: int = 50) -> str:
-        return self.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-n", str(lines), check=False).stdout
+    def journal(self, unit: str, lines: int = 50, *, current: bool = False) -> str:
+        """The unit's last journal lines; ``current``: only what its running process logged."""
+        where = ["-u", unit]
+        if current:
+            where = ["_SYSTEMD_INVOCATION_ID=" + self.show(unit, "InvocationID")["InvocationID"]]
+        return self.run("journalctl", "--no-pager", "-o", "cat", *where, "-n", str(lines), check=False).stdout
 
     def path(self, inside: str) -> Path:
         """The host's view of a path inside the container (through /proc/<PID 1>/root)."""
