@@ -14,8 +14,8 @@ overlay dropped at the end, also when a test fails.
 
 from __future__ import annotations
 
+import os
 import re
-import subprocess
 import threading
 import time
 import urllib.request
@@ -135,6 +135,8 @@ def node(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) 
     binaries.require("systemd-nspawn")
     binaries.require("nsenter")
     root, why = nspawn.find_root()
+    if os.geteuid() != 0:
+        root, why = None, "systemd-nspawn needs root"
     if root is None:
         if binaries.in_ci():
             pytest.fail(why + " (CI is set: node tests must not be skipped)", pytrace=False)
