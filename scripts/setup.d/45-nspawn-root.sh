@@ -67,10 +67,13 @@ mkdir -p "$root/src/cri-shim"
 # our own, so concurrent runs don't share nspawn's per-machine state.
 nspawn=(systemd-nspawn -q -D "$root" --register=no --keep-unit --machine="cri-shim-setup-$$"
         --resolv-conf=copy-host --overlay="$PWD::/src/cri-shim")
-"${nspawn[@]}" /usr/bin/python3 -m venv /opt/cri-shim
-"${nspawn[@]}" /opt/cri-shim/bin/pip install -q /src/cri-shim
-"${nspawn[@]}" /bin/ln -sf /opt/cri-shim/bin/cri-shim /usr/local/bin/cri-shim
-"${nspawn[@]}" /usr/local/bin/cri-shim --help >/dev/null
+# (Without a host systemd, nspawn says "Attempted to remove disk file system under
+# /run/systemd/nspawn/propagate/..." on exit; it removes that directory all the same.)
+in_root() { "${nspawn[@]}" "$@" 2> >(grep -v 'Attempted to remove disk file system' >&2); }
+in_root /usr/bin/python3 -m venv /opt/cri-shim
+in_root /opt/cri-shim/bin/pip install -q /src/cri-shim
+in_root /bin/ln -sf /opt/cri-shim/bin/cri-shim /usr/local/bin/cri-shim
+in_root /usr/local/bin/cri-shim --help >/dev/null
 
 rm -rf "$CACHE"
 mv "$tmp" "$CACHE"
