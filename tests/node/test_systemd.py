@@ -14,8 +14,11 @@ overlay dropped at the end, also when a test fails.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 import urllib.request
@@ -28,8 +31,9 @@ import pytest
 import yaml
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support import binaries, cri, nspawn
-from tests.support.containerd import hosts_toml
+from tests.support import binaries, cri, nspawn, oci
+from tests.support.containerd import Containerd, hosts_toml
+from tests.support.crictl import Crictl
 from tests.support.fixtures import (  # noqa: F401  (fixtures used by this module)
     _reset_proxies_after_test,
     fast_tmp,
@@ -44,6 +48,7 @@ pytestmark = pytest.mark.node
 
 REPO = Path(__file__).resolve().parents[2]
 SOCK = "/run/cri-shim/cri-shim.sock"
+HOST_RUNTIME = "/run/host-containerd"
 #: What the fake kubelet's first CRI call got (written by the unit below).
 FIRST_CALL = "/run/fake-kubelet/first-call"
 
@@ -77,9 +82,11 @@ WantedBy=multi-user.target
 class Node:
     """The booted container with cri-shim installed, plus helpers for the tests."""
 
-    def __init__(self, machine: nspawn.Machine, registry: RegistryWithProxy) -> None:
+    def __init__(self, machine: nspawn.Machine, registry: RegistryWithProxy, host_runtime: Path) -> None:
         self.m = machine
         self.registry = registry
+        #: host directory seen inside at HOST_RUNTIME
+        self.host_runtime = host_runtime
         self.timings = machine.timings  # printed at the end of the module
 
     @property
@@ -142,7 +149,11 @@ def node(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) 
             pytest.fail(why + " (CI is set: node tests must not be skipped)", pytrace=False)
         pytest.skip(why)
     logdir = tmp_path_factory.mktemp("nspawn")
-    machine = nspawn.Machine(root, src=REPO, log_path=logdir / "nspawn.log")
+    # For a containerd on the host (one that can run pods): its socket shows up inside at
+    # /run/host-containerd/state/containerd.sock. Short, for the socket path limit.
+    host_runtime = Path(tempfile.mkdtemp(prefix="nsp-rt-", dir="/tmp"))
+    machine = nspawn.Machine(root, src=REPO, log_path=logdir / "nspawn.log",
+                             binds=[(host_runtime, HOST_RUNTIME, False)])
     t_module = time.monotonic()
     try:
         machine.boot()
@@ -164,12 +175,13 @@ def node(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) 
             systemctl enable cri-shim""")
         # containerd inside pulls from the host's registry proxy over plain HTTP.
         machine.write(f"/etc/containerd/certs.d/{registry.host}/hosts.toml", hosts_toml(registry.host))
-        n = Node(machine, registry)
+        n = Node(machine, registry, host_runtime)
         n.timings["reinstall checkout"] = t_install
         yield n
     finally:
         t0 = time.monotonic()
         machine.terminate()
+        shutil.rmtree(host_runtime, ignore_errors=True)
         timings = dict(machine.timings)
         timings["poweroff"] = time.monotonic() - t0
         timings["module"] = time.monotonic() - t_module
@@ -441,3 +453,129 @@ def test_sandbox_holds_under_real_systemd(node: Node) -> None:
     score, rating = float(m.group(1)), m.group(2)
     print(f"\nsystemd-analyze security cri-shim.service (systemd 252, nspawn): {score} {rating}")
     assert rating in ("OK", "SAFE", "PERFECT") and score < 5.0, out[-2000:]
+
+
+def _sleep_image_layer() -> oci.Layer:
+    """The host's /bin/sleep with its two libraries: enough for a pod sandbox and a container."""
+    files = {path.lstrip("/"): Path(path).read_bytes()
+             for path in ("/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2")}
+    return oci.make_layer(files, mode=0o755)
+
+
+class Poller:
+    """A long-lived CRI client like kubelet: one channel, a ListContainers every 50 ms."""
+
+    def __init__(self, socket: Path) -> None:
+        self.channel = grpc.insecure_channel(cri.target(socket))
+        self.call = self.channel.unary_unary(cri.method_path("ListContainers"))
+        self.results: list[tuple[float, grpc.StatusCode]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.call(b"", timeout=2)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()  # type: ignore[attr-defined]
+            self.results.append((time.monotonic(), code))
+            self._stop.wait(0.05)
+
+    def start(self) -> "Poller":
+        self._thread.start()
+        return self
+
+    def ok_after(self, t: float, timeout: float) -> float:
+        """Wait for a successful call that started after ``t``; return when it came."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for when, code in list(self.results):
+                if when > t and code == grpc.StatusCode.OK:
+                    return when
+            time.sleep(0.02)
+        raise AssertionError(f"the client got no answer after the restart: {self.results[-5:]}")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.channel.close()
+
+
+def test_restart_keeps_pods_running(node: Node, make_image: Any, tmp_path: Path) -> None:
+    """`systemctl restart cri-shim` in front of a containerd running pods (on the host: runc
+    cannot run inside the nspawn container here), pods made with crictl through the shim:
+    every pod and container keeps running with the same process, and a client holding one
+    channel (as kubelet does) gets answers again on that channel by itself."""
+    binaries.require("containerd")
+    image = make_image(name="node/sleep", tag=f"v{os.getpid()}", layers=[_sleep_image_layer()],
+                       cmd=["/bin/sleep", "infinity"]).ref
+    ctd = Containerd(node.host_runtime, binary=binaries.require("containerd"), registries=[node.registry.host],
+                     sandbox_image=image, log_path=tmp_path / "containerd.log")
+    direct = Crictl(ctd.socket)
+    poller: Poller | None = None
+    try:
+        ctd.start()
+        node.reset(upstream=f"unix://{HOST_RUNTIME}/state/containerd.sock")
+        node.m.systemctl("start", "cri-shim")
+        shim = Crictl(node.socket)
+        assert shim.pull(image, timeout=60).returncode == 0
+        containers = {}
+        for i in range(2):
+            pod = tmp_path / f"pod{i}.json"
+            pod.write_text(json.dumps({
+                "metadata": {"name": f"pod{i}", "namespace": "default", "uid": f"uid-{i}"},
+                "log_directory": str(tmp_path / f"logs{i}"),
+                "linux": {"security_context": {"namespace_options": {"network": 2}}}}))  # host network
+            ctr = tmp_path / f"ctr{i}.json"
+            ctr.write_text(json.dumps({"metadata": {"name": "sleep"}, "image": {"image": image},
+                                       "command": ["/bin/sleep", "infinity"], "log_path": "sleep.log"}))
+            sid = shim.run("runp", str(pod), check=True).stdout.strip()
+            cid = shim.run("create", sid, str(ctr), str(pod), check=True).stdout.strip()
+            shim.run("start", cid, check=True)
+            containers[cid] = sid
+
+        def snapshot() -> dict[str, tuple[str, str, int, int]]:
+            """container id -> (state, pod id, attempt, pid), through the shim."""
+            out = {}
+            for c in json.loads(shim.run("ps", "-a", "-o", "json", check=True).stdout)["containers"]:
+                info = json.loads(shim.run("inspect", c["id"], check=True).stdout)["info"]
+                out[c["id"]] = (c["state"], c["podSandboxId"], c["metadata"].get("attempt", 0), info["pid"])
+            return out
+
+        before = snapshot()
+        assert set(before) == set(containers)
+        assert all(state == "CONTAINER_RUNNING" for state, *_ in before.values()), before
+        pods_before = shim.run("pods", "-q", check=True).stdout.split()
+        poller = Poller(node.socket).start()
+        poller.ok_after(0, timeout=10)
+        pid = node.main_pid()
+
+        t0 = time.monotonic()
+        node.m.systemctl("restart", "cri-shim")
+        t1 = time.monotonic()
+        node.timings["systemctl restart"] = t1 - t0
+        # The old process is gone once restart returns: an answer after that is the new one's.
+        back = poller.ok_after(t1, timeout=15)
+        window = [(when, code) for when, code in poller.results if t0 - 1 <= when <= back]
+        failed = {code.name for _, code in window if code != grpc.StatusCode.OK}
+        assert failed <= {"UNAVAILABLE"}, failed
+        oks = [when for when, code in window if code == grpc.StatusCode.OK]
+        node.timings["longest gap between the client's answers"] = max(b - a for a, b in zip(oks, oks[1:]))
+
+        assert node.main_pid() != pid
+        after = snapshot()
+        assert after == before, f"pods changed across the restart:\n{before}\n{after}"
+        for _state, _pod, _attempt, cpid in after.values():
+            os.kill(cpid, 0)  # the same container process, still alive
+        assert shim.run("pods", "-q", check=True).stdout.split() == pods_before
+        # The runtime's streaming path still works through the new shim process.
+        some = next(iter(containers))
+        assert shim.run("exec", "--sync", some, "/bin/sleep", "0").returncode == 0
+    finally:
+        if poller is not None:
+            poller.close()
+        node.m.systemctl("stop", "cri-shim", check=False)
+        if ctd.running:
+            direct.run("rmp", "--force", "--all")
+        ctd.stop()
