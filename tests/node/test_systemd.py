@@ -6,6 +6,8 @@ Upstream is Debian's containerd as containerd.service inside the same systemd, s
 ``After=``/``Wants=containerd.service`` are exercised for real (start pulls containerd in and
 orders after it; stopping containerd leaves the shim running). Images come from the
 session's registry on the host's loopback (the container shares the host's network).
+runc cannot run inside the container (its cgroup hierarchies are read-only there), so the
+restart-with-pods test puts a containerd on the host and binds its socket in.
 
 One container per module (boot about 0.3 s, the checkout's reinstall about 2-3 s); every
 test first brings the units to a known state. The container is powered off and its tmpfs
