@@ -390,6 +390,8 @@ class ClientConnection(asyncio.Protocol):
                     trailers_only=True)), True, self.client_max_frame))
                 return
             self.relayed_open.add(sid)
+            if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
+                logs.log(_log, logging.DEBUG, "relayed", method=path.decode("latin-1") if path else "")
             out.extend(frames)
             return
         self.decoder.restore(snapshot)  # decode again, this time every header
