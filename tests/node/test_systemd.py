@@ -7,7 +7,8 @@ Upstream is Debian's containerd as containerd.service inside the same systemd, s
 orders after it; stopping containerd leaves the shim running). Images come from the
 session's registry on the host's loopback (the container shares the host's network).
 runc cannot run inside the container (its cgroup hierarchies are read-only there), so the
-restart-with-pods test puts a containerd on the host and binds its socket in.
+restart-under-kubelet test uses tests/support/node.py's containerd 2.x and kubelet on the
+host, with containerd's socket bound into the container.
 
 One container per module (boot about 0.3 s, the checkout's reinstall about 2-3 s); every
 test first brings the units to a known state. The container is powered off and its tmpfs
@@ -33,20 +34,21 @@ import pytest
 import yaml
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support import binaries, cri, nspawn, oci
-from tests.support.containerd import Containerd, hosts_toml
+from tests.support import binaries, cri, nspawn
+from tests.support.containerd import hosts_toml
 from tests.support.crictl import Crictl
-from tests.support.fixtures import (  # noqa: F401  (fixtures used by this module)
-    _reset_proxies_after_test,
-    fast_tmp,
-    make_image,
-    proxy,
-    registry,
+from tests.support.fixtures import make_image, proxy  # noqa: F401  (fixtures used here)
+from tests.support.node import (
+    Kubelet,
+    NodeContainerd,
+    NodeImages,
+    ready_pods,
+    static_pod,
+    wait_running,
 )
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy, free_port
 
-pytestmark = pytest.mark.node
 
 REPO = Path(__file__).resolve().parents[2]
 SOCK = "/run/cri-shim/cri-shim.sock"
@@ -457,127 +459,58 @@ def test_sandbox_holds_under_real_systemd(node: Node) -> None:
     assert rating in ("OK", "SAFE", "PERFECT") and score < 5.0, out[-2000:]
 
 
-def _sleep_image_layer() -> oci.Layer:
-    """The host's /bin/sleep with its two libraries: enough for a pod sandbox and a container."""
-    files = {path.lstrip("/"): Path(path).read_bytes()
-             for path in ("/bin/sleep", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2")}
-    return oci.make_layer(files, mode=0o755)
+
+def container_pid(crictl: Crictl, container_id: str) -> int:
+    out = crictl.run("inspect", "-o", "json", container_id)
+    assert out.returncode == 0, out.stderr
+    return int(json.loads(out.stdout)["info"]["pid"])
 
 
-class Poller:
-    """A long-lived CRI client like kubelet: one channel, a ListContainers every 50 ms."""
-
-    def __init__(self, socket: Path) -> None:
-        self.channel = grpc.insecure_channel(cri.target(socket))
-        self.call = self.channel.unary_unary(cri.method_path("ListContainers"))
-        self.results: list[tuple[float, grpc.StatusCode]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.call(b"", timeout=2)
-                code = grpc.StatusCode.OK
-            except grpc.RpcError as e:
-                code = e.code()  # type: ignore[attr-defined]
-            self.results.append((time.monotonic(), code))
-            self._stop.wait(0.05)
-
-    def start(self) -> "Poller":
-        self._thread.start()
-        return self
-
-    def ok_after(self, t: float, timeout: float) -> float:
-        """Wait for a successful call that started after ``t``; return when it came."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for when, code in list(self.results):
-                if when > t and code == grpc.StatusCode.OK:
-                    return when
-            time.sleep(0.02)
-        raise AssertionError(f"the client got no answer after the restart: {self.results[-5:]}")
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.channel.close()
-
-
-def test_restart_keeps_pods_running(node: Node, make_image: Any, tmp_path: Path) -> None:
-    """`systemctl restart cri-shim` in front of a containerd running pods (on the host: runc
-    cannot run inside the nspawn container here), pods made with crictl through the shim:
-    every pod and container keeps running with the same process, and a client holding one
-    channel (as kubelet does) gets answers again on that channel by itself."""
-    binaries.require("containerd")
-    image = make_image(name="node/sleep", tag=f"v{os.getpid()}", layers=[_sleep_image_layer()],
-                       cmd=["/bin/sleep", "infinity"]).ref
-    ctd = Containerd(node.host_runtime, binary=binaries.require("containerd"), registries=[node.registry.host],
-                     sandbox_image=image, log_path=tmp_path / "containerd.log")
-    direct = Crictl(ctd.socket)
-    poller: Poller | None = None
+def test_restart_under_a_running_kubelet(node: Node, node_binaries: tuple[str, str], node_images: NodeImages,
+                                          kubelet_factory: Any) -> None:
+    """`systemctl restart cri-shim` under a kubelet running a pod, all calls through the shim
+    (full mode): the pod's container keeps running, same process, never restarted; kubelet
+    reconnects by itself (its PLEG relists reach the new shim process) and starts a new pod
+    through it. kubelet and containerd 2.x run on the host (runc cannot run inside the nspawn
+    container: its cgroup hierarchies are read-only there); containerd's socket is bound into
+    the container and kubelet reaches the shim's socket through /proc/<PID 1>/root."""
+    ctd = NodeContainerd(node_binaries[0], node.host_runtime / "ctd", sandbox_image=node_images.pause.ref,
+                         registries=[node.registry.host])
+    direct = Crictl(ctd.endpoint, timeout=60)
     try:
         ctd.start()
-        node.reset(upstream=f"unix://{HOST_RUNTIME}/state/containerd.sock")
+        # debug: the shim names every call it relays (kubelet's PLEG relists among them)
+        node.reset(upstream=f"unix://{HOST_RUNTIME}/ctd/state/containerd.sock", log={"level": "debug"})
         node.m.systemctl("start", "cri-shim")
-        shim = Crictl(node.socket)
-        assert shim.pull(image, timeout=60).returncode == 0
-        containers = {}
-        for i in range(2):
-            pod = tmp_path / f"pod{i}.json"
-            pod.write_text(json.dumps({
-                "metadata": {"name": f"pod{i}", "namespace": "default", "uid": f"uid-{i}"},
-                "log_directory": str(tmp_path / f"logs{i}"),
-                "linux": {"security_context": {"namespace_options": {"network": 2}}}}))  # host network
-            ctr = tmp_path / f"ctr{i}.json"
-            ctr.write_text(json.dumps({"metadata": {"name": "sleep"}, "image": {"image": image},
-                                       "command": ["/bin/sleep", "infinity"], "log_path": "sleep.log"}))
-            sid = shim.run("runp", str(pod), check=True).stdout.strip()
-            cid = shim.run("create", sid, str(ctr), str(pod), check=True).stdout.strip()
-            shim.run("start", cid, check=True)
-            containers[cid] = sid
-
-        def snapshot() -> dict[str, tuple[str, str, int, int]]:
-            """container id -> (state, pod id, attempt, pid), through the shim."""
-            out = {}
-            for c in json.loads(shim.run("ps", "-a", "-o", "json", check=True).stdout)["containers"]:
-                info = json.loads(shim.run("inspect", c["id"], check=True).stdout)["info"]
-                out[c["id"]] = (c["state"], c["podSandboxId"], c["metadata"].get("attempt", 0), info["pid"])
-            return out
-
-        before = snapshot()
-        assert set(before) == set(containers)
-        assert all(state == "CONTAINER_RUNNING" for state, *_ in before.values()), before
-        pods_before = shim.run("pods", "-q", check=True).stdout.split()
-        poller = Poller(node.socket).start()
-        poller.ok_after(0, timeout=10)
-        pid = node.main_pid()
+        endpoint = f"unix://{node.socket}"
+        kubelet: Kubelet = kubelet_factory(runtime_endpoint=endpoint, image_endpoint=endpoint)
+        kubelet.add_static_pod(static_pod("steady", node_images.busybox.ref))
+        steady = kubelet.pod_name("steady")
+        why = lambda: f"kubelet:\n{kubelet.log_tail()}\ncontainerd:\n{ctd.log_tail()}"  # noqa: E731
+        before = wait_running(direct, {steady}, timeout=120, why=why)[steady]
+        pid_before = container_pid(direct, before["id"])
+        shim_pid = node.main_pid()
 
         t0 = time.monotonic()
         node.m.systemctl("restart", "cri-shim")
-        t1 = time.monotonic()
-        node.timings["systemctl restart"] = t1 - t0
-        # The old process is gone once restart returns: an answer after that is the new one's.
-        back = poller.ok_after(t1, timeout=15)
-        window = [(when, code) for when, code in poller.results if t0 - 1 <= when <= back]
-        failed = {code.name for _, code in window if code != grpc.StatusCode.OK}
-        assert failed <= {"UNAVAILABLE"}, failed
-        oks = [when for when, code in window if code == grpc.StatusCode.OK]
-        node.timings["longest gap between the client's answers"] = max(b - a for a, b in zip(oks, oks[1:]))
+        node.timings["systemctl restart (kubelet attached)"] = time.monotonic() - t0
+        assert node.main_pid() != shim_pid
+        relist = "msg=relayed method=/runtime.v1.RuntimeService/ListPodSandbox"
+        deadline = time.monotonic() + 30
+        while relist not in node.m.journal("cri-shim", 400, current=True):
+            assert time.monotonic() < deadline, f"kubelet never came back to the shim\n{why()}"
+            time.sleep(0.1)
+        node.timings["kubelet's first relist through the new shim"] = time.monotonic() - t0
 
-        assert node.main_pid() != pid
-        after = snapshot()
-        assert after == before, f"pods changed across the restart:\n{before}\n{after}"
-        for _state, _pod, _attempt, cpid in after.values():
-            os.kill(cpid, 0)  # the same container process, still alive
-        assert shim.run("pods", "-q", check=True).stdout.split() == pods_before
-        # The runtime's streaming path still works through the new shim process.
-        some = next(iter(containers))
-        assert shim.run("exec", "--sync", some, "/bin/sleep", "0").returncode == 0
+        kubelet.add_static_pod(static_pod("after", node_images.busybox.ref))
+        after = kubelet.pod_name("after")
+        now = wait_running(Crictl(endpoint, timeout=60), {steady, after}, timeout=120, why=why)
+        assert (now[steady]["id"], now[steady]["podSandboxId"]) == (before["id"], before["podSandboxId"])
+        assert now[steady]["metadata"].get("attempt", 0) == 0, "kubelet restarted the container"
+        assert container_pid(direct, before["id"]) == pid_before
+        assert [p["metadata"]["name"] for p in ready_pods(direct).values()].count(steady) == 1
+        assert kubelet.running
+        assert node.m.show("cri-shim", "NRestarts")["NRestarts"] == "0"
     finally:
-        if poller is not None:
-            poller.close()
         node.m.systemctl("stop", "cri-shim", check=False)
-        if ctd.running:
-            direct.run("rmp", "--force", "--all")
-        ctd.stop()
+        ctd.close(direct)

@@ -62,11 +62,8 @@ class Containerd:
         max_concurrent_downloads: int = 3,
         extra_cri_config: str = "",
         log_path: str | os.PathLike[str] | None = None,
-        sandbox_image: str = "127.0.0.1:1/cri-shim-test/pause:never-pulled",
     ) -> None:
         self.workdir = Path(workdir)
-        #: The pod sandbox ("pause") image; the default is never pulled (no pod is run).
-        self.sandbox_image = sandbox_image
         self.binary = binary
         self.log_level = log_level
         self.max_concurrent_downloads = max_concurrent_downloads
@@ -132,7 +129,7 @@ disabled_plugins = [{disabled}]
     disable_apparmor = true
     restrict_oom_score_adj = true
     max_concurrent_downloads = {self.max_concurrent_downloads}
-    sandbox_image = {_toml_str(self.sandbox_image)}
+    sandbox_image = "127.0.0.1:1/cri-shim-test/pause:never-pulled"
     stream_server_address = "127.0.0.1"
     stream_server_port = "0"
 {self.extra_cri_config}

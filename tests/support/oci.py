@@ -142,9 +142,8 @@ def make_image(
     architecture: str = "amd64",
     os_name: str = "linux",
     annotations: Mapping[str, str] | None = None,
-    cmd: Sequence[str] = ("/bin/true",),
 ) -> OciImage:
-    """Fabricate an image (``cmd``: its config's ``Cmd``).
+    """Fabricate an image.
 
     Without ``layers``, one gzip layer is made holding ``/unique.txt`` (whose
     content is ``unique``) and, if ``filler_bytes`` > 0, ``/filler.bin`` of
@@ -165,7 +164,7 @@ def make_image(
         "os": os_name,
         "config": {
             "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-            "Cmd": list(cmd),
+            "Cmd": ["/bin/true"],
             "Labels": all_labels,
         },
         "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
