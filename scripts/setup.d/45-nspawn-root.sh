@@ -34,8 +34,10 @@ nice debootstrap --variant=minbase \
   || { tail -30 "$tmp/debootstrap.log" >&2; exit 1; }
 root=$tmp/root
 # pip inside trusts what the host trusts (the tests bind the host's bundle over this).
-install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
-printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\ndisable-pip-version-check = true\n' >"$root/etc/pip.conf"
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+  install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
+  printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' >"$root/etc/pip.conf"
+fi
 # No getty/login/network units to wait for: the tests only need systemd and containerd.
 rm -f "$root/etc/machine-id"
 systemd-machine-id-setup --root="$root" >/dev/null

@@ -100,7 +100,7 @@ class Node:
     def log_tails(self) -> dict[str, str]:
         out = {"journal cri-shim": self.m.journal("cri-shim", 40),
                "journal containerd": self.m.journal("containerd", 15),
-               "nspawn": self.m.log_tail(20)}
+               "nspawn": self.m.log_tail(20), "failed units at boot": self.m.degraded}
         return out
 
     def write_config(self, **cfg: Any) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT_VERSION = "v1"
 DEFAULT_ROOT = f"/var/cache/cri-shim/nspawn-bookworm-{ROOT_VERSION}/root"
 SETUP = "bash scripts/setup.d/45-nspawn-root.sh"
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 _names = itertools.count(1)
 
@@ -63,6 +64,8 @@ class Machine:
         self.pid1: int | None = None
         #: seconds: "boot" (nspawn started -> systemd reports running)
         self.timings: dict[str, float] = {}
+        #: ``systemctl --failed`` when the boot ended "degraded"
+        self.degraded = ""
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -70,8 +73,9 @@ class Machine:
         cmd = ["systemd-nspawn", "--quiet", "--directory", self.root, "--volatile=overlay",
                "--register=no", "--keep-unit", "--machine", self.name, "--boot",
                "--console=read-only", "--resolv-conf=copy-host",
-               "--bind-ro=/etc/ssl/certs/ca-certificates.crt",
                f"--overlay={self.src}::/src/cri-shim"]
+        if os.path.exists(CA_BUNDLE):  # pip inside trusts what the host trusts
+            cmd.append(f"--bind-ro={CA_BUNDLE}")
         for host, inside, ro in self.binds:
             cmd.append(f"--bind{'-ro' if ro else ''}={host}:{inside}")
         t0 = time.monotonic()
@@ -91,9 +95,8 @@ class Machine:
                                    + self.log_tail())
             time.sleep(0.05)
         self.timings["boot"] = time.monotonic() - t0
-        if state == "degraded":
-            failed = self.run("systemctl", "--failed", "--no-legend", check=False).stdout
-            raise MachineError(f"systemd in {self.name} booted degraded:\n{failed}")
+        if state == "degraded":  # not fatal for the tests; shown with a failing test's logs
+            self.degraded = self.run("systemctl", "--failed", "--no-legend", check=False).stdout
         return self
 
     def _wait_pid1(self, deadline: float) -> int:
