@@ -212,7 +212,7 @@ def test_start_returns_when_the_socket_serves(node: Node) -> None:
     assert ctd["ActiveState"] == "active", "Wants=containerd.service did not start containerd"
     assert int(ctd["ActiveEnterTimestampMonotonic"]) <= int(shim["ExecMainStartTimestampMonotonic"]), (
         f"After=containerd.service not honoured: {ctd} {shim}")
-    # READY=1 came after the process started, i.e. after the socket was bound.
+    # active from READY=1 on, not from the fork: later than the process start.
     assert int(shim["ActiveEnterTimestampMonotonic"]) > int(shim["ExecMainStartTimestampMonotonic"])
 
 
