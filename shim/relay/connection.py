@@ -276,7 +276,7 @@ class ClientConnection(asyncio.Protocol):
                         if self.upstream is None and length:  # orphaned: nobody else refunds it
                             self._write(h2.window_update(0, length))
                     else:
-                        self._local_data(s, flags, raw[9:], out_client=True)
+                        self._local_data(s, flags, raw[9:])
                 elif ftype == h2.HEADERS or ftype == h2.CONTINUATION:
                     self._client_headers(ftype, flags, sid, raw, out)
                 elif ftype == h2.WINDOW_UPDATE:
@@ -430,6 +430,11 @@ class ClientConnection(asyncio.Protocol):
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
                 continue
+            if sid and sid in self.local:
+                # A stream we answer ourselves whose header block the runtime had to see: grpc-go
+                # may answer it (an unknown method: trailers at once) and then RST_STREAM(NO_ERROR)
+                # before it reads our RST_STREAM. None of that is the client's.
+                continue
             if ftype == h2.SETTINGS:
                 if not flags & h2.ACK:
                     raw = h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(raw[9:]))
@@ -475,7 +480,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             s.handler = handler
 
-    def _local_data(self, s: LocalStream, flags: int, payload: bytes, out_client: bool) -> None:
+    def _local_data(self, s: LocalStream, flags: int, payload: bytes) -> None:
         body = h2.data_payload(flags, payload)
         s.body += body
         if len(s.body) > self.relay.max_message_bytes + 5:
