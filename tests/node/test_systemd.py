@@ -37,7 +37,14 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support import binaries, cri, nspawn
 from tests.support.containerd import hosts_toml
 from tests.support.crictl import Crictl
-from tests.support.fixtures import make_image, proxy  # noqa: F401  (fixtures used here)
+from tests.support.fixtures import (  # noqa: F401  (fixtures used here)
+    AUTH_PASSWORD,
+    AUTH_USER,
+    auth_registry,
+    containerd,
+    make_image,
+    proxy,
+)
 from tests.support.node import (
     Kubelet,
     NodeContainerd,
@@ -337,6 +344,39 @@ def test_features_work_inside_the_sandbox(node: Node, make_image: Any) -> None:
     journal = node.m.journal("cri-shim", 100, current=True)
     assert "msg=serving" in journal, journal
     assert "level=warning" not in journal and "level=error" not in journal, journal
+
+
+def test_credential_plugin_runs_inside_the_sandbox(node: Node, make_image: Any,
+                                                   auth_registry: RegistryWithProxy) -> None:
+    """A kubelet credential provider plugin is executed by the shim under the unit's hardening
+    (syscall filter, read-only system, no capabilities): an image set on a registry that
+    requires a login becomes present, and the password never reaches the journal."""
+    image = make_image(registry=auth_registry)
+    sets, plugins = "/etc/cri-shim/image-sets", "/etc/cri-shim/credential-plugins"
+    runs = "/run/cri-shim/plugin-runs.log"  # the one place the shim (and so its plugins) may write
+    node.m.remove([sets, plugins])
+    node.m.path(sets).mkdir(parents=True)
+    node.m.write(f"{plugins}/test-provider", "#!/bin/sh\nexec /opt/cri-shim/bin/python3 "
+                 "/src/cri-shim/tests/support/credential_plugin.py \"$@\"\n", mode=0o755)
+    node.m.write(f"{plugins}/providers.yaml", yaml.safe_dump({
+        "apiVersion": "kubelet.config.k8s.io/v1", "kind": "CredentialProviderConfig", "providers": [{
+            "name": "test-provider", "matchImages": [auth_registry.host], "defaultCacheDuration": "10m",
+            "apiVersion": "credentialprovider.kubelet.k8s.io/v1", "args": ["--user", AUTH_USER],
+            "env": [{"name": "PLUGIN_RUNS", "value": runs}, {"name": "PLUGIN_PASSWORD", "value": AUTH_PASSWORD}],
+        }]}))
+    node.m.write(f"/etc/containerd/certs.d/{auth_registry.host}/hosts.toml", hosts_toml(auth_registry.host))
+    node.reset(image_sets={"dir": sets, "debounce_seconds": 0.1,
+                           "credential_provider_config": f"{plugins}/providers.yaml",
+                           "credential_provider_bin_dir": plugins})
+    node.m.systemctl("start", "cri-shim")
+    node.m.write(f"{sets}/private.yaml", yaml.safe_dump({
+        "apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": "private"},
+        "spec": {"images": [{"name": image.ref}]}}))
+    node.wait_status(lambda s: s["image_sets"]["sets"].get("private", {}).get("present") == 1,
+                     "the private image present", timeout=30)
+    assert [json.loads(line)["image"] for line in node.m.path(runs).read_text().splitlines()] == [image.ref]
+    journal = node.m.journal("cri-shim", 200, current=True)
+    assert AUTH_PASSWORD not in journal and "level=error" not in journal, journal
 
 
 def test_crash_and_bad_config_recover_by_themselves(node: Node) -> None:
