@@ -128,43 +128,56 @@ async def gzip_bomb(endpoint: str, pid: int, mib: int) -> dict:
 
 
 async def raw_unary(path: str, method: str, message: bytes, extra: dict[bytes, bytes]) -> str:
-    """One gRPC call over a raw HTTP/2 connection; returns grpc-status and message."""
+    """One gRPC call over a raw HTTP/2 connection, within the server's flow-control
+    windows; returns what ended it (grpc-status and message, RST_STREAM, GOAWAY)."""
     reader, writer = await asyncio.open_unix_connection(path)
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
                (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
                *extra.items()]
-    out = [h2.PREFACE, h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 30}),
-           h2.window_update(0, 1 << 30), h2.headers_frames(1, h2.encode_headers(headers), False, 16384)]
-    for i in range(0, len(message), 16384):
-        chunk = message[i:i + 16384]
-        last = i + 16384 >= len(message)
-        out.append(h2.frame(h2.DATA, h2.END_STREAM if last else 0, 1, chunk))
-    writer.write(b"".join(out))
-    buf = b""
+    writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 30})
+                 + h2.window_update(0, 1 << 30) + h2.headers_frames(1, h2.encode_headers(headers), False, 16384))
+    conn_window = stream_window = h2.DEFAULT_WINDOW
+    sent, buf = 0, b""
+    end = time.monotonic() + 30
     status = "no answer"
     try:
-        end = time.monotonic() + 30
         while time.monotonic() < end:
+            while sent < len(message) and min(conn_window, stream_window) > 0:
+                n = min(16384, conn_window, stream_window, len(message) - sent)
+                last = sent + n >= len(message)
+                writer.write(h2.frame(h2.DATA, h2.END_STREAM if last else 0, 1, message[sent:sent + n]))
+                sent += n
+                conn_window -= n
+                stream_window -= n
             data = await asyncio.wait_for(reader.read(65536), end - time.monotonic())
             if not data:
-                status = status if status != "no answer" else "connection closed"
-                break
+                return status if status != "no answer" else "connection closed"
             buf += data
             while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
                 n = int.from_bytes(buf[:3], "big")
-                ftype, payload = buf[3], buf[9:9 + n]
+                ftype, flags, sid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
                 buf = buf[9 + n:]
-                if ftype == h2.HEADERS and b"grpc-status" in payload:
-                    status = payload[payload.index(b"grpc-status"):][:120].decode("latin-1", "replace")
-                    writer.close()
-                    return status
-                if ftype == h2.GOAWAY:
+                if ftype == h2.SETTINGS and not flags & h2.ACK:
+                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+                    window = h2.settings_payload(payload).get(h2.SETTINGS_INITIAL_WINDOW_SIZE)
+                    if window is not None:
+                        stream_window += window - h2.DEFAULT_WINDOW
+                elif ftype == h2.WINDOW_UPDATE:
+                    inc = int.from_bytes(payload[:4], "big")
+                    if sid == 0:
+                        conn_window += inc
+                    else:
+                        stream_window += inc
+                elif ftype == h2.HEADERS and b"grpc-status" in payload:
+                    return payload[payload.index(b"grpc-status"):][:120].decode("latin-1", "replace")
+                elif ftype == h2.GOAWAY:
                     status = f"GOAWAY {int.from_bytes(payload[4:8], 'big')} {payload[8:][:80]!r}"
-                if ftype == h2.RST_STREAM:
-                    status = f"RST_STREAM {int.from_bytes(payload[:4], 'big')}"
+                elif ftype == h2.RST_STREAM:
+                    return f"RST_STREAM {int.from_bytes(payload[:4], 'big')}"
     except (asyncio.TimeoutError, ConnectionError):
         pass
-    writer.close()
+    finally:
+        writer.close()
     return status
 
 

@@ -1,0 +1,165 @@
+"""What one local client can make the relay hold, over real sockets.
+
+- A client that floods PINGs and never reads stops being read, and after
+  server.write_stall_seconds it is disconnected; others are served all along.
+- server.max_connections: one more connection is closed at once, and logged.
+- A connection that sends no preface opens no runtime connection and is closed after
+  server.preface_timeout_seconds.
+- Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
+  listener accepts again once descriptors are free (a shim process with a low
+  RLIMIT_NOFILE).
+(The sans-IO rules are in test_relay_core.py; bench/relay_abuse.py has RSS figures.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import subprocess
+import tempfile
+import time
+
+import grpc
+
+from shim.relay import h2
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+from tests.support.shim_process import REPO, ShimProcess, default_settings, shim_command, shim_env, write_config
+
+VERSION = "/runtime.v1.RuntimeService/Version"
+
+
+async def version(endpoint: str, timeout: float = 5) -> bytes:
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        return await ch.unary_unary(VERSION)(b"", timeout=timeout)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, within: float) -> int:
+    """Read until EOF or reset; returns the bytes read (the peer must close within ``within``)."""
+    got = 0
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                data = await reader.read(1 << 16)
+            except ConnectionError:
+                return got
+            if not data:
+                return got
+            got += len(data)
+
+
+async def test_ping_flood_from_a_client_that_never_reads_is_bounded_then_disconnected(runtime: FakeRuntime) -> None:
+    runtime.unary[VERSION] = b"v"
+    settings = {"server": {"write_buffer_high_bytes": "64KiB", "write_buffer_low_bytes": "16KiB",
+                           "write_stall_seconds": 0.5}}
+    async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE + h2.settings_frame({}))
+        pings = h2.frame(h2.PING, 0, 0, b"12345678") * 4096
+        sent = 0
+        stalled = False
+        with contextlib.suppress(ConnectionError):
+            for _ in range(2000):  # up to 8 M PINGs, 136 MB
+                writer.write(pings)
+                try:
+                    await asyncio.wait_for(writer.drain(), 0.5)
+                except asyncio.TimeoutError:
+                    stalled = True  # the shim stopped reading us
+                    break
+                sent += 4096
+        assert stalled, f"the shim read all {sent} PINGs of a client that reads nothing"
+        assert await version(shim.endpoint) == b"v"  # everyone else is served meanwhile
+        await asyncio.sleep(1.0)  # past write_stall_seconds
+        acked = await closed_by_peer(reader, 5)
+        writer.transport.abort()
+        # what the shim had queued for us: about the high mark plus socket buffers, not 17 bytes per PING
+        assert acked < 4 << 20
+        assert acked < sent * 17
+        assert not shim.server.relay.connections or all(c.client.is_closing() for c in shim.server.relay.connections)
+
+
+async def test_connections_over_the_cap_are_closed_and_the_shim_recovers(runtime: FakeRuntime, caplog) -> None:
+    runtime.unary[VERSION] = b"v"
+    async with running_shim(runtime.endpoint, {"server": {"max_connections": 3}}, engine="relay") as shim:
+        held = [await asyncio.open_unix_connection(shim.path) for _ in range(3)]
+        for _, w in held:
+            w.write(h2.PREFACE + h2.settings_frame({}))
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE)
+        assert await closed_by_peer(reader, 5) == 0
+        assert "server.max_connections" in caplog.text and "connection refused" in caplog.text
+        for _, w in held:
+            w.close()
+        for _ in range(100):
+            if not shim.server.relay.connections:
+                break
+            await asyncio.sleep(0.02)
+        assert await version(shim.endpoint) == b"v"
+
+
+async def test_silent_connections_open_no_runtime_connection_and_are_closed(runtime: FakeRuntime) -> None:
+    async with running_shim(runtime.endpoint, {"server": {"preface_timeout_seconds": 0.5}}, engine="relay") as shim:
+        relay = shim.server.relay
+        silent = [await asyncio.open_unix_connection(shim.path) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        assert len(relay.connections) == 20
+        assert all(c.upstream is None for c in relay.connections)  # no runtime connection for them
+        t0 = time.monotonic()
+        for reader, _ in silent:
+            assert await closed_by_peer(reader, 5) == 0
+        assert time.monotonic() - t0 < 3
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE)  # a valid preface: now the runtime is connected
+        for _ in range(100):
+            if any(c.upstream is not None for c in relay.connections):
+                break
+            await asyncio.sleep(0.02)
+        assert [c.upstream is not None for c in relay.connections] == [True]
+        writer.close()
+
+
+def shim_with_fd_limit(upstream: str, workdir, nofile: int) -> ShimProcess:
+    """A shim process whose RLIMIT_NOFILE is ``nofile``, soft and hard (it cannot raise it)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="shim-", dir="/tmp"), "shim.sock")
+    config_path = workdir / "cri-shim.yaml"
+    write_config(config_path, default_settings({"server": {"engine": "relay"}}))
+    log_path = workdir / "shim.log"
+    log_file = open(log_path, "wb")
+    proc = subprocess.Popen(shim_command(f"unix://{path}", upstream, config_path), cwd=REPO, env=shim_env(),
+                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    return ShimProcess(proc, path, config_path, log_path, log_file)
+
+
+async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_recovers(runtime: FakeRuntime,
+                                                                                      tmp_path) -> None:
+    runtime.unary[VERSION] = b"v"
+    shim = shim_with_fd_limit(runtime.endpoint, tmp_path, 96)
+    try:
+        await shim.wait_ready()
+        conns = []
+        for _ in range(120):  # more than the shim has descriptors for, two per connection
+            try:
+                r, w = await asyncio.open_unix_connection(shim.path)
+            except OSError:
+                break
+            w.write(h2.PREFACE + h2.settings_frame({}))
+            conns.append((r, w))
+        await shim.wait_log("out of file descriptors", timeout=10)
+        assert "runtime not reachable" not in shim.logs()
+        for _, w in conns:
+            w.close()
+        deadline = time.monotonic() + 10
+        while True:  # the listener accepts again once descriptors are free
+            try:
+                assert await version(shim.endpoint, timeout=2) == b"v"
+                break
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        assert shim.proc.poll() is None
+    finally:
+        await shim.stop()
