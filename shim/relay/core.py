@@ -137,6 +137,43 @@ class ConnectionClosed:
 Event = PrefaceReceived | Request | Cancelled | WindowOpened | ConnectionClosed
 
 
+_REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":authority", b":path"))
+_REQUIRED_PSEUDO = (b":method", b":scheme", b":path")
+_CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding",
+                                  b"upgrade"))
+_UPPER = bytes(range(ord("A"), ord("Z") + 1))
+
+
+def malformed(fields: list[tuple[bytes, bytes]], trailers: bool = False) -> str:
+    """Why a request header (or trailer) section is malformed (RFC 9113 8.2, 8.3), or ""."""
+    seen: set[bytes] = set()
+    regular = False
+    for name, value in fields:
+        if not name or name.translate(None, _UPPER) != name:
+            return f"header name {name!r} is not lowercase"
+        if name[:1] == b":":
+            if trailers:
+                return f"pseudo-header {name!r} in trailers"
+            if regular:
+                return f"pseudo-header {name!r} after a regular header"
+            if name not in _REQUEST_PSEUDO:
+                return f"pseudo-header {name!r} is not a request pseudo-header"
+            if name in seen:
+                return f"pseudo-header {name!r} twice"
+            if name == b":path" and not value:
+                return "empty :path"
+            seen.add(name)
+        else:
+            regular = True
+            if name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+                return f"connection-specific header {name!r}"
+    if not trailers:
+        for name in _REQUIRED_PSEUDO:
+            if name not in seen:
+                return f"no {name.decode()} pseudo-header"
+    return ""
+
+
 class RelayCore:
     PREFACE, WAITING, RELAY, LOCAL, CLOSED = "preface", "waiting", "relay", "local", "closed"
 
@@ -160,7 +197,7 @@ class RelayCore:
         # streams
         self.last_sid = 0
         self.local: dict[int, LocalStream] = {}
-        self._closed_local: set[int] = set()
+        self._closed_local: dict[int, bool] = {}  # sid -> the client had ended it (END_STREAM)
         self._closed_order: deque[int] = deque()
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
@@ -338,6 +375,7 @@ class RelayCore:
                     raise H2Error(f"DATA on idle stream {sid}")
                 else:  # a stream the shim answered or refused (or no runtime): consume, refund
                     self._refund_conn += length
+                    self._late_frame(sid, "DATA")
             elif ftype == h2.HEADERS or ftype == h2.CONTINUATION:
                 self._client_headers(ftype, flags, sid, raw, length)
             elif ftype == h2.WINDOW_UPDATE:
@@ -511,21 +549,21 @@ class RelayCore:
         if not sid & 1:
             raise H2Error(f"HEADERS on even stream id {sid}")
         if sid <= self.last_sid:  # trailers (or a protocol error the runtime will judge)
-            try:
-                _, _, inserted = self.decoder.decode(block)
-            except HeaderListTooLarge as e:
-                inserted = e.inserted
             s = self.local.get(sid)
+            try:
+                _, fields, inserted = self.decoder.decode(block, full=s is not None)
+            except HeaderListTooLarge as e:
+                fields, inserted = [], e.inserted
             if s is not None or sid in self._closed_local:
                 if inserted and relay:
                     raise H2Error(f"header block on stream {sid}, which the shim answered, changed the HPACK "
                                   "table; the runtime never saw that stream", h2.COMPRESSION_ERROR)
                 if s is None:
-                    return
-                if s.client_ended:
+                    self._late_frame(sid, "HEADERS")
+                elif s.client_ended:
                     self._reset_local(s, h2.STREAM_CLOSED)
-                elif not flags & h2.END_STREAM:
-                    self._reset_local(s, h2.PROTOCOL_ERROR)  # trailers must end the stream
+                elif not flags & h2.END_STREAM or malformed(fields, trailers=True):
+                    self._reset_local(s, h2.PROTOCOL_ERROR)  # trailers end the stream, without pseudo-headers
                 else:
                     s.client_ended = True
                     self._dispatch(s)
@@ -558,6 +596,10 @@ class RelayCore:
             _, headers, _ = self.decoder.decode(block, full=True)
         except HeaderListTooLarge:
             self._refuse(sid, frames, inserted, h2.FRAME_SIZE_ERROR)
+            return
+        problem = malformed(headers)
+        if problem:  # RFC 9113 8.1.1: a malformed request is a stream error
+            self._refuse(sid, frames, inserted, h2.PROTOCOL_ERROR)
             return
         if len(self.local) >= self.limits.max_intercepted_streams:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -594,17 +636,24 @@ class RelayCore:
         """Answer a new stream with a status at once (its request is not needed)."""
         if inserted and self.phase == self.RELAY:
             self._cancel_upstream(sid, frames)
-        self._remember_closed(sid)
+        self._remember_closed(sid, bool(flags & h2.END_STREAM))
         block = h2.encode_headers(grpcwire.trailers(code, message, trailers_only=True))
         self._emit(h2.headers_frames(sid, block, True, self.client_max_frame))
         if not flags & h2.END_STREAM:  # the client may still be sending: it can stop
             self._emit(h2.rst_stream(sid, h2.NO_ERROR))
 
-    def _remember_closed(self, sid: int) -> None:
-        self._closed_local.add(sid)
-        self._closed_order.append(sid)
+    def _remember_closed(self, sid: int, client_ended: bool = False) -> None:
+        if sid not in self._closed_local:
+            self._closed_order.append(sid)
+        self._closed_local[sid] = client_ended
         if len(self._closed_order) > CLOSED_LOCAL_MEMORY:
-            self._closed_local.discard(self._closed_order.popleft())
+            self._closed_local.pop(self._closed_order.popleft(), None)
+
+    def _late_frame(self, sid: int, what: str) -> None:
+        """DATA or HEADERS for a stream the shim closed: fine if the client had not ended it
+        (it had not seen our answer yet); after its own END_STREAM, STREAM_CLOSED."""
+        if self._closed_local.get(sid):
+            self._emit(h2.rst_stream(sid, h2.STREAM_CLOSED))
 
     # ------------------------------------------------------------------ intercepted streams: receiving
 
@@ -652,7 +701,7 @@ class RelayCore:
     def _reset_local(self, s: LocalStream, code: int) -> None:
         """A stream error on an intercepted stream: RST_STREAM, handler cancelled."""
         self.local.pop(s.sid, None)
-        self._remember_closed(s.sid)
+        self._remember_closed(s.sid)  # after our RST_STREAM, late frames are ignored
         if not s.done:
             s.done = True
             self._emit(h2.rst_stream(s.sid, code))
@@ -704,7 +753,7 @@ class RelayCore:
     def _finish(self, s: LocalStream) -> None:
         if self.local.get(s.sid) is s:
             del self.local[s.sid]
-            self._remember_closed(s.sid)
+            self._remember_closed(s.sid, s.client_ended)
 
     def stream_gone(self, s: LocalStream) -> bool:
         return self.phase == self.CLOSED or self.local.get(s.sid) is not s

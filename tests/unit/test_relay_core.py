@@ -483,3 +483,55 @@ def test_decoder_that_skips_undecodable_entries_stays_in_step_with_a_full_decode
         assert path == dict(expected)[b":path"]
         assert mine.dynamic == list(ref.header_table.dynamic_entries), f"block {i}"
         assert mine.size == ref.header_table._current_size
+
+
+GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":authority", b"x"),
+        (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+
+
+@pytest.mark.parametrize("fields", [
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b"X-Upper", b"v")],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":unknown", b"v")],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":status", b"200")],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b"x-a", b"b"), (b":path", PULL.encode())],
+    [(b":scheme", b"http"), (b":path", PULL.encode())],
+    [(b":method", b"POST"), (b":path", PULL.encode())],
+    [(b":method", b"POST"), (b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode())],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":scheme", b"http"), (b":path", PULL.encode())],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":path", PULL.encode())],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b"connection", b"close")],
+    [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b"te", b"gzip")],
+], ids=["uppercase", "unknown-pseudo", "response-pseudo", "pseudo-after-regular", "no-method", "no-scheme",
+        "two-methods", "two-schemes", "two-paths", "connection", "te-not-trailers"])
+def test_malformed_intercepted_request_is_a_stream_protocol_error(fields) -> None:
+    p = Peers()
+    p.from_client(h2.headers_frames(1, h2.encode_headers(fields), True, h2.DEFAULT_MAX_FRAME))
+    assert rst(p.client_got(), 1) == h2.PROTOCOL_ERROR
+    assert p.events() == [] and p.runtime_got() == []
+    p.from_client(h2.headers_frames(3, h2.encode_headers(GOOD), True, h2.DEFAULT_MAX_FRAME))
+    [ev] = p.events()
+    assert isinstance(ev, Request) and ev.stream.sid == 3
+
+
+def test_pseudo_header_in_trailers_is_a_stream_protocol_error() -> None:
+    p = Peers()
+    p.from_client(h2.headers_frames(1, h2.encode_headers(GOOD), False, h2.DEFAULT_MAX_FRAME))
+    p.from_client(h2.headers_frames(1, h2.encode_headers([(b":method", b"POST")]), True, h2.DEFAULT_MAX_FRAME))
+    assert rst(p.client_got(), 1) == h2.PROTOCOL_ERROR
+    assert p.events() == []
+
+
+@pytest.mark.parametrize("answered", [False, True])
+def test_data_after_the_clients_end_stream_is_stream_closed(answered: bool) -> None:
+    """half-closed (remote), and closed after the client's END_STREAM: STREAM_CLOSED."""
+    p = Peers()
+    p.from_client(headers(1, PULL, end_stream=True))
+    [ev] = p.events()
+    if answered:
+        p.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
+    p.client_got()
+    p.from_client(data(1, b"late"))
+    got = p.client_got()
+    assert rst(got, 1) == h2.STREAM_CLOSED
+    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 4
+    assert p.runtime_got() == []
