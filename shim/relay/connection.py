@@ -204,15 +204,25 @@ class ClientConnection(asyncio.Protocol):
     def _pump(self) -> None:
         """Write what the core produced and act on its events."""
         core = self.core
-        out = core.take_client()
-        if out and self.client is not None and not self.client.is_closing():
-            # Never write to a closing transport: the peer may be gone before
-            # connection_lost has run, and uvloop raises there.
-            self.client.write(out)
-        up = core.take_runtime()
-        if up and self.upstream is not None and not self.upstream.is_closing():
-            self.upstream.write(up)
-        for ev in core.take_events():
+        if core.to_client:
+            out = core.take_client()
+            if self.client is not None and not self.client.is_closing():
+                # Never write to a closing transport: the peer may be gone before
+                # connection_lost has run, and uvloop raises there.
+                self.client.write(out)
+        if core.to_runtime:
+            up = core.take_runtime()
+            if self.upstream is not None and not self.upstream.is_closing():
+                self.upstream.write(up)
+        if core.events:
+            self._handle(core.take_events())
+        if core.held_bytes or self._paused["upstream"]:
+            self._held_backpressure()
+        if self.orphaned and not core.local and not self.tasks and self.client is not None:
+            self.client.close()
+
+    def _handle(self, events: list[core_mod.Event]) -> None:
+        for ev in events:
             if isinstance(ev, core_mod.Request):
                 self._dispatch(ev.stream)
             elif isinstance(ev, core_mod.WindowOpened):
@@ -234,13 +244,13 @@ class ClientConnection(asyncio.Protocol):
                     self.client.close()
                 if self.upstream is not None:
                     self.upstream.close()
-        s = self.relay.settings
-        if core.held_bytes > s.write_buffer_high:
+
+    def _held_backpressure(self) -> None:
+        held, s = self.core.held_bytes, self.relay.settings
+        if held > s.write_buffer_high:
             self.pause("upstream", "held")
-        elif core.held_bytes <= s.write_buffer_low and "held" in self._paused["upstream"]:
+        elif held <= s.write_buffer_low and "held" in self._paused["upstream"]:
             self.resume("upstream", "held")
-        if self.orphaned and not core.local and not self.tasks and self.client is not None:
-            self.client.close()
 
     # ------------------------------------------------------------------ back-pressure
 

@@ -182,9 +182,9 @@ class RelayCore:
         self.intercepts = intercepts
         self.phase = self.PREFACE
         self.message = ""  # why new streams are answered UNAVAILABLE (LOCAL phase)
-        self._to_client: list[bytes] = []
-        self._to_runtime: list[bytes] = []
-        self._events: list[Event] = []
+        self.to_client: list[bytes] = []
+        self.to_runtime: list[bytes] = []
+        self.events: list[Event] = []
         self._cbuf = b""
         self._ubuf = b""
         self.decoder = Decoder(max_list_size=limits.max_header_list_bytes, path_cache_bytes=limits.path_cache_bytes)
@@ -223,15 +223,15 @@ class RelayCore:
     # ------------------------------------------------------------------ outputs
 
     def take_client(self) -> bytes:
-        out, self._to_client = self._to_client, []
+        out, self.to_client = self.to_client, []
         return b"".join(out) if len(out) != 1 else out[0]
 
     def take_runtime(self) -> bytes:
-        out, self._to_runtime = self._to_runtime, []
+        out, self.to_runtime = self.to_runtime, []
         return b"".join(out) if len(out) != 1 else out[0]
 
     def take_events(self) -> list[Event]:
-        out, self._events = self._events, []
+        out, self.events = self.events, []
         return out
 
     @property
@@ -243,14 +243,14 @@ class RelayCore:
         if self._runtime_block_open:
             self._deferred.append(data)
         else:
-            self._to_client.append(data)
+            self.to_client.append(data)
 
     # ------------------------------------------------------------------ phases
 
     def start_relay(self) -> None:
         """The runtime connection is up: relay what the client sent so far."""
         self.phase = self.RELAY
-        self._to_runtime.append(h2.PREFACE)
+        self.to_runtime.append(h2.PREFACE)
         self._resume()
 
     def start_local(self, message: str) -> None:
@@ -301,13 +301,13 @@ class RelayCore:
     def _close(self, code: int, reason: str, log: bool = True) -> None:
         if self.phase == self.CLOSED:
             return
-        self._to_client.append(h2.goaway(self.last_sid, code, reason.encode()[:200]))
+        self.to_client.append(h2.goaway(self.last_sid, code, reason.encode()[:200]))
         self.phase = self.CLOSED
         for sid, s in self.local.items():
             if s.dispatched:
-                self._events.append(Cancelled(sid))
+                self.events.append(Cancelled(sid))
         self.local.clear()
-        self._events.append(ConnectionClosed(reason if log else "", code))
+        self.events.append(ConnectionClosed(reason if log else "", code))
 
     # ------------------------------------------------------------------ client -> runtime
 
@@ -326,7 +326,7 @@ class RelayCore:
                 self._close(h2.PROTOCOL_ERROR, "not an HTTP/2 client preface")
                 return
             self.phase = self.WAITING
-            self._events.append(PrefaceReceived())
+            self.events.append(PrefaceReceived())
             buf = buf[24:]
         if self.phase == self.WAITING:  # the adapter stops reading until it knows where calls go
             self._cbuf = buf
@@ -343,7 +343,7 @@ class RelayCore:
         self._flush_refunds()
 
     def _client_frames(self, buf: bytes) -> int:
-        out = self._to_runtime
+        out = self.to_runtime
         relay = self.phase == self.RELAY
         i, n = 0, len(buf)
         while n - i >= 9:
@@ -391,7 +391,7 @@ class RelayCore:
                 if s is not None:
                     self._remember_closed(sid)
                     if s.dispatched:
-                        self._events.append(Cancelled(sid))
+                        self.events.append(Cancelled(sid))
                 elif sid in self._closed_local:
                     pass
                 elif sid > self.last_sid:
@@ -448,9 +448,9 @@ class RelayCore:
             repay = min(inc, self.owed)
             self.owed -= repay
             if relay and inc > repay:
-                self._to_runtime.append(h2.window_update(0, inc - repay) if repay else raw)
+                self.to_runtime.append(h2.window_update(0, inc - repay) if repay else raw)
             self._flush_held()
-            self._events.append(WindowOpened())
+            self.events.append(WindowOpened())
             return
         s = self.local.get(sid)
         if s is not None:
@@ -461,11 +461,11 @@ class RelayCore:
             if s.send_window > h2.MAX_WINDOW:
                 self._reset_local(s, h2.FLOW_CONTROL_ERROR)
                 return
-            self._events.append(WindowOpened())
+            self.events.append(WindowOpened())
         elif sid in self._closed_local:
             pass
         elif relay:
-            self._to_runtime.append(raw)
+            self.to_runtime.append(raw)
         elif sid > self.last_sid:
             raise H2Error(f"WINDOW_UPDATE on idle stream {sid}")
 
@@ -479,7 +479,7 @@ class RelayCore:
             # table may not grow past 0 again (a size update above it is an error).
             self.decoder.allowed_max = 0
             if relay:
-                self._to_runtime.append(raw)
+                self.to_runtime.append(raw)
             return
         if length % 6:
             raise H2Error(f"SETTINGS frame of {length} bytes", h2.FRAME_SIZE_ERROR)
@@ -502,7 +502,7 @@ class RelayCore:
         if relay:
             self._unacked_client_settings.append(values)
         if relay:
-            self._to_runtime.append(h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(payload)))
+            self.to_runtime.append(h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(payload)))
         else:
             self._emit(h2.frame(h2.SETTINGS, h2.ACK, 0))
 
@@ -515,7 +515,7 @@ class RelayCore:
                 s.send_window += delta
                 if s.send_window > h2.MAX_WINDOW:
                     raise H2Error("a stream window above 2^31-1", h2.FLOW_CONTROL_ERROR)
-            self._events.append(WindowOpened())
+            self.events.append(WindowOpened())
         frame_size = values.get(h2.SETTINGS_MAX_FRAME_SIZE)
         if frame_size is not None and (increases or frame_size < self.client_max_frame):
             self.client_max_frame = frame_size
@@ -569,7 +569,7 @@ class RelayCore:
                     self._dispatch(s)
                 return
             if relay:
-                self._to_runtime.extend(frames)
+                self.to_runtime.extend(frames)
             elif sid not in self.relayed_open:
                 raise H2Error(f"HEADERS on closed stream {sid}", h2.STREAM_CLOSED)
             return
@@ -589,7 +589,7 @@ class RelayCore:
             return
         if path is None or not self.intercepts(path):
             self.relayed_open.add(sid)
-            self._to_runtime.extend(frames)
+            self.to_runtime.extend(frames)
             return
         self.decoder.restore(snapshot)  # decode again, this time every header
         try:
@@ -620,9 +620,9 @@ class RelayCore:
         first = frames[0]
         if first[4] & h2.END_STREAM:
             first = first[:4] + bytes((first[4] & ~h2.END_STREAM,)) + first[5:]
-        self._to_runtime.append(first)
-        self._to_runtime.extend(frames[1:])
-        self._to_runtime.append(h2.rst_stream(sid, h2.CANCEL))
+        self.to_runtime.append(first)
+        self.to_runtime.extend(frames[1:])
+        self.to_runtime.append(h2.rst_stream(sid, h2.CANCEL))
         self.dropped_upstream.add(sid)
 
     def _refuse(self, sid: int, frames: list[bytes], inserted: bool, code: int) -> None:
@@ -696,7 +696,7 @@ class RelayCore:
     def _dispatch(self, s: LocalStream) -> None:
         if not s.dispatched and not s.done:
             s.dispatched = True
-            self._events.append(Request(s))
+            self.events.append(Request(s))
 
     def _reset_local(self, s: LocalStream, code: int) -> None:
         """A stream error on an intercepted stream: RST_STREAM, handler cancelled."""
@@ -706,7 +706,7 @@ class RelayCore:
             s.done = True
             self._emit(h2.rst_stream(s.sid, code))
         if s.dispatched:
-            self._events.append(Cancelled(s.sid))
+            self.events.append(Cancelled(s.sid))
 
     # ------------------------------------------------------------------ intercepted streams: answering
 
@@ -728,7 +728,7 @@ class RelayCore:
         self.client_window -= n
         s.send_window -= n
         self.owed += n
-        self._to_client.append(h2.frame(h2.DATA, 0, s.sid, chunk))
+        self.to_client.append(h2.frame(h2.DATA, 0, s.sid, chunk))
 
     def send_trailers(self, s: LocalStream, headers: list[tuple[bytes, bytes]]) -> None:
         if s.done:
@@ -764,7 +764,7 @@ class RelayCore:
         if self.phase == self.CLOSED:
             return
         buf = self._ubuf + data if self._ubuf else data
-        out = self._to_client
+        out = self.to_client
         held = self._held
         i, n = 0, len(buf)
         while n - i >= 9:
@@ -784,7 +784,7 @@ class RelayCore:
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and (ftype == h2.HEADERS or ftype == h2.DATA)):
                     self.dropped_upstream.discard(sid)
                 if ftype == h2.DATA and length:  # the client never sees it: the runtime gets its window back
-                    self._to_runtime.append(h2.window_update(0, length))
+                    self.to_runtime.append(h2.window_update(0, length))
                 continue
             if ftype == h2.SETTINGS:
                 if not flags & h2.ACK:
@@ -823,7 +823,7 @@ class RelayCore:
                 out.extend(self._deferred)
                 self._deferred = []
             if self.local:
-                self._events.append(WindowOpened())
+                self.events.append(WindowOpened())
         else:
             self._runtime_block_open = True
 
@@ -841,7 +841,7 @@ class RelayCore:
         return h2.frame(h2.SETTINGS, 0, 0, h2.with_table_size_zero(payload, self.limits.max_header_list_bytes))
 
     def _flush_held(self) -> None:
-        out = self._to_client
+        out = self.to_client
         while self._held:
             raw = self._held[0]
             if raw[3] == h2.DATA:

@@ -28,6 +28,7 @@ from .h2 import COMPRESSION_ERROR, H2Error
 
 _STATIC = HeaderTable.STATIC_TABLE
 _STATIC_LEN = len(_STATIC)
+_STATIC_SIZES = tuple(len(n) + len(v) + 32 for n, v in _STATIC)
 _PATH = b":path"
 _PATH_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(_PATH)
 _CACHE_KEY_MAX = 512  # longer encoded :path values are decoded every time, never cached
@@ -160,11 +161,19 @@ class Decoder:
         while i < n:
             b = data[i]
             if b & 0x80:  # indexed
-                index, i = _integer(data, i, 7)
-                name, value = self._entry(index)
+                if b != 0xFF:
+                    index = b & 0x7F
+                    i += 1
+                else:
+                    index, i = _integer(data, i, 7)
+                if 0 < index <= _STATIC_LEN:
+                    name, value = _STATIC[index - 1]
+                    listed += _STATIC_SIZES[index - 1]
+                else:
+                    name, value = self._entry(index)
+                    listed += len(name) + len(value) + _ENTRY_OVERHEAD
                 if name == _PATH:
                     path = value
-                listed += len(name) + len(value) + _ENTRY_OVERHEAD
                 if full and listed <= limit:
                     headers.append((name, value))
                 first = False
