@@ -48,6 +48,7 @@ class ServerConfig:
     max_header_list_bytes: int = 64 * 1024
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 * 1024
+    max_request_buffer_bytes: int = 64 * 1024 * 1024
     write_buffer_high_bytes: int = 1024 * 1024
     write_buffer_low_bytes: int = 256 * 1024
     write_stall_seconds: float = 30.0
@@ -262,6 +263,9 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
         max_intercepted_streams=_int("server.max_intercepted_streams",
                                      d.get("max_intercepted_streams", c.max_intercepted_streams), minimum=1),
         path_cache_bytes=_size("server.path_cache_bytes", d.get("path_cache_bytes", c.path_cache_bytes)),
+        max_request_buffer_bytes=_size("server.max_request_buffer_bytes",
+                                       d.get("max_request_buffer_bytes", c.max_request_buffer_bytes),
+                                       minimum=MIN_MESSAGE_BYTES),
         write_buffer_high_bytes=_size("server.write_buffer_high_bytes",
                                       d.get("write_buffer_high_bytes", c.write_buffer_high_bytes), minimum=16384),
         write_buffer_low_bytes=_size("server.write_buffer_low_bytes",

@@ -116,7 +116,7 @@ class ClientConnection(asyncio.Protocol):
         for task in self.tasks.values():
             task.cancel()
         self.tasks.clear()
-        self.core.local.clear()
+        self.core.release_all()
         self.core.decoder.clear_cache()
         self._wake()
 
@@ -216,7 +216,7 @@ class ClientConnection(asyncio.Protocol):
                 self.upstream.write(up)
         if core.events:
             self._handle(core.take_events())
-        if core.held_bytes or self._paused["upstream"]:
+        if core.held_bytes or core.deferred_bytes or self._paused["upstream"] or self._paused["client"]:
             self._held_backpressure()
         if self.orphaned and not core.local and not self.tasks and self.client is not None:
             self.client.close()
@@ -246,11 +246,17 @@ class ClientConnection(asyncio.Protocol):
                     self.upstream.close()
 
     def _held_backpressure(self) -> None:
-        held, s = self.core.held_bytes, self.relay.settings
+        """Runtime frames held for the client's window, and the shim's own frames held
+        while a runtime header block is open, count like a write buffer."""
+        held, deferred, s = self.core.held_bytes, self.core.deferred_bytes, self.relay.settings
         if held > s.write_buffer_high:
             self.pause("upstream", "held")
         elif held <= s.write_buffer_low and "held" in self._paused["upstream"]:
             self.resume("upstream", "held")
+        if deferred > s.write_buffer_high:
+            self.pause("client", "deferred")
+        elif deferred <= s.write_buffer_low and "deferred" in self._paused["client"]:
+            self.resume("client", "deferred")
 
     # ------------------------------------------------------------------ back-pressure
 

@@ -30,7 +30,9 @@ x/net/http2 framer) would:
 - After the shim's GOAWAY, a new stream is refused (REFUSED_STREAM) and never relayed.
 - Streams the shim answers (intercepted calls) have their own state: receive window
   enforced (FLOW_CONTROL_ERROR), DATA refunded in batches, request at most
-  ``max_message_bytes``; at most ``max_intercepted_streams`` at once per connection.
+  ``max_message_bytes``; at most ``max_intercepted_streams`` at once per connection,
+  and request bodies still being received hold at most ``request_buffer.limit``
+  bytes over all connections (RESOURCE_EXHAUSTED beyond).
   Frames that arrive for them after the shim answered or refused them are consumed
   and their DATA refunded, never forwarded.
 
@@ -74,12 +76,21 @@ def frame_name(ftype: int) -> str:
     return _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"frame type {ftype}"
 
 
+class Budget:
+    """Bytes of intercepted request bodies being received, over all connections."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
 @dataclass(frozen=True)
 class Limits:
     max_message_bytes: int = 16 << 20
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 << 10
+    request_buffer: Budget = field(default_factory=lambda: Budget(64 << 20))
 
 
 # ------------------------------------------------------------------ events
@@ -95,6 +106,7 @@ class LocalStream:
     recv_window: int
     send_window: int
     body: bytearray = field(default_factory=bytearray)
+    budgeted: int = 0  # bytes of body counted in Limits.request_buffer
     unrefunded: int = 0
     client_ended: bool = False  # the client sent END_STREAM
     dispatched: bool = False  # a Request event went out
@@ -216,6 +228,7 @@ class RelayCore:
         self.held_bytes = 0
         self._runtime_block_open = False  # a runtime header block is open on the client connection
         self._deferred: list[bytes] = []  # local frames waiting for that block to end
+        self.deferred_bytes = 0
         self._refund_conn = 0
         self._unacked_client_settings: deque[dict[int, int]] = deque()
         self.runtime_spoke = True  # see the module docstring (PING)
@@ -242,6 +255,7 @@ class RelayCore:
         """A frame of the shim's own to the client, never inside a runtime header block."""
         if self._runtime_block_open:
             self._deferred.append(data)
+            self.deferred_bytes += len(data)
         else:
             self.to_client.append(data)
 
@@ -304,6 +318,7 @@ class RelayCore:
         self.to_client.append(h2.goaway(self.last_sid, code, reason.encode()[:200]))
         self.phase = self.CLOSED
         for sid, s in self.local.items():
+            self._release(s)
             if s.dispatched:
                 self.events.append(Cancelled(sid))
         self.local.clear()
@@ -389,6 +404,7 @@ class RelayCore:
                     raise H2Error("RST_STREAM on stream 0")
                 s = self.local.pop(sid, None)
                 if s is not None:
+                    self._release(s)
                     self._remember_closed(sid)
                     if s.dispatched:
                         self.events.append(Cancelled(sid))
@@ -673,6 +689,14 @@ class RelayCore:
                               f"cri-shim: request larger than server.max_message_bytes "
                               f"({self.limits.max_message_bytes} bytes)")
             return
+        budget = self.limits.request_buffer
+        if budget.used + len(body) > budget.limit:
+            self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"cri-shim: requests being received hold more than server.max_request_buffer_bytes "
+                              f"({budget.limit} bytes); retry")
+            return
+        budget.used += len(body)
+        s.budgeted += len(body)
         s.body += body
         if flags & h2.END_STREAM:
             s.client_ended = True
@@ -694,12 +718,19 @@ class RelayCore:
             self._emit(b"".join(out))
 
     def _dispatch(self, s: LocalStream) -> None:
+        self._release(s)  # the request is complete: the handler holds it from here on
         if not s.dispatched and not s.done:
             s.dispatched = True
             self.events.append(Request(s))
 
+    def _release(self, s: LocalStream) -> None:
+        if s.budgeted:
+            self.limits.request_buffer.used -= s.budgeted
+            s.budgeted = 0
+
     def _reset_local(self, s: LocalStream, code: int) -> None:
         """A stream error on an intercepted stream: RST_STREAM, handler cancelled."""
+        self._release(s)
         self.local.pop(s.sid, None)
         self._remember_closed(s.sid)  # after our RST_STREAM, late frames are ignored
         if not s.done:
@@ -751,9 +782,16 @@ class RelayCore:
         self._finish(s)
 
     def _finish(self, s: LocalStream) -> None:
+        self._release(s)
         if self.local.get(s.sid) is s:
             del self.local[s.sid]
             self._remember_closed(s.sid, s.client_ended)
+
+    def release_all(self) -> None:
+        """The connection is gone: what its streams held goes back to the process budget."""
+        for s in self.local.values():
+            self._release(s)
+        self.local.clear()
 
     def stream_gone(self, s: LocalStream) -> bool:
         return self.phase == self.CLOSED or self.local.get(s.sid) is not s
@@ -822,6 +860,7 @@ class RelayCore:
             if self._deferred:
                 out.extend(self._deferred)
                 self._deferred = []
+                self.deferred_bytes = 0
             if self.local:
                 self.events.append(WindowOpened())
         else:

@@ -24,7 +24,7 @@ from ..methods import Cardinality, cardinality
 from ..proxy import Call, Handler
 from ..upstream import Upstream
 from .connection import FD_ERRNOS, ClientConnection, LocalContext
-from .core import Limits
+from .core import Budget, Limits
 
 _log = logs.get("relay")
 
@@ -47,6 +47,7 @@ class RelaySettings:
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 << 10
+    max_request_buffer_bytes: int = 64 << 20
 
 
 class _RateLimited:
@@ -78,7 +79,8 @@ class Relay:
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
-                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes)
+                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
+                             request_buffer=Budget(s.max_request_buffer_bytes))
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._probe: asyncio.Task[None] | None = None

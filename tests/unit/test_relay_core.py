@@ -535,3 +535,23 @@ def test_data_after_the_clients_end_stream_is_stream_closed(answered: bool) -> N
     assert rst(got, 1) == h2.STREAM_CLOSED
     assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 4
     assert p.runtime_got() == []
+
+
+def test_request_bodies_being_received_share_one_process_wide_budget() -> None:
+    from shim.relay.core import Budget
+
+    budget = Budget(1000)
+    a, b = Peers(Limits(request_buffer=budget)), Peers(Limits(request_buffer=budget))
+    a.from_client(headers(1, PULL) + data(1, b"x" * 800))  # a slow sender, never ending its request
+    b.from_client(headers(1, PULL) + data(1, b"y" * 300))
+    code, msg = grpc_status(b.client_got(), 1)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "server.max_request_buffer_bytes" in msg
+    a.from_client(h2.rst_stream(1, h2.CANCEL))  # the slow sender gives up: its bytes are free again
+    b.from_client(headers(3, PULL) + data(3, message(b"y" * 295), end_stream=True))
+    [ev] = b.events()
+    assert isinstance(ev, Request) and len(ev.stream.body) == 300
+    assert budget.used == 0  # handed to the handler
+    a.from_client(headers(3, PULL) + data(3, b"z" * 900))
+    assert budget.used == 900
+    a.core.release_all()  # the connection closed
+    assert budget.used == 0
