@@ -113,6 +113,28 @@ async def header_flood(path: str, pid: int, mib: int) -> dict:
             "rss_mib_max": round(p.max, 1)}
 
 
+async def many_connections(path: str, pid: int, n: int) -> dict:
+    """``n`` connections, each holding the most it can: a header block just under the
+    limit left open and PINGs it never reads the answers to."""
+    conns = []
+    async with Peak(pid) as p:
+        for _ in range(n):
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+            except OSError:
+                break
+            block = h2.frame(h2.HEADERS, 0, 1, b"\x82\x86\x84") + h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 16000) * 3
+            writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.PING, 0, 0, b"12345678") * 20000)
+            writer.write(block)  # PINGs first: a block left open makes any later frame an error
+            conns.append(writer)
+        await asyncio.sleep(2.0)
+        honest = await honest_version(path if path.startswith("unix://") else f"unix://{path}")
+    for w in conns:
+        w.transport.abort()
+    return {"connections": len(conns), "honest_version_meanwhile": honest, "rss_mib_start": round(p.start, 1),
+            "rss_mib_max": round(p.max, 1)}
+
+
 async def gzip_bomb(endpoint: str, pid: int, mib: int) -> dict:
     z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip
     block = b"\0" * (1 << 20)
@@ -194,6 +216,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         out["ping_flood"]["honest_version_after"] = await honest_version(shim.endpoint)
         out["header_flood"] = await header_flood(shim.path, shim.pid, args.header_mib)
         out["header_flood"]["honest_version_after"] = await honest_version(shim.endpoint)
+        out["many_connections"] = await many_connections(shim.path, shim.pid, args.connections)
+        out["many_connections"]["honest_version_after"] = await honest_version(shim.endpoint)
         out["gzip_bomb"] = await gzip_bomb(shim.endpoint, shim.pid, args.bomb_mib)
         out["gzip_bomb"]["honest_version_after"] = await honest_version(shim.endpoint)
         out["rss_mib_end"] = round(rss_mib(shim.pid), 1)
@@ -208,6 +232,7 @@ def main() -> None:
     ap.add_argument("--pings", type=int, default=5_000_000)
     ap.add_argument("--header-mib", type=int, default=128)
     ap.add_argument("--bomb-mib", type=int, default=512)
+    ap.add_argument("--connections", type=int, default=250, help="abusive connections (server.max_connections: 256)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result = asyncio.run(main_async(args))

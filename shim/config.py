@@ -43,14 +43,14 @@ class ServerConfig:
     uvloop: bool = True
     engine: str = "relay"  # relay: HTTP/2 frame relay (fast); grpc: grpc.aio generic proxy
     # relay bounds (README "Limits")
-    max_connections: int = 1024
+    max_connections: int = 256
     listen_backlog: int = 1024
     max_header_list_bytes: int = 64 * 1024
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 * 1024
     max_request_buffer_bytes: int = 64 * 1024 * 1024
-    write_buffer_high_bytes: int = 1024 * 1024
-    write_buffer_low_bytes: int = 256 * 1024
+    write_buffer_high_bytes: int = 64 * 1024
+    write_buffer_low_bytes: int = 16 * 1024
     write_stall_seconds: float = 30.0
     preface_timeout_seconds: float = 10.0
 

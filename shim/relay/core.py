@@ -48,7 +48,9 @@ WINDOW_UPDATE that repays the shim's own DATA.
 A client's PING goes to the runtime only if the runtime has sent HEADERS or DATA
 since the last PING it got; otherwise the core answers it (gRPC servers count such a
 PING as a strike and close the connection after two, also when the data that made
-the client PING came from the shim).
+the client PING came from the shim). The PINGs the core answers are limited to a
+burst of LOCAL_PINGS_BURST and LOCAL_PINGS_PER_SECOND after it: beyond, GOAWAY
+ENHANCE_YOUR_CALM, as a gRPC server does with "too_many_pings".
 
 Without a runtime (unreachable at connect, out of file descriptors, or lost with
 local calls still running) the core is the server: it acknowledges SETTINGS and
@@ -57,6 +59,7 @@ PING, refunds DATA, and answers every new stream UNAVAILABLE with ``message``.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -70,6 +73,10 @@ from .hpack_decoder import Decoder, HeaderListTooLarge
 _FRAME_NAMES = ("DATA", "HEADERS", "PRIORITY", "RST_STREAM", "SETTINGS", "PUSH_PROMISE", "PING", "GOAWAY",
                 "WINDOW_UPDATE", "CONTINUATION")
 CLOSED_LOCAL_MEMORY = 1024  # ids of streams the shim closed, remembered to consume late frames
+# PINGs the shim answers itself: a burst, then a rate (containerd allows far fewer: a
+# few per five minutes without data in between, then GOAWAY too_many_pings).
+LOCAL_PINGS_BURST = 100
+LOCAL_PINGS_PER_SECOND = 10.0
 
 
 def frame_name(ftype: int) -> str:
@@ -189,7 +196,8 @@ def malformed(fields: list[tuple[bytes, bytes]], trailers: bool = False) -> str:
 class RelayCore:
     PREFACE, WAITING, RELAY, LOCAL, CLOSED = "preface", "waiting", "relay", "local", "closed"
 
-    def __init__(self, limits: Limits, intercepts: Callable[[str], bool]) -> None:
+    def __init__(self, limits: Limits, intercepts: Callable[[str], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
         self.intercepts = intercepts
         self.phase = self.PREFACE
@@ -232,6 +240,9 @@ class RelayCore:
         self._refund_conn = 0
         self._unacked_client_settings: deque[dict[int, int]] = deque()
         self.runtime_spoke = True  # see the module docstring (PING)
+        self._clock = clock
+        self._ping_tokens = float(LOCAL_PINGS_BURST)
+        self._ping_time = clock()
 
     # ------------------------------------------------------------------ outputs
 
@@ -427,6 +438,9 @@ class RelayCore:
                     if relay:
                         out.append(raw)
                 elif not relay or not self.runtime_spoke:
+                    if not self._ping_allowed():
+                        raise H2Error(f"too many PINGs: more than {LOCAL_PINGS_BURST} at once or "
+                                      f"{LOCAL_PINGS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
                     self._emit(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
                 else:
                     self.runtime_spoke = False
@@ -450,6 +464,17 @@ class RelayCore:
             elif relay:  # extension frames: the runtime ignores them
                 out.append(raw)
         return i
+
+    def _ping_allowed(self) -> bool:
+        """A token bucket for the PINGs the shim answers itself."""
+        now = self._clock()
+        self._ping_tokens = min(float(LOCAL_PINGS_BURST),
+                                self._ping_tokens + (now - self._ping_time) * LOCAL_PINGS_PER_SECOND)
+        self._ping_time = now
+        if self._ping_tokens < 1:
+            return False
+        self._ping_tokens -= 1
+        return True
 
     def _client_window_update(self, sid: int, raw: bytes, length: int, relay: bool) -> None:
         if length != 4:

@@ -38,10 +38,10 @@ LOG_EVERY_SECONDS = 10.0
 class RelaySettings:
     """server.* keys the relay uses (see shim/config.py and the README's Limits table)."""
 
-    max_connections: int = 1024
+    max_connections: int = 256
     listen_backlog: int = 1024
-    write_buffer_high: int = 1 << 20
-    write_buffer_low: int = 256 << 10
+    write_buffer_high: int = 64 << 10
+    write_buffer_low: int = 16 << 10
     write_stall_seconds: float = 30.0
     preface_timeout: float = 10.0
     max_header_list_bytes: int = 64 << 10
