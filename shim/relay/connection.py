@@ -7,9 +7,10 @@ client can make the shim hold bounded:
 - The runtime connection is opened only after a valid client preface; a client that
   sends none within ``preface_timeout`` is closed.
 - Write buffers: above ``write_buffer_high`` bytes waiting for the client, the shim
-  stops reading both the client (no more PING or SETTINGS answers to queue) and the
-  runtime, and handlers stop sending; below ``write_buffer_low`` it goes on. A client
-  that reads nothing for ``write_stall_seconds`` while over the mark is closed.
+  stops reading the runtime for it and handlers stop sending; past four times the
+  mark it stops reading the client too (no more answers of its own to queue); below
+  ``write_buffer_low`` it goes on. A client that reads nothing for
+  ``write_stall_seconds`` while over the mark is closed.
   The same marks apply toward the runtime (a slow runtime stops the client being read)
   and to the runtime frames the core holds for the client's flow-control window.
 """
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 _log = logs.get("relay")
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
+# Bytes for a slow client past HARD_FACTOR x write_buffer_high (what the shim answers
+# itself: refusals, PING and SETTINGS answers) stop the client being read too.
+HARD_FACTOR = 4
 
 
 @dataclass
@@ -210,6 +214,9 @@ class ClientConnection(asyncio.Protocol):
                 # Never write to a closing transport: the peer may be gone before
                 # connection_lost has run, and uvloop raises there.
                 self.client.write(out)
+                if self._client_write_paused and "client-slow" not in self._paused["client"] \
+                        and self.client.get_write_buffer_size() > HARD_FACTOR * self.relay.settings.write_buffer_high:
+                    self.pause("client", "client-slow")
         if core.to_runtime:
             up = core.take_runtime()
             if self.upstream is not None and not self.upstream.is_closing():
@@ -278,7 +285,6 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:  # the client is slow to read
         self._client_write_paused = True
-        self.pause("client", "client-slow")
         self.pause("upstream", "client-slow")
         if self._stall is None:
             self._stall = self.loop.call_later(self.relay.settings.write_stall_seconds, self._stalled)

@@ -217,7 +217,7 @@ class RelayCore:
         # streams
         self.last_sid = 0
         self.local: dict[int, LocalStream] = {}
-        self._closed_local: dict[int, bool] = {}  # sid -> the client had ended it (END_STREAM)
+        self._closed_local: dict[int, bool] = {}  # sid -> the client had ended it (END_STREAM or RST_STREAM)
         self._closed_order: deque[int] = deque()
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
@@ -416,7 +416,7 @@ class RelayCore:
                 s = self.local.pop(sid, None)
                 if s is not None:
                     self._release(s)
-                    self._remember_closed(sid)
+                    self._remember_closed(sid, True)  # the client is done with it: later frames are errors
                     if s.dispatched:
                         self.events.append(Cancelled(sid))
                 elif sid in self._closed_local:
@@ -490,8 +490,10 @@ class RelayCore:
             self.owed -= repay
             if relay and inc > repay:
                 self.to_runtime.append(h2.window_update(0, inc - repay) if repay else raw)
-            self._flush_held()
-            self.events.append(WindowOpened())
+            if self._held:
+                self._flush_held()
+            if self.local:
+                self.events.append(WindowOpened())
             return
         s = self.local.get(sid)
         if s is not None:
@@ -556,7 +558,8 @@ class RelayCore:
                 s.send_window += delta
                 if s.send_window > h2.MAX_WINDOW:
                     raise H2Error("a stream window above 2^31-1", h2.FLOW_CONTROL_ERROR)
-            self.events.append(WindowOpened())
+            if self.local:
+                self.events.append(WindowOpened())
         frame_size = values.get(h2.SETTINGS_MAX_FRAME_SIZE)
         if frame_size is not None and (increases or frame_size < self.client_max_frame):
             self.client_max_frame = frame_size

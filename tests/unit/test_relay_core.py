@@ -555,3 +555,12 @@ def test_request_bodies_being_received_share_one_process_wide_budget() -> None:
     assert budget.used == 900
     a.core.release_all()  # the connection closed
     assert budget.used == 0
+
+
+def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed() -> None:
+    p = Peers()
+    p.from_client(headers(1, PULL))
+    p.from_client(h2.rst_stream(1, h2.CANCEL))
+    p.from_client(headers(1, PULL, end_stream=True))
+    assert rst(p.client_got(), 1) == h2.STREAM_CLOSED
+    assert p.runtime_got() == [] and p.events() == []
