@@ -270,7 +270,7 @@ class ClientConnection(asyncio.Protocol):
     def pause(self, which: str, reason: str) -> None:
         reasons = self._paused[which]
         transport = self.client if which == "client" else self.upstream
-        if not reasons and transport is not None:
+        if not reasons and transport is not None and not transport.is_closing():
             transport.pause_reading()
         reasons.add(reason)
 
@@ -347,8 +347,7 @@ class ClientConnection(asyncio.Protocol):
             if timeout is None:
                 await coro
             else:
-                async with asyncio.timeout(timeout):
-                    await coro
+                await asyncio.wait_for(coro, timeout)
             core.send_trailers(s, grpcwire.trailers(grpc.StatusCode.OK))
         except RpcError as e:
             core.answer_error(s, e.code, e.details, e.trailing_metadata)
@@ -356,7 +355,7 @@ class ClientConnection(asyncio.Protocol):
             core.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} (server.max_message_bytes)")
         except grpcwire.MessageError as e:
             core.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
-        except TimeoutError:
+        except asyncio.TimeoutError:
             core.answer_error(s, grpc.StatusCode.DEADLINE_EXCEEDED, "cri-shim: deadline exceeded")
         except asyncio.CancelledError:
             pass  # the client went away (RST_STREAM or connection closed)
