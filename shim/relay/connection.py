@@ -245,8 +245,7 @@ class ClientConnection(asyncio.Protocol):
                 self.loop.create_task(self._connect())
             elif isinstance(ev, core_mod.ConnectionClosed):
                 if ev.reason:
-                    logs.log(_log, logging.WARNING, "closing connection: HTTP/2 protocol error", error=ev.reason,
-                             code=ev.code)
+                    self.relay.protocol_error(error=ev.reason, code=ev.code)
                 if self.client is not None:
                     self.client.close()
                 if self.upstream is not None:

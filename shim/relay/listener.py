@@ -87,6 +87,8 @@ class Relay:
         self._reachable: bool | None = None
         self._refused = _RateLimited("connection refused: server.max_connections reached")
         self._no_fds = _RateLimited("out of file descriptors")
+        # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
+        self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
 
     @property
     def table(self) -> Mapping[str, Handler]:
