@@ -48,9 +48,11 @@ WINDOW_UPDATE that repays the shim's own DATA.
 A client's PING goes to the runtime only if the runtime has sent HEADERS or DATA
 since the last PING it got; otherwise the core answers it (gRPC servers count such a
 PING as a strike and close the connection after two, also when the data that made
-the client PING came from the shim). The PINGs the core answers are limited to a
-burst of LOCAL_PINGS_BURST and LOCAL_PINGS_PER_SECOND after it: beyond, GOAWAY
-ENHANCE_YOUR_CALM, as a gRPC server does with "too_many_pings".
+the client PING came from the shim). The PINGs the core answers with no HEADERS or
+DATA sent to the client since the previous one are limited to a burst of
+LOCAL_PINGS_BURST and LOCAL_PINGS_PER_SECOND after it: beyond, GOAWAY
+ENHANCE_YOUR_CALM, as a gRPC server does with "too_many_pings" (a gRPC client's BDP
+PINGs follow data and never count).
 
 Without a runtime (unreachable at connect, out of file descriptors, or lost with
 local calls still running) the core is the server: it acknowledges SETTINGS and
@@ -242,6 +244,7 @@ class RelayCore:
         self.runtime_spoke = True  # see the module docstring (PING)
         self._clock = clock
         self._ping_tokens = float(LOCAL_PINGS_BURST)
+        self._client_got_data = False  # HEADERS or DATA went to the client since its last PING
         self._ping_time = clock()
 
     # ------------------------------------------------------------------ outputs
@@ -466,7 +469,11 @@ class RelayCore:
         return i
 
     def _ping_allowed(self) -> bool:
-        """A token bucket for the PINGs the shim answers itself."""
+        """A token bucket for the PINGs the shim answers itself, as grpc-go counts strikes:
+        a PING after the client got HEADERS or DATA (a BDP probe of gRPC clients) is free."""
+        if self._client_got_data:
+            self._client_got_data = False
+            return True
         now = self._clock()
         self._ping_tokens = min(float(LOCAL_PINGS_BURST),
                                 self._ping_tokens + (now - self._ping_time) * LOCAL_PINGS_PER_SECOND)
@@ -682,6 +689,7 @@ class RelayCore:
             self._cancel_upstream(sid, frames)
         self._remember_closed(sid, bool(flags & h2.END_STREAM))
         block = h2.encode_headers(grpcwire.trailers(code, message, trailers_only=True))
+        self._client_got_data = True
         self._emit(h2.headers_frames(sid, block, True, self.client_max_frame))
         if not flags & h2.END_STREAM:  # the client may still be sending: it can stop
             self._emit(h2.rst_stream(sid, h2.NO_ERROR))
@@ -787,6 +795,7 @@ class RelayCore:
         self.client_window -= n
         s.send_window -= n
         self.owed += n
+        self._client_got_data = True
         self.to_client.append(h2.frame(h2.DATA, 0, s.sid, chunk))
 
     def send_trailers(self, s: LocalStream, headers: list[tuple[bytes, bytes]]) -> None:
@@ -795,6 +804,7 @@ class RelayCore:
         s.done = True
         if not s.headers_sent:
             headers = list(grpcwire.RESPONSE_HEADERS) + headers
+        self._client_got_data = True
         self._emit(h2.headers_frames(s.sid, h2.encode_headers(headers), True, self.client_max_frame))
         self._finish(s)
 
@@ -804,6 +814,7 @@ class RelayCore:
             return
         s.done = True
         block = h2.encode_headers(grpcwire.trailers(code, message, md, trailers_only=not s.headers_sent))
+        self._client_got_data = True
         self._emit(h2.headers_frames(s.sid, block, True, self.client_max_frame))
         if not s.client_ended:  # still sending: tell it to stop (its later frames are consumed)
             self._emit(h2.rst_stream(s.sid, h2.NO_ERROR))
@@ -843,7 +854,7 @@ class RelayCore:
             raw = buf[i:end]
             i = end
             if ftype == h2.HEADERS or ftype == h2.DATA:
-                self.runtime_spoke = True
+                self.runtime_spoke = self._client_got_data = True
                 if ftype == h2.HEADERS and sid in self.relayed_open:
                     self.responding.add(sid)
             if sid and sid in self.dropped_upstream:

@@ -564,3 +564,25 @@ def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed()
     p.from_client(headers(1, PULL, end_stream=True))
     assert rst(p.client_got(), 1) == h2.STREAM_CLOSED
     assert p.runtime_got() == [] and p.events() == []
+
+
+def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not() -> None:
+    now = [0.0]
+    core = RelayCore(Limits(), INTERCEPTED.__contains__, clock=lambda: now[0])
+    p = Peers.__new__(Peers)
+    p.core = core
+    core.receive_client(h2.PREFACE)
+    core.start_local("cri-shim: no runtime")
+    p.client_got()
+    ping = h2.frame(h2.PING, 0, 0, b"p" * 8)
+    for i in range(300):  # a client answered by the shim, PINGing after each answer (BDP probes)
+        sid = 2 * i + 1
+        p.from_client(headers(sid, VERSION, end_stream=True) + ping)
+    assert goaway_code(p.client_got()) is None
+    p.from_client(ping * 100)  # the burst
+    assert goaway_code(p.client_got()) is None
+    now[0] += 1.0
+    p.from_client(ping * 10)  # ten a second after it
+    assert goaway_code(p.client_got()) is None
+    p.from_client(ping)
+    closed_with(p, h2.ENHANCE_YOUR_CALM)
