@@ -88,6 +88,7 @@ class ClientConnection(asyncio.Protocol):
         self._waiters: list[asyncio.Future[None]] = []
         self._stall: asyncio.TimerHandle | None = None
         self._preface_timer: asyncio.TimerHandle | None = None
+        self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -242,7 +243,7 @@ class ClientConnection(asyncio.Protocol):
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()
                 self.pause("client", "connecting")
-                self.loop.create_task(self._connect())
+                self._connecting = self.loop.create_task(self._connect(), name="relay-connect")
             elif isinstance(ev, core_mod.ConnectionClosed):
                 if ev.reason:
                     self.relay.protocol_error(error=ev.reason, code=ev.code)
