@@ -112,7 +112,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self.relay.connections.discard(self)
+        self.relay.forget(self)
         for t in (self._stall, self._preface_timer):
             if t is not None:
                 t.cancel()
@@ -242,6 +242,7 @@ class ClientConnection(asyncio.Protocol):
             elif isinstance(ev, core_mod.PrefaceReceived):
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()
+                self.relay.preface_received(self)
                 self.pause("client", "connecting")
                 self._connecting = self.loop.create_task(self._connect(), name="relay-connect")
             elif isinstance(ev, core_mod.ConnectionClosed):

@@ -1,7 +1,8 @@
 """The relay's listening socket and the state shared by its connections.
 
-Process-wide bounds: at most ``max_connections`` client connections (one more is
-closed at once, with a log line), a listen backlog of ``listen_backlog``, and the
+Process-wide bounds: at most ``max_connections`` client connections (at the cap the
+oldest one that has sent no preface is closed to make room, else the new one is,
+with a log line), a listen backlog of ``listen_backlog``, and the
 soft RLIMIT_NOFILE raised to the hard limit at start (a warning when it cannot
 hold ``max_connections``: each client connection uses two descriptors, its own and
 its runtime connection). Running out of descriptors anyway (EMFILE/ENFILE) is logged
@@ -86,6 +87,8 @@ class Relay:
         self._probe: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
         self._refused = _RateLimited("connection refused: server.max_connections reached")
+        self._evicted = _RateLimited("closed a connection that sent no preface: server.max_connections reached")
+        self._no_preface: dict[ClientConnection, None] = {}  # oldest first
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
@@ -116,12 +119,30 @@ class Relay:
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
     def admit(self, conn: ClientConnection) -> bool:
-        """Count a new client connection in, unless server.max_connections are open."""
+        """Count a new client connection in, unless server.max_connections are open.
+
+        At the cap, the oldest connection that has not sent its preface yet makes room
+        (an honest client sends it at once): sockets opened and left silent cannot lock
+        new clients out.
+        """
         if len(self.connections) >= self.settings.max_connections:
-            self._refused(max_connections=self.settings.max_connections, key="server.max_connections")
-            return False
+            if not self._no_preface:
+                self._refused(max_connections=self.settings.max_connections, key="server.max_connections")
+                return False
+            oldest = next(iter(self._no_preface))
+            self._evicted(max_connections=self.settings.max_connections, key="server.max_connections")
+            self.forget(oldest)
+            oldest.abort()
         self.connections.add(conn)
+        self._no_preface[conn] = None
         return True
+
+    def preface_received(self, conn: ClientConnection) -> None:
+        self._no_preface.pop(conn, None)
+
+    def forget(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+        self._no_preface.pop(conn, None)
 
     def out_of_fds(self, err: OSError, where: str) -> None:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),

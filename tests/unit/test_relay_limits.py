@@ -3,7 +3,8 @@
 - A PING flood gets GOAWAY ENHANCE_YOUR_CALM after a burst; a client that reads
   nothing stops being read, and after server.write_stall_seconds it is disconnected;
   others are served all along.
-- server.max_connections: one more connection is closed at once, and logged.
+- server.max_connections: one more connection is closed at once, and logged, unless
+  a connection that sent no preface makes room (silent sockets cannot lock clients out).
 - A connection that sends no preface opens no runtime connection and is closed after
   server.preface_timeout_seconds.
 - Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
@@ -125,6 +126,18 @@ async def test_connections_over_the_cap_are_closed_and_the_shim_recovers(runtime
                 break
             await asyncio.sleep(0.02)
         assert await version(shim.endpoint) == b"v"
+
+
+async def test_silent_sockets_at_the_cap_make_room_for_a_new_client(runtime: FakeRuntime, caplog) -> None:
+    runtime.unary[VERSION] = b"v"
+    async with running_shim(runtime.endpoint, {"server": {"max_connections": 4}}, engine="relay") as shim:
+        silent = [await asyncio.open_unix_connection(shim.path) for _ in range(10)]  # never send a preface
+        for _ in range(3):  # each call on a new connection: the oldest silent socket makes room
+            assert await version(shim.endpoint) == b"v"
+        assert "closed a connection that sent no preface" in caplog.text
+        assert len(shim.server.relay.connections) <= 4
+        for _, w in silent:
+            w.close()
 
 
 async def test_silent_connections_open_no_runtime_connection_and_are_closed(runtime: FakeRuntime) -> None:
