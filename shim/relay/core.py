@@ -369,7 +369,8 @@ class RelayCore:
             self._close(h2.PROTOCOL_ERROR, f"malformed frame: {e!r}")
             return
         self._cbuf = buf[i:]
-        self._flush_refunds()
+        if self._refund_conn or self.local:
+            self._flush_refunds()
 
     def _client_frames(self, buf: bytes) -> int:
         out = self.to_runtime
