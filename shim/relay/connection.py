@@ -194,6 +194,20 @@ class ClientConnection(asyncio.Protocol):
     def busy(self) -> bool:
         return self.core.busy
 
+    @property
+    def idle(self) -> bool:
+        """Past the preface, with no call in flight: it can be sent away."""
+        return self.core.phase in (RelayCore.RELAY, RelayCore.LOCAL) and not self.core.busy and not self.tasks
+
+    def evict(self) -> None:
+        """Make room under server.max_connections: GOAWAY (if past the preface), close."""
+        if self.client is None or self._closed:
+            return
+        if self.core.phase in (RelayCore.RELAY, RelayCore.LOCAL):
+            self.core.begin_shutdown(b"cri-shim: server.max_connections reached; reconnect")
+            self._pump()
+        self.client.close()
+
     def abort(self) -> None:
         if self.client is not None:
             self.client.close()

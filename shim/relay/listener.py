@@ -1,8 +1,8 @@
 """The relay's listening socket and the state shared by its connections.
 
-Process-wide bounds: at most ``max_connections`` client connections (at the cap the
-oldest one that has sent no preface is closed to make room, else the new one is,
-with a log line), a listen backlog of ``listen_backlog``, and the
+Process-wide bounds: at most ``max_connections`` client connections (at the cap a
+connection that sent no preface, else one with no call in flight, makes room; the
+new one is refused only when all are busy; logged), a listen backlog of ``listen_backlog``, and the
 soft RLIMIT_NOFILE raised to the hard limit at start (a warning when it cannot
 hold ``max_connections``: each client connection uses two descriptors, its own and
 its runtime connection). Running out of descriptors anyway (EMFILE/ENFILE) is logged
@@ -87,8 +87,9 @@ class Relay:
         self._probe: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
         self._refused = _RateLimited("connection refused: server.max_connections reached")
-        self._evicted = _RateLimited("closed a connection that sent no preface: server.max_connections reached")
-        self._no_preface: dict[ClientConnection, None] = {}  # oldest first
+        self._evicted = _RateLimited("closed a connection to make room: server.max_connections reached")
+        self._order: dict[ClientConnection, None] = {}  # every connection, oldest first
+        self._no_preface: dict[ClientConnection, None] = {}  # those that sent no preface yet, oldest first
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
@@ -121,19 +122,25 @@ class Relay:
     def admit(self, conn: ClientConnection) -> bool:
         """Count a new client connection in, unless server.max_connections are open.
 
-        At the cap, the oldest connection that has not sent its preface yet makes room
-        (an honest client sends it at once): sockets opened and left silent cannot lock
-        new clients out.
+        At the cap a connection makes room if one can do without it: the oldest that
+        has not sent its preface yet (an honest client sends it at once), else the
+        oldest with no call in flight (GOAWAY: its client reconnects when it needs
+        to). Only when every connection has a call in flight is the new one refused.
         """
         if len(self.connections) >= self.settings.max_connections:
-            if not self._no_preface:
+            victim = next(iter(self._no_preface), None)
+            why = "no preface"
+            if victim is None:
+                victim = next((c for c in self._order if c.idle), None)
+                why = "no call in flight"
+            if victim is None:
                 self._refused(max_connections=self.settings.max_connections, key="server.max_connections")
                 return False
-            oldest = next(iter(self._no_preface))
-            self._evicted(max_connections=self.settings.max_connections, key="server.max_connections")
-            self.forget(oldest)
-            oldest.abort()
+            self._evicted(reason=why, max_connections=self.settings.max_connections, key="server.max_connections")
+            self.forget(victim)
+            victim.evict()
         self.connections.add(conn)
+        self._order[conn] = None
         self._no_preface[conn] = None
         return True
 
@@ -142,6 +149,7 @@ class Relay:
 
     def forget(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
+        self._order.pop(conn, None)
         self._no_preface.pop(conn, None)
 
     def out_of_fds(self, err: OSError, where: str) -> None:

@@ -3,8 +3,9 @@
 - A PING flood gets GOAWAY ENHANCE_YOUR_CALM after a burst; a client that reads
   nothing stops being read, and after server.write_stall_seconds it is disconnected;
   others are served all along.
-- server.max_connections: one more connection is closed at once, and logged, unless
-  a connection that sent no preface makes room (silent sockets cannot lock clients out).
+- server.max_connections: a connection that sent no preface, else one with no call in
+  flight, makes room for a new one (silent or idle sockets cannot lock clients out);
+  only when all have calls in flight is the new one refused, and logged.
 - A connection that sends no preface opens no runtime connection and is closed after
   server.preface_timeout_seconds.
 - Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
@@ -109,23 +110,35 @@ async def test_client_that_reads_nothing_stops_being_read_then_is_disconnected(r
         assert got < 4 << 20  # closed before the whole answer went out
 
 
-async def test_connections_over_the_cap_are_closed_and_the_shim_recovers(runtime: FakeRuntime, caplog) -> None:
+async def test_connections_over_the_cap_are_closed_when_all_are_busy_and_idle_ones_make_room(
+        runtime: FakeRuntime, caplog) -> None:
+    release = asyncio.Event()
+
+    async def hang(request: bytes, context) -> bytes:
+        await release.wait()
+        return b"late"
     runtime.unary[VERSION] = b"v"
+    runtime.unary[LIST] = hang
     async with running_shim(runtime.endpoint, {"server": {"max_connections": 3}}, engine="relay") as shim:
-        held = [await asyncio.open_unix_connection(shim.path) for _ in range(3)]
-        for _, w in held:
-            w.write(h2.PREFACE + h2.settings_frame({}))
-        reader, writer = await asyncio.open_unix_connection(shim.path)
-        writer.write(h2.PREFACE)
-        assert await closed_by_peer(reader, 5) == 0
-        assert "server.max_connections" in caplog.text and "connection refused" in caplog.text
-        for _, w in held:
-            w.close()
-        for _ in range(100):
-            if not shim.server.relay.connections:
+        busy = [grpc.aio.insecure_channel(shim.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(3)]  # three connections, not one shared
+        calls = [ch.unary_unary(LIST)(b"", timeout=20) for ch in busy]  # a call in flight on each
+        for _ in range(200):
+            if len(runtime.calls("ListContainers")) == 3:
                 break
             await asyncio.sleep(0.02)
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE)
+        assert await closed_by_peer(reader, 5) == 0  # refused: every connection is busy
+        assert "connection refused: server.max_connections reached" in caplog.text
+        release.set()
+        assert await asyncio.gather(*calls) == [b"late"] * 3
+        # now idle: a new client gets a connection, one idle connection is sent away (GOAWAY)
         assert await version(shim.endpoint) == b"v"
+        assert "closed a connection to make room" in caplog.text
+        assert len(shim.server.relay.connections) <= 3
+        for ch in busy:
+            await ch.close()
 
 
 async def test_silent_sockets_at_the_cap_make_room_for_a_new_client(runtime: FakeRuntime, caplog) -> None:
@@ -134,7 +147,7 @@ async def test_silent_sockets_at_the_cap_make_room_for_a_new_client(runtime: Fak
         silent = [await asyncio.open_unix_connection(shim.path) for _ in range(10)]  # never send a preface
         for _ in range(3):  # each call on a new connection: the oldest silent socket makes room
             assert await version(shim.endpoint) == b"v"
-        assert "closed a connection that sent no preface" in caplog.text
+        assert "closed a connection to make room" in caplog.text
         assert len(shim.server.relay.connections) <= 4
         for _, w in silent:
             w.close()
