@@ -66,6 +66,13 @@ class PullsConfig:
     max_parallel: int = 4  # 0 = unlimited
     dedup: bool = True
     dedup_per_namespace: bool = False
+    progress_interval_seconds: float = 1.0  # one runtime poll for every running pull; 0 = progress off
+    progress_log_after_seconds: float = 10.0  # 25/50/75/100 % steps of pulls running this long are logged at info
+    stall_timeout_seconds: float = 0.0  # 0 = stall guard off
+    stall_min_bytes_per_second: int = 65536
+
+
+MIN_PROGRESS_INTERVAL = 0.1
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,10 @@ class ImageSetsConfig:
     debounce_seconds: float = 0.2
     retry_initial_seconds: float = 5.0
     retry_max_seconds: float = 300.0
+    runtime_timeout_seconds: float = 30.0  # deadline of the reconciler's own ListImages / ImageFsInfo
+    docker_config: tuple[str, ...] = ("/var/lib/kubelet/config.json",)  # registry credentials for prefetch
+    credential_provider_config: str = ""  # kubelet CredentialProviderConfig file; empty: no plugins
+    credential_provider_bin_dir: str = ""  # where its plugins are
 
 
 @dataclass(frozen=True)
@@ -310,11 +321,30 @@ def _log(d: Mapping[str, Any]) -> LogConfig:
 def _pulls(d: Mapping[str, Any]) -> PullsConfig:
     _check_keys("pulls", d, {f.name for f in dataclasses.fields(PullsConfig)})
     c = PullsConfig()
-    return PullsConfig(
+    cfg = PullsConfig(
         max_parallel=_int("pulls.max_parallel", d.get("max_parallel", c.max_parallel)),
         dedup=_bool("pulls.dedup", d.get("dedup", c.dedup)),
         dedup_per_namespace=_bool("pulls.dedup_per_namespace", d.get("dedup_per_namespace", c.dedup_per_namespace)),
+        progress_interval_seconds=_duration(
+            "pulls.progress_interval_seconds", d.get("progress_interval_seconds", c.progress_interval_seconds)),
+        progress_log_after_seconds=_duration(
+            "pulls.progress_log_after_seconds", d.get("progress_log_after_seconds", c.progress_log_after_seconds)),
+        stall_timeout_seconds=_duration(
+            "pulls.stall_timeout_seconds", d.get("stall_timeout_seconds", c.stall_timeout_seconds)),
+        stall_min_bytes_per_second=_size(
+            "pulls.stall_min_bytes_per_second", d.get("stall_min_bytes_per_second", c.stall_min_bytes_per_second)),
     )
+    if 0 < cfg.progress_interval_seconds < MIN_PROGRESS_INTERVAL:
+        raise ConfigError("pulls.progress_interval_seconds",
+                          f"must be 0 (off) or >= {MIN_PROGRESS_INTERVAL}, got {cfg.progress_interval_seconds!r}")
+    if cfg.stall_timeout_seconds > 0 and cfg.progress_interval_seconds == 0:
+        raise ConfigError("pulls.stall_timeout_seconds",
+                          "needs pull progress: pulls.progress_interval_seconds must not be 0")
+    if 0 < cfg.stall_timeout_seconds < 2 * cfg.progress_interval_seconds:
+        raise ConfigError("pulls.stall_timeout_seconds",
+                          f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
+                          f"({cfg.progress_interval_seconds:g}), got {cfg.stall_timeout_seconds!r}")
+    return cfg
 
 
 def _pins(d: Mapping[str, Any]) -> PinsConfig:
@@ -343,7 +373,26 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         retry_initial_seconds=_duration(
             "image_sets.retry_initial_seconds", d.get("retry_initial_seconds", c.retry_initial_seconds)),
         retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
+        runtime_timeout_seconds=_duration(
+            "image_sets.runtime_timeout_seconds", d.get("runtime_timeout_seconds", c.runtime_timeout_seconds)),
+        docker_config=_str_list("image_sets.docker_config", d.get("docker_config", list(c.docker_config)) or []),
+        credential_provider_config=_str("image_sets.credential_provider_config",
+                                        d.get("credential_provider_config", c.credential_provider_config)),
+        credential_provider_bin_dir=_str("image_sets.credential_provider_bin_dir",
+                                         d.get("credential_provider_bin_dir", c.credential_provider_bin_dir)),
     )
+    if bool(cfg.credential_provider_config) != bool(cfg.credential_provider_bin_dir):
+        missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
+        raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
+    if cfg.credential_provider_config:
+        from .credentials.plugins import ProviderConfigError, load_config  # local import: only when used
+
+        try:
+            load_config(cfg.credential_provider_config)
+        except ProviderConfigError as e:
+            raise ConfigError("image_sets.credential_provider_config", str(e)) from None
+    if cfg.runtime_timeout_seconds <= 0:
+        raise ConfigError("image_sets.runtime_timeout_seconds", f"must be > 0, got {cfg.runtime_timeout_seconds!r}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
                           f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")

@@ -1,9 +1,23 @@
 """The node-wide pull scheduler: a cap, two priority classes, and collapsed pulls.
 
-A *flight* is one upstream PullImage. Callers asking for the same pull (same
-PullKey) while a flight is queued or running join it instead of starting another;
-it counts once against the cap. Each caller waits with its own deadline; the flight
-goes on while anyone waits and is cancelled (or dropped from the queue) when the
+A *flight* is one upstream PullImage. Callers asking for the same pull while a
+flight is queued or running join it instead of starting another; it counts once
+against the cap. Who may join whom (the join rule):
+
+* Flights are grouped by image (``PullKey.image``, the normalized reference:
+  ``nginx`` = ``docker.io/library/nginx:latest``) and runtime handler.
+* A **foreground** caller (kubelet, any CRI client) joins a flight of its group only
+  when the credentials (``PullKey.auth``, a hash) and ``PullKey.namespace`` are the
+  same, whether that flight was started by a foreground or a background caller. A
+  pod never gets an image through credentials that are not its own (kubelet's
+  credential checks, KEP-2535, hold), and with different credentials it starts its
+  own flight next to the other one.
+* A **background** caller (image-set prefetch) joins any flight of its group,
+  whatever its credentials or namespace: it only wants the image present and adds
+  nothing to the other caller's pull. It prefers a flight with its own key.
+
+Each caller waits with its own deadline; the flight goes on while anyone waits
+(foreground or background) and is cancelled (or dropped from the queue) when the
 last waiter leaves. Results and errors fan out to every waiter still there. A
 finished flight is forgotten at once: a later pull goes upstream again.
 
@@ -34,7 +48,8 @@ class Priority(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class PullKey:
-    """What makes two pulls the same pull. ``auth`` is a hash, never the secret."""
+    """Who asks for which pull. ``image`` is the normalized reference
+    (``reference.pull_name``); ``auth`` is a hash, never the secret."""
 
     image: str
     handler: str = ""
@@ -66,6 +81,15 @@ class _NullObserver:
 
 
 Runner = Callable[[], Awaitable[bytes]]
+# A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
+Listener = Callable[[str, dict[str, object]], None]
+
+
+class FlightHooks(Protocol):
+    """Told when a flight goes upstream and when it ends (pull progress follows these)."""
+
+    def flight_started(self, flight: "Flight") -> None: ...
+    def flight_finished(self, flight: "Flight") -> None: ...
 
 
 @dataclass(eq=False)
@@ -80,6 +104,7 @@ class Flight:
     started_at: float | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     result: str | None = None  # success | error | cancelled, once finished
+    listeners: list[Listener] = field(default_factory=list)  # of the callers waiting now
 
     @property
     def queued(self) -> bool:
@@ -97,11 +122,12 @@ class PullScheduler:
         self.dedup = dedup
         self._observer: PullObserver = observer or _NullObserver()
         self._clock = clock
-        self._flights: dict[PullKey, Flight] = {}
+        self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
         self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
         self._running: set[Flight] = set()
         self._seq = itertools.count()
         self._closed: RpcError | None = None
+        self.hooks: list[FlightHooks] = []
 
     # ------------------------------------------------------------------ public
 
@@ -111,7 +137,7 @@ class PullScheduler:
         self._dispatch()
 
     async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
-                   timeout: float | None = None) -> PullOutcome:
+                   timeout: float | None = None, listener: Listener | None = None) -> PullOutcome:
         """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds.
 
         Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``timeout`` runs out
@@ -119,7 +145,7 @@ class PullScheduler:
         """
         if self._closed is not None:
             raise self._closed
-        flight = self._flights.get(key) if self.dedup else None
+        flight = self._joinable(key, priority) if self.dedup else None
         joined = flight is not None
         if flight is None:
             flight = self._new_flight(key, priority, run)
@@ -128,6 +154,8 @@ class PullScheduler:
             if priority < flight.priority:
                 self._lift(flight, priority)
         flight.waiters += 1
+        if listener is not None:
+            flight.listeners.append(listener)
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # arrives just as the result does, and this caller must see its own cancel.
@@ -139,6 +167,8 @@ class PullScheduler:
                            f"cri-shim: deadline exceeded {where} {key.image}") from None
         finally:
             flight.waiters -= 1
+            if listener is not None:
+                flight.listeners.remove(listener)
             if flight.waiters == 0 and not flight.future.done():
                 self._abandon(flight)
         started = flight.started_at if flight.started_at is not None else self._clock()
@@ -156,12 +186,12 @@ class PullScheduler:
                     flight.future.set_exception(self._closed)
         self._changed()
 
-    def cancel(self, key: PullKey) -> bool:
-        """Cancel a flight whoever waits for it (image removed from a declared set)."""
-        flight = self._flights.get(key)
-        if flight is None:
+    def fail_running(self, flight: Flight, error: RpcError) -> bool:
+        """End a running flight with ``error`` for every waiter and cancel its upstream call
+        (the stall guard). False if it is not running any more."""
+        if flight not in self._running or flight.future.done():
             return False
-        self._abandon(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {key.image} cancelled"))
+        self._abandon(flight, error)
         return True
 
     @property
@@ -177,7 +207,7 @@ class PullScheduler:
         now = self._clock()
 
         def row(f: Flight) -> dict[str, object]:
-            d: dict[str, object] = {"image": f.key.image, "handler": f.key.handler,
+            d: dict[str, object] = {"id": f.seq, "image": f.key.image, "handler": f.key.handler,
                                     "priority": f.priority.name.lower(), "waiters": f.waiters,
                                     "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
             if f.started_at is not None:
@@ -189,12 +219,24 @@ class PullScheduler:
 
     # ------------------------------------------------------------------ internals
 
+    def _joinable(self, key: PullKey, priority: Priority) -> Flight | None:
+        """The flight a caller joins under the join rule (module docstring), or None."""
+        group = self._flights.get((key.image, key.handler))
+        if not group:
+            return None
+        for f in group:
+            if f.key == key:
+                return f
+        if priority is Priority.BACKGROUND:
+            return group[0]
+        return None
+
     def _new_flight(self, key: PullKey, priority: Priority, run: Runner) -> Flight:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
         flight = Flight(key, priority, run, next(self._seq), self._clock(), fut)
         if self.dedup:
-            self._flights[key] = flight
+            self._flights.setdefault((key.image, key.handler), []).append(flight)
         self._queues[priority].append(flight)
         self._dispatch()
         self._changed()
@@ -233,6 +275,8 @@ class PullScheduler:
         # Cleanup in a done callback, not a finally: a task cancelled before its first
         # step never runs its body, and its slot must still come back.
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
+        for hook in self.hooks:
+            hook.flight_started(flight)
 
     async def _run(self, flight: Flight) -> None:
         try:
@@ -254,6 +298,8 @@ class PullScheduler:
             flight.result = "cancelled"
             self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
         self._running.discard(flight)
+        for hook in self.hooks:
+            hook.flight_finished(flight)
         self._observer.finished(flight.key, flight.result, self._clock() - (flight.started_at or self._clock()))
         self._dispatch()
         self._changed()
@@ -268,11 +314,16 @@ class PullScheduler:
             flight.future.set_result(outcome)
 
     def _forget(self, flight: Flight) -> None:
-        if self._flights.get(flight.key) is flight:
-            del self._flights[flight.key]
+        group_key = (flight.key.image, flight.key.handler)
+        group = self._flights.get(group_key)
+        if group is not None and flight in group:
+            group.remove(flight)
+            if not group:
+                del self._flights[group_key]
 
     def _abandon(self, flight: Flight, error: RpcError | None = None) -> None:
-        """Nobody waits any more: drop it from the queue, or cancel the upstream call."""
+        """Nobody waits any more (or the stall guard ended it with ``error``): drop it from
+        the queue, or cancel the upstream call."""
         self._forget(flight)
         if flight.queued:
             self._queues[flight.priority].remove(flight)

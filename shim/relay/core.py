@@ -700,7 +700,9 @@ class RelayCore:
             self._closed_order.append(sid)
         self._closed_local[sid] = client_ended
         if len(self._closed_order) > CLOSED_LOCAL_MEMORY:
-            self._closed_local.pop(self._closed_order.popleft(), None)
+            old = self._closed_order.popleft()
+            self._closed_local.pop(old, None)
+            self.dropped_upstream.discard(old)
 
     def _late_frame(self, sid: int, what: str) -> None:
         """DATA or HEADERS for a stream the shim closed: fine if the client had not ended it
@@ -855,11 +857,15 @@ class RelayCore:
             raw = buf[i:end]
             i = end
             if ftype == h2.HEADERS or ftype == h2.DATA:
-                self.runtime_spoke = self._client_got_data = True
+                self.runtime_spoke = True
                 if ftype == h2.HEADERS and sid in self.relayed_open:
                     self.responding.add(sid)
             if sid and sid in self.dropped_upstream:
-                if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and (ftype == h2.HEADERS or ftype == h2.DATA)):
+                # The shim answers (or refused) this stream; the runtime only had to decode its
+                # header block. grpc-go may answer it before it reads our RST_STREAM (trailers,
+                # then RST_STREAM NO_ERROR): none of that is the client's. Its RST_STREAM is the
+                # last frame it sends on the stream; older entries go with the closed-stream memory.
+                if ftype == h2.RST_STREAM:
                     self.dropped_upstream.discard(sid)
                 if ftype == h2.DATA and length:  # the client never sees it: the runtime gets its window back
                     self.to_runtime.append(h2.window_update(0, length))
@@ -877,6 +883,8 @@ class RelayCore:
                                                                                  or ftype == h2.DATA))):
                 self.relayed_open.discard(sid)
                 self.responding.discard(sid)
+            if ftype == h2.HEADERS or ftype == h2.DATA:
+                self._client_got_data = True
             if ftype == h2.DATA and length:
                 if held or self.client_window < length:
                     held.append(raw)

@@ -586,3 +586,20 @@ def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not(
     assert goaway_code(p.client_got()) is None
     p.from_client(ping)
     closed_with(p, h2.ENHANCE_YOUR_CALM)
+
+
+def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() -> None:
+    """The runtime had to decode the block (it changed the HPACK table), may answer before it
+    reads our RST_STREAM: trailers, then RST_STREAM(NO_ERROR). The client sees only the shim's answer."""
+    p = Peers()
+    block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", PULL), (":authority", "x")])
+    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block))
+    [ev] = p.events()
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.HEADERS, 1), (h2.RST_STREAM, 1)]
+    trailers = h2.encode_headers([(b":status", b"200"), (b"grpc-status", b"12")])
+    p.from_runtime(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, trailers) + data(1, b"x")
+                   + h2.rst_stream(1, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, b"r" * 8))
+    assert [t for t, *_ in p.client_got()] == [h2.PING]
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
+    p.core.send_trailers(ev.stream, [(b"grpc-status", b"0")])
+    assert grpc_status(p.client_got(), 1) == (0, "")
