@@ -42,6 +42,17 @@ class ServerConfig:
     admin_socket: str = DEFAULT_ADMIN_SOCKET  # for `cri-shim status`; empty: off
     uvloop: bool = True
     engine: str = "relay"  # relay: HTTP/2 frame relay (fast); grpc: grpc.aio generic proxy
+    # relay bounds (README "Limits")
+    max_connections: int = 256
+    listen_backlog: int = 1024
+    max_header_list_bytes: int = 64 * 1024
+    max_intercepted_streams: int = 100
+    path_cache_bytes: int = 16 * 1024
+    max_request_buffer_bytes: int = 64 * 1024 * 1024
+    write_buffer_high_bytes: int = 64 * 1024
+    write_buffer_low_bytes: int = 16 * 1024
+    write_stall_seconds: float = 30.0
+    preface_timeout_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -246,7 +257,7 @@ def _host_port(key: str, v: Any) -> str:
 def _server(d: Mapping[str, Any]) -> ServerConfig:
     _check_keys("server", d, {f.name for f in dataclasses.fields(ServerConfig)})
     c = ServerConfig()
-    return ServerConfig(
+    cfg = ServerConfig(
         socket_mode=_socket_mode("server.socket_mode", d.get("socket_mode", c.socket_mode)),
         socket_group=str(_group("server.socket_group", d.get("socket_group", c.socket_group))),
         max_message_bytes=_size("server.max_message_bytes", d.get("max_message_bytes", c.max_message_bytes),
@@ -256,7 +267,33 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
         admin_socket=_str("server.admin_socket", d.get("admin_socket", c.admin_socket)),
         uvloop=_bool("server.uvloop", d.get("uvloop", c.uvloop)),
         engine=_str("server.engine", d.get("engine", c.engine), ("relay", "grpc")),
+        max_connections=_int("server.max_connections", d.get("max_connections", c.max_connections), minimum=1),
+        listen_backlog=_int("server.listen_backlog", d.get("listen_backlog", c.listen_backlog), minimum=1),
+        max_header_list_bytes=_size("server.max_header_list_bytes",
+                                    d.get("max_header_list_bytes", c.max_header_list_bytes), minimum=4096),
+        max_intercepted_streams=_int("server.max_intercepted_streams",
+                                     d.get("max_intercepted_streams", c.max_intercepted_streams), minimum=1),
+        path_cache_bytes=_size("server.path_cache_bytes", d.get("path_cache_bytes", c.path_cache_bytes)),
+        max_request_buffer_bytes=_size("server.max_request_buffer_bytes",
+                                       d.get("max_request_buffer_bytes", c.max_request_buffer_bytes),
+                                       minimum=MIN_MESSAGE_BYTES),
+        write_buffer_high_bytes=_size("server.write_buffer_high_bytes",
+                                      d.get("write_buffer_high_bytes", c.write_buffer_high_bytes), minimum=16384),
+        write_buffer_low_bytes=_size("server.write_buffer_low_bytes",
+                                     d.get("write_buffer_low_bytes", c.write_buffer_low_bytes)),
+        write_stall_seconds=_duration("server.write_stall_seconds",
+                                      d.get("write_stall_seconds", c.write_stall_seconds)),
+        preface_timeout_seconds=_duration("server.preface_timeout_seconds",
+                                          d.get("preface_timeout_seconds", c.preface_timeout_seconds)),
     )
+    if cfg.write_buffer_low_bytes >= cfg.write_buffer_high_bytes:
+        raise ConfigError("server.write_buffer_low_bytes",
+                          f"must be below server.write_buffer_high_bytes ({cfg.write_buffer_high_bytes}), "
+                          f"got {cfg.write_buffer_low_bytes}")
+    for key in ("write_stall_seconds", "preface_timeout_seconds"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"server.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
+    return cfg
 
 
 def _group(key: str, v: Any) -> str:

@@ -27,7 +27,7 @@ from . import config as config_mod
 from . import logs, sdnotify
 from .app import App
 from .config import Config, ConfigError
-from .relay.listener import Relay
+from .relay.listener import Relay, RelaySettings
 from .unixsock import StartupError, claim
 
 _log = logs.get("server")
@@ -59,6 +59,16 @@ def server_options(cfg: Config) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", cfg.server.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
+
+
+def relay_settings(cfg: Config) -> RelaySettings:
+    s = cfg.server
+    return RelaySettings(max_connections=s.max_connections, listen_backlog=s.listen_backlog,
+                         write_buffer_high=s.write_buffer_high_bytes, write_buffer_low=s.write_buffer_low_bytes,
+                         write_stall_seconds=s.write_stall_seconds, preface_timeout=s.preface_timeout_seconds,
+                         max_header_list_bytes=s.max_header_list_bytes,
+                         max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
+                         max_request_buffer_bytes=s.max_request_buffer_bytes)
 
 
 def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, Any]]:
@@ -127,7 +137,7 @@ class ShimServer:
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
                                        lambda: app.proxy.table, self.cfg.server.max_message_bytes,
-                                       observe=app.proxy.observe)
+                                       observe=app.proxy.observe, settings=relay_settings(self.cfg))
                     await self.relay.start(self.path)
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import gzip
 import zlib
 from typing import Iterable
 from urllib.parse import quote
@@ -19,6 +18,39 @@ RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc")
 
 class MessageError(ValueError):
     pass
+
+
+class MessageTooLarge(MessageError):
+    pass
+
+
+_WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+
+
+def decompress(body: bytes, encoding: bytes | None, max_bytes: int) -> bytes:
+    """``body`` decompressed, never more than ``max_bytes`` of output (MessageTooLarge)."""
+    wbits = _WBITS.get(encoding or b"")
+    if wbits is None:
+        raise MessageError(f"unsupported grpc-encoding {encoding!r}")
+    out: list[bytes] = []
+    size = 0
+    data = body
+    try:
+        while data:
+            d = zlib.decompressobj(wbits)
+            chunk = d.decompress(data, max_bytes - size + 1)
+            size += len(chunk)
+            if size > max_bytes:
+                raise MessageTooLarge(f"decompressed request larger than {max_bytes} bytes")
+            out.append(chunk)
+            if d.unconsumed_tail:
+                raise MessageTooLarge(f"decompressed request larger than {max_bytes} bytes")
+            if not d.eof:
+                raise MessageError("truncated compressed message")
+            data = d.unused_data  # gzip allows several members
+    except zlib.error as e:
+        raise MessageError(f"bad compressed message: {e}") from None
+    return b"".join(out)
 
 
 def parse_timeout(value: bytes) -> float | None:
@@ -49,8 +81,10 @@ def frame_message(msg: bytes) -> bytes:
     return b"\x00" + len(msg).to_bytes(4, "big") + msg
 
 
-def unframe_messages(data: bytes, encoding: bytes | None) -> list[bytes]:
-    """Split a gRPC request body into messages, decompressing if the client compressed."""
+def unframe_messages(data: bytes, encoding: bytes | None, max_bytes: int = 1 << 62) -> list[bytes]:
+    """Split a gRPC request body into messages, decompressing if the client compressed.
+
+    A message is at most ``max_bytes`` after decompression (MessageTooLarge)."""
     out, i = [], 0
     while i < len(data):
         if len(data) - i < 5:
@@ -60,12 +94,9 @@ def unframe_messages(data: bytes, encoding: bytes | None) -> list[bytes]:
         if len(body) != length:
             raise MessageError("truncated gRPC message")
         if compressed:
-            if encoding == b"gzip":
-                body = gzip.decompress(body)
-            elif encoding == b"deflate":
-                body = zlib.decompress(body)
-            else:
-                raise MessageError(f"unsupported grpc-encoding {encoding!r}")
+            body = decompress(body, encoding, max_bytes)
+        elif length > max_bytes:
+            raise MessageTooLarge(f"request larger than {max_bytes} bytes")
         out.append(body)
         i += 5 + length
     return out

@@ -13,9 +13,6 @@ from __future__ import annotations
 import struct
 from typing import Iterable
 
-from hpack.huffman_table import decode_huffman
-from hpack.table import HeaderTable
-
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # frame types
@@ -23,13 +20,16 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 # flags
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # settings
-SETTINGS_HEADER_TABLE_SIZE, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x1, 0x4, 0x5
+(SETTINGS_HEADER_TABLE_SIZE, SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE,
+ SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE) = range(1, 7)
 # error codes
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL, COMPRESSION_ERROR = (
-    0x0, 0x1, 0x2, 0x3, 0x6, 0x8, 0x9)
+(NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, SETTINGS_TIMEOUT, STREAM_CLOSED, FRAME_SIZE_ERROR,
+ REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, CONNECT_ERROR, ENHANCE_YOUR_CALM) = range(12)
 
 DEFAULT_WINDOW = 65535
+MAX_WINDOW = 2**31 - 1
 DEFAULT_MAX_FRAME = 16384
+MAX_FRAME_LIMIT = 2**24 - 1
 _HDR = struct.Struct(">I")
 
 
@@ -67,9 +67,15 @@ def settings_frame(values: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in values.items()))
 
 
-def with_table_size_zero(payload: bytes) -> bytes:
-    """A SETTINGS payload with HEADER_TABLE_SIZE forced to 0 (the last value of a setting wins)."""
-    return payload + struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, 0)
+def with_table_size_zero(payload: bytes, max_header_list: int | None = None) -> bytes:
+    """A SETTINGS payload with HEADER_TABLE_SIZE forced to 0 (the last value of a setting wins),
+    and MAX_HEADER_LIST_SIZE lowered to ``max_header_list`` if given."""
+    out = payload + struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, 0)
+    if max_header_list is not None:
+        current = settings_payload(payload).get(SETTINGS_MAX_HEADER_LIST_SIZE)
+        if current is None or current > max_header_list:
+            out += struct.pack(">HI", SETTINGS_MAX_HEADER_LIST_SIZE, max_header_list)
+    return out
 
 
 def header_block_fragment(ftype: int, flags: int, payload: bytes) -> bytes:
@@ -95,141 +101,7 @@ def data_payload(flags: int, payload: bytes) -> bytes:
     return payload
 
 
-# --------------------------------------------------------------------------- HPACK
-
-_STATIC = HeaderTable.STATIC_TABLE
-_STATIC_LEN = len(_STATIC)
-_PATH = b":path"
-
-
-def _integer(data: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
-    mask = (1 << prefix_bits) - 1
-    value = data[i] & mask
-    i += 1
-    if value < mask:
-        return value, i
-    shift = 0
-    while True:
-        if i >= len(data):
-            raise H2Error("truncated HPACK integer")
-        b = data[i]
-        i += 1
-        value += (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-        if shift > 28:
-            raise H2Error("HPACK integer too large")
-
-
-class Decoder:
-    """HPACK decoder that mirrors the peer's dynamic table.
-
-    ``decode(block, full=False)`` returns ``(path, headers, inserted)``: the ``:path``
-    value, all headers when ``full`` (for intercepted calls), and whether the block
-    changed the dynamic table (then it must still reach the runtime's decoder).
-    String values are only Huffman-decoded when needed; ``:path`` values are cached.
-    """
-
-    def __init__(self, max_size: int = 4096) -> None:
-        self.max_size = max_size
-        self.size = 0
-        self.dynamic: list[tuple[bytes, bytes]] = []  # newest first
-        self._path_cache: dict[bytes, bytes] = {}
-
-    def snapshot(self) -> tuple[int, int, list[tuple[bytes, bytes]]]:
-        return self.max_size, self.size, list(self.dynamic)
-
-    def restore(self, snap: tuple[int, int, list[tuple[bytes, bytes]]]) -> None:
-        self.max_size, self.size, self.dynamic = snap[0], snap[1], list(snap[2])
-
-    def _entry(self, index: int) -> tuple[bytes, bytes]:
-        if 0 < index <= _STATIC_LEN:
-            return _STATIC[index - 1]
-        j = index - _STATIC_LEN - 1
-        if 0 <= j < len(self.dynamic):
-            return self.dynamic[j]
-        raise H2Error(f"HPACK index {index} out of range")
-
-    def _string(self, data: bytes, i: int, decode: bool) -> tuple[bytes, int]:
-        if i >= len(data):
-            raise H2Error("truncated HPACK string")
-        huffman = data[i] & 0x80
-        length, i = _integer(data, i, 7)
-        end = i + length
-        if end > len(data):
-            raise H2Error("truncated HPACK string")
-        raw = data[i:end]
-        if huffman and decode:
-            try:
-                raw = decode_huffman(raw)
-            except Exception as e:
-                raise H2Error(f"bad Huffman string: {e}") from None
-        return raw, end
-
-    def _path(self, data: bytes, i: int) -> tuple[bytes, int]:
-        if i >= len(data):
-            raise H2Error("truncated HPACK string")
-        length, j = _integer(data, i, 7)
-        key = data[i:j + length]
-        cached = self._path_cache.get(key)
-        if cached is not None:
-            return cached, j + length
-        value, end = self._string(data, i, True)
-        if len(self._path_cache) < 4096:
-            self._path_cache[key] = value
-        return value, end
-
-    def _insert(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value) + 32
-        self.dynamic.insert(0, (name, value))
-        self.size += size
-        self._evict()
-
-    def _evict(self) -> None:
-        while self.size > self.max_size and self.dynamic:
-            n, v = self.dynamic.pop()
-            self.size -= len(n) + len(v) + 32
-
-    def decode(self, data: bytes, full: bool = False) -> tuple[bytes | None, list[tuple[bytes, bytes]], bool]:
-        i, n = 0, len(data)
-        path: bytes | None = None
-        headers: list[tuple[bytes, bytes]] = []
-        inserted = False
-        while i < n:
-            b = data[i]
-            if b & 0x80:  # indexed
-                index, i = _integer(data, i, 7)
-                name, value = self._entry(index)
-                if name == _PATH:
-                    path = value
-                if full:
-                    headers.append((name, value))
-                continue
-            if b & 0xE0 == 0x20:  # dynamic table size update
-                size, i = _integer(data, i, 5)
-                self.max_size = size
-                self._evict()
-                inserted = True
-                continue
-            indexing = bool(b & 0x40)
-            index, i = _integer(data, i, 6 if indexing else 4)
-            if index:
-                name = self._entry(index)[0]
-            else:
-                name, i = self._string(data, i, True)
-            if name == _PATH:
-                value, i = self._path(data, i)
-                path = value
-            else:
-                value, i = self._string(data, i, full or indexing)
-            if full:
-                headers.append((name, value))
-            if indexing:
-                had_entries = bool(self.dynamic)
-                self._insert(name, value)
-                inserted = inserted or had_entries or bool(self.dynamic)  # a 0-size table stays empty
-        return path, headers, inserted
+from .hpack_decoder import Decoder, HeaderListTooLarge  # noqa: E402,F401  (part of this module's API)
 
 
 def _encode_int(value: int, prefix_bits: int, first: int) -> bytes:

@@ -1,45 +1,160 @@
-"""The relay's listening socket and the state shared by its connections."""
+"""The relay's listening socket and the state shared by its connections.
+
+Process-wide bounds: at most ``max_connections`` client connections (at the cap a
+connection that sent no preface, else one with no call in flight, makes room; the
+new one is refused only when all are busy; logged), a listen backlog of ``listen_backlog``, and the
+soft RLIMIT_NOFILE raised to the hard limit at start (a warning when it cannot
+hold ``max_connections``: each client connection uses two descriptors, its own and
+its runtime connection). Running out of descriptors anyway (EMFILE/ENFILE) is logged
+as that, never as "runtime not reachable"; the listener goes on accepting once
+descriptors are free again.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import resource
+import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, ContextManager, Mapping
 
 from .. import logs
 from ..methods import Cardinality, cardinality
 from ..proxy import Call, Handler
 from ..upstream import Upstream
-from .connection import ClientConnection, LocalContext
+from .connection import FD_ERRNOS, ClientConnection, LocalContext
+from .core import Budget, Limits
 
 _log = logs.get("relay")
 
 Send = Callable[[bytes], Awaitable[None]]
+FDS_PER_CONNECTION = 2
+FDS_RESERVED = 64  # runtime channel, metrics, admin socket, logs, image-set watchers
+LOG_EVERY_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class RelaySettings:
+    """server.* keys the relay uses (see shim/config.py and the README's Limits table)."""
+
+    max_connections: int = 256
+    listen_backlog: int = 1024
+    write_buffer_high: int = 64 << 10
+    write_buffer_low: int = 16 << 10
+    write_stall_seconds: float = 30.0
+    preface_timeout: float = 10.0
+    max_header_list_bytes: int = 64 << 10
+    max_intercepted_streams: int = 100
+    path_cache_bytes: int = 16 << 10
+    max_request_buffer_bytes: int = 64 << 20
+
+
+class _RateLimited:
+    """A warning logged at most every LOG_EVERY_SECONDS, with the count since the last one."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.last = -LOG_EVERY_SECONDS
+        self.count = 0
+
+    def __call__(self, **fields: Any) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.last >= LOG_EVERY_SECONDS:
+            logs.log(_log, logging.WARNING, self.message, times=self.count, **fields)
+            self.last, self.count = now, 0
 
 
 class Relay:
     """Accepts CRI clients on a unix socket; one runtime connection per client connection."""
 
     def __init__(self, upstream_path: str, upstream: Upstream, table: Callable[[], Mapping[str, Handler]],
-                 max_message_bytes: int, observe: Callable[[Call], ContextManager[Call]] | None = None) -> None:
+                 max_message_bytes: int, observe: Callable[[Call], ContextManager[Call]] | None = None,
+                 settings: RelaySettings | None = None) -> None:
         self.upstream_path = upstream_path
         self.upstream = upstream  # grpc channel for the handlers' own calls
         self._table = table
         self._observe = observe or contextlib.nullcontext  # span and rpc duration (Proxy.observe)
         self.max_message_bytes = max_message_bytes
+        self.settings = s = settings or RelaySettings()
+        self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
+                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
+                             request_buffer=Budget(s.max_request_buffer_bytes))
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._probe: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
+        self._refused = _RateLimited("connection refused: server.max_connections reached")
+        self._evicted = _RateLimited("closed a connection to make room: server.max_connections reached")
+        self._order: dict[ClientConnection, None] = {}  # every connection, oldest first
+        self._no_preface: dict[ClientConnection, None] = {}  # those that sent no preface yet, oldest first
+        self._no_fds = _RateLimited("out of file descriptors")
+        # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
+        self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
 
     @property
     def table(self) -> Mapping[str, Handler]:
         return self._table()
 
+    def intercepts(self, path: str) -> bool:
+        return path in self._table()
+
     async def start(self, path: str) -> None:
+        self._raise_fd_limit()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: ClientConnection(self), path)
+        self._server = await loop.create_unix_server(lambda: ClientConnection(self), path,
+                                                     backlog=self.settings.listen_backlog)
+
+    def _raise_fd_limit(self) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                soft = hard
+        need = self.settings.max_connections * FDS_PER_CONNECTION + FDS_RESERVED
+        if soft != resource.RLIM_INFINITY and soft < need:
+            logs.log(_log, logging.WARNING, "file descriptor limit below what server.max_connections needs",
+                     limit=soft, needed=need, max_connections=self.settings.max_connections,
+                     hint="raise LimitNOFILE in the unit or lower server.max_connections")
+
+    def admit(self, conn: ClientConnection) -> bool:
+        """Count a new client connection in, unless server.max_connections are open.
+
+        At the cap a connection makes room if one can do without it: the oldest that
+        has not sent its preface yet (an honest client sends it at once), else the
+        oldest with no call in flight (GOAWAY: its client reconnects when it needs
+        to). Only when every connection has a call in flight is the new one refused.
+        """
+        if len(self.connections) >= self.settings.max_connections:
+            victim = next(iter(self._no_preface), None)
+            why = "no preface"
+            if victim is None:
+                victim = next((c for c in self._order if c.idle), None)
+                why = "no call in flight"
+            if victim is None:
+                self._refused(max_connections=self.settings.max_connections, key="server.max_connections")
+                return False
+            self._evicted(reason=why, max_connections=self.settings.max_connections, key="server.max_connections")
+            self.forget(victim)
+            victim.evict()
+        self.connections.add(conn)
+        self._order[conn] = None
+        self._no_preface[conn] = None
+        return True
+
+    def preface_received(self, conn: ClientConnection) -> None:
+        self._no_preface.pop(conn, None)
+
+    def forget(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+        self._order.pop(conn, None)
+        self._no_preface.pop(conn, None)
+
+    def out_of_fds(self, err: OSError, where: str) -> None:
+        self._no_fds(error=str(err), where=where, open_connections=len(self.connections),
+                     hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
     async def serve(self, method: str, handler: Any, request: bytes, ctx: LocalContext, send: Send) -> None:
         call = Call(method, ctx.md, ctx.time_remaining(), ctx, self.upstream)  # type: ignore[arg-type]
@@ -64,7 +179,7 @@ class Relay:
                 logs.log(_log, logging.INFO, "runtime reachable again", path=self.upstream_path)
             self._reachable = True
 
-    def watch_for_upstream(self, conn: ClientConnection) -> None:
+    def watch_for_upstream(self) -> None:
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._wait_for_upstream(), name="runtime-probe")
 
@@ -75,7 +190,9 @@ class Relay:
             try:
                 transport, _ = await asyncio.wait_for(
                     loop.create_unix_connection(asyncio.Protocol, self.upstream_path), 1.0)
-            except (OSError, asyncio.TimeoutError):
+            except (OSError, asyncio.TimeoutError) as e:
+                if isinstance(e, OSError) and e.errno in FD_ERRNOS:
+                    self.out_of_fds(e, "probing the runtime")
                 continue
             transport.close()
             self.upstream_reachable()

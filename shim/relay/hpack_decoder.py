@@ -1,0 +1,229 @@
+"""HPACK (RFC 7541) decoding for the relay: bounded in work and memory.
+
+The relay reads a request's ``:path`` from every header block (all headers only for
+intercepted calls) and must mirror the client's dynamic table exactly as the
+runtime's decoder does. It does no more work than that:
+
+- Values are Huffman-decoded only when needed: ``:path``, every header of an
+  intercepted call, and an entry inserted into a non-empty table (its size counts).
+  An entry that cannot fit in the table whatever it decodes to (a Huffman string of
+  n bytes decodes to at least 8n/30 octets) just empties the table, undecoded.
+- The header list size (RFC 9113 SETTINGS_MAX_HEADER_LIST_SIZE: name + value + 32 per
+  field) is counted; past ``max_list_size`` decoding goes on (the table must stay in
+  step) but no header is kept and ``HeaderListTooLarge`` is raised at the end. Values
+  not decoded count with their encoded length.
+- A dynamic table size update above ``allowed_max`` (what the shim advertised, once the
+  client acknowledged it), or not at the start of a block, is a COMPRESSION_ERROR.
+- ``:path`` values are cached per connection, up to ``path_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
+from hpack.huffman_table import decode_huffman
+from hpack.table import HeaderTable
+
+from .h2 import COMPRESSION_ERROR, H2Error
+
+_STATIC = HeaderTable.STATIC_TABLE
+_STATIC_LEN = len(_STATIC)
+_STATIC_SIZES = tuple(len(n) + len(v) + 32 for n, v in _STATIC)
+_PATH = b":path"
+_PATH_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(_PATH)
+_CACHE_KEY_MAX = 512  # longer encoded :path values are decoded every time, never cached
+_ENTRY_OVERHEAD = 32
+
+
+class HeaderListTooLarge(Exception):
+    """The block decoded fine (the table is in step) but its header list is over the limit."""
+
+    def __init__(self, size: int, limit: int, inserted: bool) -> None:
+        super().__init__(f"header list of at least {size} bytes, limit {limit}")
+        self.size, self.limit, self.inserted = size, limit, inserted
+
+
+def _integer(data: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
+    mask = (1 << prefix_bits) - 1
+    value = data[i] & mask
+    i += 1
+    if value < mask:
+        return value, i
+    shift = 0
+    while True:
+        if i >= len(data):
+            raise H2Error("truncated HPACK integer", COMPRESSION_ERROR)
+        b = data[i]
+        i += 1
+        value += (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+        if shift > 28:
+            raise H2Error("HPACK integer too large", COMPRESSION_ERROR)
+
+
+class Decoder:
+    """HPACK decoder that mirrors the peer's dynamic table.
+
+    ``decode(block, full=False)`` returns ``(path, headers, inserted)``: the ``:path``
+    value, all headers when ``full`` (for intercepted calls), and whether the block
+    changed the dynamic table (then it must still reach the runtime's decoder).
+    """
+
+    def __init__(self, max_size: int = 4096, max_list_size: int = 1 << 24, path_cache_bytes: int = 16384) -> None:
+        self.max_size = max_size
+        self.allowed_max = max_size  # the largest table size the peer may switch to
+        self.max_list_size = max_list_size
+        self.size = 0
+        self.dynamic: list[tuple[bytes, bytes]] = []  # newest first
+        self.path_cache_bytes = path_cache_bytes
+        self._path_cache: dict[bytes, bytes] = {}
+        self._cache_used = 0
+
+    def snapshot(self) -> tuple[int, int, list[tuple[bytes, bytes]]]:
+        return self.max_size, self.size, list(self.dynamic)
+
+    def restore(self, snap: tuple[int, int, list[tuple[bytes, bytes]]]) -> None:
+        self.max_size, self.size, self.dynamic = snap[0], snap[1], list(snap[2])
+
+    def clear_cache(self) -> None:
+        self._path_cache.clear()
+        self._cache_used = 0
+
+    def _entry(self, index: int) -> tuple[bytes, bytes]:
+        if 0 < index <= _STATIC_LEN:
+            return _STATIC[index - 1]
+        j = index - _STATIC_LEN - 1
+        if 0 <= j < len(self.dynamic):
+            return self.dynamic[j]
+        raise H2Error(f"HPACK index {index} out of range", COMPRESSION_ERROR)
+
+    @staticmethod
+    def _raw(data: bytes, i: int) -> tuple[bytes, bool, int]:
+        """The encoded string at ``i``: (bytes as sent, Huffman-coded?, next index)."""
+        if i >= len(data):
+            raise H2Error("truncated HPACK string", COMPRESSION_ERROR)
+        huffman = bool(data[i] & 0x80)
+        length, i = _integer(data, i, 7)
+        end = i + length
+        if end > len(data):
+            raise H2Error("truncated HPACK string", COMPRESSION_ERROR)
+        return data[i:end], huffman, end
+
+    @staticmethod
+    def _decoded(raw: bytes, huffman: bool) -> bytes:
+        if not huffman:
+            return raw
+        try:
+            return decode_huffman(raw)
+        except Exception as e:
+            raise H2Error(f"bad Huffman string: {e}", COMPRESSION_ERROR) from None
+
+    def _path(self, data: bytes, i: int) -> tuple[bytes, int]:
+        if i >= len(data):
+            raise H2Error("truncated HPACK string", COMPRESSION_ERROR)
+        length, j = _integer(data, i, 7)
+        key = data[i:j + length]
+        cached = self._path_cache.get(key)
+        if cached is not None:
+            return cached, j + length
+        raw, huffman, end = self._raw(data, i)
+        value = self._decoded(raw, huffman)
+        cost = len(key) + len(value) + 100  # two bytes objects and a dict slot
+        if len(key) <= _CACHE_KEY_MAX and self._cache_used + cost <= self.path_cache_bytes:
+            self._path_cache[key] = value
+            self._cache_used += cost
+        return value, end
+
+    def _insert(self, name: bytes, value: bytes) -> None:
+        self.dynamic.insert(0, (name, value))
+        self.size += len(name) + len(value) + _ENTRY_OVERHEAD
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.size > self.max_size and self.dynamic:
+            n, v = self.dynamic.pop()
+            self.size -= len(n) + len(v) + _ENTRY_OVERHEAD
+
+    def _cannot_fit(self, name_len: int, raw: bytes, huffman: bool) -> bool:
+        least = len(raw) * 8 // 30 if huffman else len(raw)
+        return name_len + least + _ENTRY_OVERHEAD > self.max_size
+
+    def decode(self, data: bytes, full: bool = False) -> tuple[bytes | None, list[tuple[bytes, bytes]], bool]:
+        i, n = 0, len(data)
+        path: bytes | None = None
+        headers: list[tuple[bytes, bytes]] = []
+        inserted = False
+        listed = 0  # header list size so far
+        limit = self.max_list_size
+        first = True
+        while i < n:
+            b = data[i]
+            if b & 0x80:  # indexed
+                if b != 0xFF:
+                    index = b & 0x7F
+                    i += 1
+                else:
+                    index, i = _integer(data, i, 7)
+                if 0 < index <= _STATIC_LEN:
+                    name, value = _STATIC[index - 1]
+                    listed += _STATIC_SIZES[index - 1]
+                else:
+                    name, value = self._entry(index)
+                    listed += len(name) + len(value) + _ENTRY_OVERHEAD
+                if name == _PATH:
+                    path = value
+                if full and listed <= limit:
+                    headers.append((name, value))
+                first = False
+                continue
+            if b & 0xE0 == 0x20:  # dynamic table size update
+                size, i = _integer(data, i, 5)
+                if not first:
+                    raise H2Error("HPACK table size update after a header field", COMPRESSION_ERROR)
+                if size > self.allowed_max:
+                    raise H2Error(f"HPACK table size update to {size}, above the advertised {self.allowed_max}",
+                                  COMPRESSION_ERROR)
+                self.max_size = size
+                self._evict()
+                inserted = True
+                continue
+            first = False
+            indexing = bool(b & 0x40)
+            index, i = _integer(data, i, 6 if indexing else 4)
+            if index:
+                name = self._entry(index)[0]
+            else:
+                raw, huffman, i = self._raw(data, i)
+                if full or (indexing and self.max_size and not self._cannot_fit(0, raw, huffman)):
+                    name = self._decoded(raw, huffman)
+                elif raw == _PATH or (huffman and raw == _PATH_HUFFMAN):
+                    name = _PATH
+                else:  # a name we have no use for: only its length counts
+                    name = raw
+            if name == _PATH:
+                value, i = self._path(data, i)
+                path = value
+            else:
+                raw, huffman, i = self._raw(data, i)
+                if full or (indexing and self.max_size and not self._cannot_fit(len(name), raw, huffman)):
+                    value = self._decoded(raw, huffman)
+                else:
+                    value = raw
+                    if indexing:  # the entry cannot fit (or the table is 0 bytes): it empties the table
+                        had_entries = bool(self.dynamic)
+                        self.dynamic.clear()
+                        self.size = 0
+                        inserted = inserted or had_entries
+                        indexing = False
+            listed += len(name) + len(value) + _ENTRY_OVERHEAD
+            if full and listed <= limit:
+                headers.append((name, value))
+            if indexing:
+                had_entries = bool(self.dynamic)
+                self._insert(name, value)
+                inserted = inserted or had_entries or bool(self.dynamic)  # a 0-size table stays empty
+        if listed > limit:
+            raise HeaderListTooLarge(listed, limit, inserted)
+        return path, headers, inserted

@@ -1,0 +1,219 @@
+"""What one local client can make the relay hold, over real sockets.
+
+- A PING flood gets GOAWAY ENHANCE_YOUR_CALM after a burst; a client that reads
+  nothing stops being read, and after server.write_stall_seconds it is disconnected;
+  others are served all along.
+- server.max_connections: a connection that sent no preface, else one with no call in
+  flight, makes room for a new one (silent or idle sockets cannot lock clients out);
+  only when all have calls in flight is the new one refused, and logged.
+- A connection that sends no preface opens no runtime connection and is closed after
+  server.preface_timeout_seconds.
+- Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
+  listener accepts again once descriptors are free (a shim process with a low
+  RLIMIT_NOFILE).
+(The sans-IO rules are in test_relay_core.py; bench/relay_abuse.py has RSS figures.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import subprocess
+import tempfile
+import time
+
+import grpc
+
+from shim.relay import h2
+from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.inproc import running_shim
+from tests.support.shim_process import REPO, ShimProcess, default_settings, shim_command, shim_env, write_config
+
+VERSION = "/runtime.v1.RuntimeService/Version"
+LIST = "/runtime.v1.RuntimeService/ListContainers"
+
+
+async def version(endpoint: str, timeout: float = 5) -> bytes:
+    async with grpc.aio.insecure_channel(endpoint) as ch:
+        return await ch.unary_unary(VERSION)(b"", timeout=timeout)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, within: float) -> int:
+    """Read until EOF or reset; returns the bytes read (the peer must close within ``within``)."""
+    got = 0
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                data = await reader.read(1 << 16)
+            except ConnectionError:
+                return got
+            if not data:
+                return got
+            got += len(data)
+
+
+async def test_ping_flood_is_answered_with_enhance_your_calm(runtime: FakeRuntime) -> None:
+    runtime.unary[VERSION] = b"v"
+    async with running_shim(runtime.endpoint, engine="relay") as shim:
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.PING, 0, 0, b"12345678") * 100_000)
+        got = b""
+        with contextlib.suppress(ConnectionError):
+            async with asyncio.timeout(5):
+                while chunk := await reader.read(1 << 16):
+                    got += chunk
+        writer.transport.abort()
+        frames = []
+        while len(got) >= 9 and len(got) >= 9 + int.from_bytes(got[:3], "big"):
+            n = int.from_bytes(got[:3], "big")
+            frames.append((got[3], got[9:9 + n]))
+            got = got[9 + n:]
+        acks = [p for t, p in frames if t == h2.PING]
+        goaway = [p for t, p in frames if t == h2.GOAWAY]
+        assert 100 <= len(acks) < 200  # the burst, not 100,000 answers
+        assert goaway and int.from_bytes(goaway[-1][4:8], "big") == h2.ENHANCE_YOUR_CALM
+        assert b"too many PINGs" in goaway[-1][8:]
+        assert await version(shim.endpoint) == b"v"
+
+
+async def test_client_that_reads_nothing_stops_being_read_then_is_disconnected(runtime: FakeRuntime) -> None:
+    """A 4 MiB answer to a client that never reads: the shim stops reading the runtime
+    for it (the rest waits in the runtime, under flow control), and after
+    server.write_stall_seconds it closes the connection. Others are served meanwhile."""
+    runtime.unary[VERSION] = b"v"
+    runtime.unary[LIST] = b"x" * (4 << 20)
+    settings = {"server": {"write_buffer_high_bytes": "64KiB", "write_buffer_low_bytes": "16KiB",
+                           "write_stall_seconds": 0.5}}
+    async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        block = h2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", LIST.encode()),
+                                   (b":authority", b"x"), (b"content-type", b"application/grpc"),
+                                   (b"te", b"trailers")])
+        big = 1 << 30  # windows wide open: only the socket and the shim's buffer hold it back
+        writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: big - 1})
+                     + h2.window_update(0, big) + h2.headers_frames(1, block, False, h2.DEFAULT_MAX_FRAME)
+                     + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\0\0\0\0\0"))
+        conn = None
+        for _ in range(100):
+            conn = next(iter(shim.server.relay.connections), None)
+            if conn is not None and "client-slow" in conn._paused["upstream"]:
+                break
+            await asyncio.sleep(0.02)
+        assert conn is not None and "client-slow" in conn._paused["upstream"]  # the runtime is not read for it
+        assert conn.client.get_write_buffer_size() < 1 << 20
+        assert await version(shim.endpoint) == b"v"
+        await asyncio.sleep(1.0)  # past write_stall_seconds
+        got = await closed_by_peer(reader, 5)
+        writer.transport.abort()
+        assert got < 4 << 20  # closed before the whole answer went out
+
+
+async def test_connections_over_the_cap_are_closed_when_all_are_busy_and_idle_ones_make_room(
+        runtime: FakeRuntime, caplog) -> None:
+    release = asyncio.Event()
+
+    async def hang(request: bytes, context) -> bytes:
+        await release.wait()
+        return b"late"
+    runtime.unary[VERSION] = b"v"
+    runtime.unary[LIST] = hang
+    async with running_shim(runtime.endpoint, {"server": {"max_connections": 3}}, engine="relay") as shim:
+        busy = [grpc.aio.insecure_channel(shim.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(3)]  # three connections, not one shared
+        calls = [ch.unary_unary(LIST)(b"", timeout=20) for ch in busy]  # a call in flight on each
+        for _ in range(200):
+            if len(runtime.calls("ListContainers")) == 3:
+                break
+            await asyncio.sleep(0.02)
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE)
+        assert await closed_by_peer(reader, 5) == 0  # refused: every connection is busy
+        assert "connection refused: server.max_connections reached" in caplog.text
+        release.set()
+        assert await asyncio.gather(*calls) == [b"late"] * 3
+        # now idle: a new client gets a connection, one idle connection is sent away (GOAWAY)
+        assert await version(shim.endpoint) == b"v"
+        assert "closed a connection to make room" in caplog.text
+        assert len(shim.server.relay.connections) <= 3
+        for ch in busy:
+            await ch.close()
+
+
+async def test_silent_sockets_at_the_cap_make_room_for_a_new_client(runtime: FakeRuntime, caplog) -> None:
+    runtime.unary[VERSION] = b"v"
+    async with running_shim(runtime.endpoint, {"server": {"max_connections": 4}}, engine="relay") as shim:
+        silent = [await asyncio.open_unix_connection(shim.path) for _ in range(10)]  # never send a preface
+        for _ in range(3):  # each call on a new connection: the oldest silent socket makes room
+            assert await version(shim.endpoint) == b"v"
+        assert "closed a connection to make room" in caplog.text
+        assert len(shim.server.relay.connections) <= 4
+        for _, w in silent:
+            w.close()
+
+
+async def test_silent_connections_open_no_runtime_connection_and_are_closed(runtime: FakeRuntime) -> None:
+    async with running_shim(runtime.endpoint, {"server": {"preface_timeout_seconds": 0.5}}, engine="relay") as shim:
+        relay = shim.server.relay
+        silent = [await asyncio.open_unix_connection(shim.path) for _ in range(20)]
+        await asyncio.sleep(0.1)
+        assert len(relay.connections) == 20
+        assert all(c.upstream is None for c in relay.connections)  # no runtime connection for them
+        t0 = time.monotonic()
+        for reader, _ in silent:
+            assert await closed_by_peer(reader, 5) == 0
+        assert time.monotonic() - t0 < 3
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        writer.write(h2.PREFACE)  # a valid preface: now the runtime is connected
+        for _ in range(100):
+            if any(c.upstream is not None for c in relay.connections):
+                break
+            await asyncio.sleep(0.02)
+        assert [c.upstream is not None for c in relay.connections] == [True]
+        writer.close()
+
+
+def shim_with_fd_limit(upstream: str, workdir, nofile: int) -> ShimProcess:
+    """A shim process whose RLIMIT_NOFILE is ``nofile``, soft and hard (it cannot raise it)."""
+    path = os.path.join(tempfile.mkdtemp(prefix="shim-", dir="/tmp"), "shim.sock")
+    config_path = workdir / "cri-shim.yaml"
+    write_config(config_path, default_settings({"server": {"engine": "relay"}}))
+    log_path = workdir / "shim.log"
+    log_file = open(log_path, "wb")
+    proc = subprocess.Popen(shim_command(f"unix://{path}", upstream, config_path), cwd=REPO, env=shim_env(),
+                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    return ShimProcess(proc, path, config_path, log_path, log_file)
+
+
+async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_recovers(runtime: FakeRuntime,
+                                                                                      tmp_path) -> None:
+    runtime.unary[VERSION] = b"v"
+    shim = shim_with_fd_limit(runtime.endpoint, tmp_path, 96)
+    try:
+        await shim.wait_ready()
+        conns = []
+        for _ in range(120):  # more than the shim has descriptors for, two per connection
+            try:
+                r, w = await asyncio.open_unix_connection(shim.path)
+            except OSError:
+                break
+            w.write(h2.PREFACE + h2.settings_frame({}))
+            conns.append((r, w))
+        await shim.wait_log("out of file descriptors", timeout=10)
+        assert "runtime not reachable" not in shim.logs()
+        for _, w in conns:
+            w.close()
+        deadline = time.monotonic() + 10
+        while True:  # the listener accepts again once descriptors are free
+            try:
+                assert await version(shim.endpoint, timeout=2) == b"v"
+                break
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        assert shim.proc.poll() is None
+    finally:
+        await shim.stop()
