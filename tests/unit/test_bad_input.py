@@ -115,9 +115,54 @@ def mutated(draw, method: str) -> bytes:
     return bytes(data)
 
 
+def _fields(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(number, wire type, value) of each top-level field; DecodeError if truncated."""
+    out, i = [], 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise DecodeError("truncated varint")
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        number, wtype = key >> 3, key & 7
+        if wtype == 0:
+            varint()
+            value = b""
+        elif wtype == 2:
+            n = varint()
+            value, i = data[i:i + n], i + n
+        elif wtype in (1, 5):
+            value, i = b"", i + (8 if wtype == 1 else 4)
+        else:  # groups (3/4) and invalid types: malformed for the shim's splicing
+            raise DecodeError(f"wire type {wtype}")
+        if i > len(data):
+            raise DecodeError("truncated field")
+        out.append((number, wtype, value))
+    return out
+
+
 def parses(method: str, data: bytes) -> bool:
+    """Would the shim accept these bytes? protobuf must parse them, and for PullImage (whose
+    bytes the shim splices) the fields it reads or appends to must be length-delimited."""
     try:
         REQUEST[method].FromString(data)
+        if method.endswith("/PullImage"):
+            for number, wtype, value in _fields(data):
+                if number in (1, 2, 3) and wtype != 2:
+                    return False
+                if number == 1:
+                    if any(n in (1, 2, 18, 19) and w != 2 for n, w, _ in _fields(value)):
+                        return False
         return True
     except DecodeError:
         return False
