@@ -34,6 +34,7 @@ hardened relay lands. Each test prints its numbers (run with ``-s``).
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import socket
 import statistics
@@ -45,6 +46,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hpack.huffman import HuffmanEncoder
+from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
 from tests.support import cri
 from tests.support.containerd import Containerd
@@ -217,9 +220,6 @@ _FIVE_BIT = b"012aceiost"  # Huffman codes of 5 bits: 8 of them fill exactly 5 b
 
 
 def _huffman_path(n: int, coded_tail: bytes) -> bytes:
-    from hpack.huffman import HuffmanEncoder
-    from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
-
     digits = bytes(_FIVE_BIT[int(d)] for d in f"{n:08d}")
     coded = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(digits) + coded_tail
     length = len(coded)
@@ -233,9 +233,6 @@ def _huffman_path(n: int, coded_tail: bytes) -> bytes:
 
 
 def huge_header_blocks(path: str) -> list[str]:
-    from hpack.huffman import HuffmanEncoder
-    from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
-
     tail = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(b"aaaaaaaa") * (2 << 20 >> 3)  # 2 MiB decoded
     base = b"".join(literal(n, v) for n, v in ((b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"x"),
                                                (b"content-type", b"application/grpc"), (b"te", b"trailers")))
@@ -402,8 +399,6 @@ ATTACKS: list = [
 @pytest.mark.parametrize("attack", ATTACKS)
 async def test_attack_leaves_the_shim_serving_within_bounds(attack: Attack, containerd: Containerd,
                                                             tmp_path: Path) -> None:
-    import asyncio
-
     if attack is gzip_bomb:
         await asyncio.to_thread(gzip_bomb_body)  # build it before measuring anything
     shim = await _shim(containerd, tmp_path)
@@ -459,8 +454,6 @@ def _present(containerd: Containerd, ref: str) -> bool:
 async def test_new_stream_after_goaway(containerd: Containerd, pinned_image: str, tmp_path: Path) -> None:
     """After the shim's GOAWAY (SIGTERM), a new stream is refused and never reaches the runtime:
     a RemoveImage of a pinned image must leave the image in place."""
-    import asyncio
-
     shim = await _shim(containerd, tmp_path, {"pins": {"images": [pinned_image]},
                                               "server": {"shutdown_grace_seconds": 5}})
     try:
