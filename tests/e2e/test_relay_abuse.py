@@ -18,8 +18,8 @@ Attacks are bounded (a few seconds each, a byte or count budget), loopback only:
   1024 fds); an honest new client must still get through while they are open.
 - ``continuation_flood``: HEADERS then CONTINUATION frames without END_HEADERS, up to 128 MiB
   (reconnecting when the shim closes the connection).
-- ``huge_header_blocks``: complete header blocks with a distinct 2 MiB Huffman-coded ``:path``
-  each, one stream after the other.
+- ``huge_header_blocks``: complete header blocks, each with a distinct 2 MiB ``:path`` (one in
+  four Huffman-coded), one stream after the other (reconnecting when the shim closes).
 - ``gzip_bomb``: a PullImage (intercepted) whose 256 KiB gzip body inflates to 256 MiB; the
   shim must refuse it with RESOURCE_EXHAUSTED.
 - ``data_beyond_window``: 40 intercepted PullImage streams each sent 4 MiB of DATA, ignoring
@@ -233,17 +233,22 @@ def _huffman_path(n: int, coded_tail: bytes) -> bytes:
 
 
 def huge_header_blocks(path: str) -> list[str]:
-    tail = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(b"aaaaaaaa") * (2 << 20 >> 3)  # 2 MiB decoded
+    raw_tail = b"a" * (2 << 20)
+    coded_tail = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(b"aaaaaaaa") * (2 << 20 >> 3)
     base = b"".join(literal(n, v) for n, v in ((b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"x"),
                                                (b"content-type", b"application/grpc"), (b"te", b"trailers")))
     blocks, conns, end = 0, 0, time.monotonic() + ATTACK_SECONDS
     c = None
     sid = 1
-    while blocks < 200 and time.monotonic() < end and conns < 200:
+    while blocks < 400 and time.monotonic() < end and conns < 200:
         if c is None:
             c, sid = RawH2(path), 1
             conns += 1
-        block = base + b"\x00\x05:path" + _huffman_path(blocks, tail)
+        if blocks % 4 == 3:  # Huffman-coded: the shim must decode 2 MiB to read it
+            value = _huffman_path(blocks, coded_tail)
+        else:
+            value = literal(b"", f"{blocks:08d}".encode() + raw_tail)[2:]  # length prefix + raw bytes
+        block = base + b"\x00\x05:path" + value
         if not c.send(headers(sid, block, end_stream=True), timeout=max(0.05, end - time.monotonic())):
             c.close()
             c = None
@@ -252,7 +257,8 @@ def huge_header_blocks(path: str) -> list[str]:
         sid += 2
     if c is not None:
         c.close()
-    print(f"  huge_header_blocks: {blocks} blocks of {len(tail) >> 10} KiB (2 MiB :path) over {conns} connection(s)")
+    print(f"  huge_header_blocks: {blocks} blocks with a distinct 2 MiB :path (1 in 4 Huffman-coded) "
+          f"over {conns} connection(s)")
     return []
 
 
@@ -386,7 +392,7 @@ async def _shim(containerd: Containerd, tmp_path: Path, settings: dict | None = 
 
 # issue 13, fixed by relay-core: every attack below breaks a bound on main (measured, main @ ef22f76:
 # ping_flood +228 MiB, silent_sockets: new clients UNAVAILABLE, continuation_flood +251 MiB,
-# huge_header_blocks +73 MiB, gzip_bomb +1270 MiB, data_beyond_window +163 MiB). Remove an attack
+# huge_header_blocks +255 MiB, gzip_bomb +1270 MiB, data_beyond_window +163 MiB). Remove an attack
 # from this set when the relay passes it (strict: an unexpected pass fails the run).
 KNOWN_RELAY_GAPS = {"ping_flood", "silent_sockets", "continuation_flood", "huge_header_blocks", "gzip_bomb",
                     "data_beyond_window", "new_stream_after_goaway"}
