@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 #: Section groups run in parallel; together they are the whole suite (h2spec --dryrun lists 145 cases).
-#: Balanced by the cases that wait out the timeout against containerd (at most ~9 per group).
+#: Balanced by the cases that wait out the timeout (against containerd or the shim): at most ~8 per group.
 SECTION_GROUPS: tuple[tuple[str, ...], ...] = (
     ("generic/1", "generic/2", "generic/3.1", "generic/3.2"),
     ("generic/3.3", "generic/3.4", "generic/3.5", "generic/3.7", "generic/3.8", "generic/3.9", "generic/3.10"),
@@ -34,11 +34,16 @@ SECTION_GROUPS: tuple[tuple[str, ...], ...] = (
     tuple(f"generic/5/{i}" for i in range(5, 11)),
     tuple(f"generic/5/{i}" for i in range(11, 16)),
     ("hpack",),
-    ("http2/3", "http2/4", "http2/5"),
+    ("http2/3", "http2/4"),
+    tuple(f"http2/5.1/{i}" for i in range(1, 8)),
+    tuple(f"http2/5.1/{i}" for i in range(8, 14)),
+    ("http2/5.1.1", "http2/5.1.2", "http2/5.3", "http2/5.4", "http2/5.5"),
     ("http2/6.1", "http2/6.2", "http2/6.3", "http2/6.4"),
     ("http2/6.5",),
     ("http2/6.7", "http2/6.8", "http2/6.9", "http2/6.10"),
-    ("http2/7", "http2/8"),
+    ("http2/7", "http2/8.1/1", "http2/8.1.2/1", "http2/8.1.2.2", "http2/8.1.2.6", "http2/8.2"),
+    ("http2/8.1.2.1", "http2/8.1.2.3/1"),
+    tuple(f"http2/8.1.2.3/{i}" for i in range(2, 8)),
 )
 
 
