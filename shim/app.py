@@ -89,7 +89,8 @@ class App:
             self.images.set_declared_pins([])
         if cfg.image_sets.dir:
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
-                                        on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins)
+                                        on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins,
+                                        handler_for=self.handlers.for_prefetch)
             await self.image_sets.start()
 
     def image_sets_status(self) -> dict[str, object]:

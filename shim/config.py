@@ -72,6 +72,10 @@ class ImageSetsConfig:
     debounce_seconds: float = 0.2
     retry_initial_seconds: float = 5.0
     retry_max_seconds: float = 300.0
+    runtime_timeout_seconds: float = 30.0  # deadline of the reconciler's own ListImages / ImageFsInfo
+    docker_config: tuple[str, ...] = ("/var/lib/kubelet/config.json",)  # registry credentials for prefetch
+    credential_provider_config: str = ""  # kubelet CredentialProviderConfig file; empty: no plugins
+    credential_provider_bin_dir: str = ""  # where its plugins are
 
 
 @dataclass(frozen=True)
@@ -306,7 +310,26 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         retry_initial_seconds=_duration(
             "image_sets.retry_initial_seconds", d.get("retry_initial_seconds", c.retry_initial_seconds)),
         retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
+        runtime_timeout_seconds=_duration(
+            "image_sets.runtime_timeout_seconds", d.get("runtime_timeout_seconds", c.runtime_timeout_seconds)),
+        docker_config=_str_list("image_sets.docker_config", d.get("docker_config", list(c.docker_config)) or []),
+        credential_provider_config=_str("image_sets.credential_provider_config",
+                                        d.get("credential_provider_config", c.credential_provider_config)),
+        credential_provider_bin_dir=_str("image_sets.credential_provider_bin_dir",
+                                         d.get("credential_provider_bin_dir", c.credential_provider_bin_dir)),
     )
+    if bool(cfg.credential_provider_config) != bool(cfg.credential_provider_bin_dir):
+        missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
+        raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
+    if cfg.credential_provider_config:
+        from .credentials.plugins import ProviderConfigError, load_config  # local import: only when used
+
+        try:
+            load_config(cfg.credential_provider_config)
+        except ProviderConfigError as e:
+            raise ConfigError("image_sets.credential_provider_config", str(e)) from None
+    if cfg.runtime_timeout_seconds <= 0:
+        raise ConfigError("image_sets.runtime_timeout_seconds", f"must be > 0, got {cfg.runtime_timeout_seconds!r}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
                           f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")

@@ -128,7 +128,7 @@ def compile_rules(rules: Iterable[HandlerRule]) -> tuple[Rule, ...]:
     return tuple(out)
 
 
-def image_names(image: str) -> list[str]:
+def reference_names(image: str) -> list[str]:
     """The normalized names a rule's image patterns are matched against.
 
     ``nginx`` -> ``docker.io/library/nginx:latest``; ``repo:tag@digest`` also as
@@ -278,7 +278,7 @@ class HandlerResolver:
                    annotations: Iterable[Mapping[str, str]]) -> Decision | None:
         if not self.rules:
             return None
-        names = image_names(image)
+        names = reference_names(image)
         annotations = tuple(annotations)
         for rule in self.rules:
             if rule.matches(names, namespace, labels, annotations):
@@ -308,6 +308,11 @@ class HandlerResolver:
         if pod.learned:
             return Decision(pod.handler, f"pod {uid} learned from RunPodSandbox", "pod")
         return Decision(pod.handler, f"pod {uid} via ListPodSandbox", "lookup")
+
+    def for_prefetch(self, image: str) -> tuple[str, str] | None:
+        """Image-set prefetch: (handler, rule) of the first rule matching the image without a pod."""
+        decision = self.match_rule(image, None, None, ())
+        return (decision.handler, decision.source) if decision is not None else None
 
     def for_image(self, spec: api_pb2.ImageSpec) -> Decision | None:
         """ImageStatus / RemoveImage: rules without pod matchers, annotations from ImageSpec."""
@@ -421,4 +426,10 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
     svc.metrics.handler_injected.labels(decision.kind).inc()
     logs.log(_log, logging.DEBUG, "runtime handler injected", image=spec.image, handler=decision.handler,
              source=decision.source)
-    return wire.append_to_submessage(request, IMAGE_FIELD, wire.string_field(RUNTIME_HANDLER_FIELD, decision.handler))
+    return with_runtime_handler(request, decision.handler)
+
+
+def with_runtime_handler(request: bytes, handler: str) -> bytes:
+    """An image request (PullImage, ImageStatus, RemoveImage) with ``handler`` appended to its
+    ImageSpec; every other byte as it was."""
+    return wire.append_to_submessage(request, IMAGE_FIELD, wire.string_field(RUNTIME_HANDLER_FIELD, handler))

@@ -43,16 +43,8 @@ def _glob_regex(g: str) -> str:
 
 
 def _normalize_glob(p: str) -> str:
-    """Apply docker.io defaults to a glob's repository part, like reference.normalize."""
-    first, slash, rest = p.partition("/")
-    if first == "index.docker.io" and slash:
-        first = "docker.io"
-    if slash and (first == "localhost" or "." in first or ":" in first):
-        domain, remainder = first, rest
-    else:
-        domain, remainder = "docker.io", p
-    if domain == "docker.io" and "/" not in remainder:
-        remainder = "library/" + remainder
+    """Apply docker.io defaults and the lower-case host to a glob, as reference.normalize does."""
+    domain, remainder = reference.split_domain(p)
     return f"{domain}/{remainder}"
 
 
@@ -81,12 +73,12 @@ def validate_pattern(p: str) -> None:
 
 
 # Names that ``reference.normalize`` returns unchanged (or rejects): a first component
-# normalization keeps as the host (not index.docker.io; docker.io only with a path
+# normalization keeps as the host (lower case, not index.docker.io; docker.io only with a path
 # that needs no library/), and a tag or digest in the last component. Runtimes report
 # names in this form, so most names skip the full parse.
 _ALREADY_NORMAL = re.compile(
     r"(?!index\.docker\.io/)"
-    r"(?:docker\.io/(?=[^/]*/)|(?!docker\.io/)(?:[^/]*[.:][^/]*|localhost)/)"
+    r"(?:docker\.io/(?=[^/]*/)|(?!docker\.io/)(?:[^/A-Z]*[.:][^/A-Z]*|localhost)/)"
     r"(?:.*/)?[^/]*[:@][^/]*",
     re.DOTALL,
 )

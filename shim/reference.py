@@ -8,7 +8,11 @@ Follows the rules of distribution/reference's ``ParseNormalizedNamed`` and
   is on Docker Hub (``docker.io``). ``index.docker.io`` is an alias of
   ``docker.io``.
 * Single-component Docker Hub names get the ``library/`` prefix.
-* Repository paths must be lowercase; hosts may have a port.
+* Repository paths must be lowercase; hosts may have a port. Host names are
+  case-insensitive, so the normal form spells the host in lower case
+  (``Registry.Example.COM/app`` = ``registry.example.com/app``), except a host
+  that only reads as one because of its upper case (``LOCALDOMAIN/x``): lower-cased
+  it would read as a Docker Hub path, so it keeps its spelling.
 * ``normalize`` adds the ``latest`` tag only when there is neither tag nor
   digest; ``name:tag@digest`` keeps both.
 * Image IDs (``sha256:<64 hex>`` or bare ``<64 hex>``) are not references;
@@ -32,6 +36,8 @@ __all__ = [
     "is_image_id",
     "normalize",
     "parse",
+    "pull_name",
+    "split_domain",
 ]
 
 DEFAULT_DOMAIN = "docker.io"
@@ -107,15 +113,28 @@ def is_image_id(s: str) -> bool:
     return _IMAGE_ID.fullmatch(s) is not None
 
 
-def _split_domain(ref: str) -> tuple[str, str]:
-    """Split off the registry host; apply Docker Hub defaults."""
+def _host_in_lower_case(domain: str) -> str:
+    lower = domain.lower()
+    if lower == domain or lower == "localhost" or "." in lower or ":" in lower:
+        return lower
+    return domain  # upper case is what makes it a host here
+
+
+def split_domain(ref: str) -> tuple[str, str]:
+    """Split off the registry host (lower case); apply Docker Hub defaults.
+
+    The one place the shim decides what is a host: references, pin globs and
+    credential lookups all use it. ``ref`` may be a glob (``*.example.com/app:*``).
+    """
     first, slash, rest = ref.partition("/")
     if not slash:
         domain, remainder = DEFAULT_DOMAIN, ref
     elif first == LEGACY_DEFAULT_DOMAIN:
         domain, remainder = DEFAULT_DOMAIN, rest
     elif first == "localhost" or "." in first or ":" in first or first.lower() != first:
-        domain, remainder = first, rest
+        domain, remainder = _host_in_lower_case(first), rest
+        if domain == LEGACY_DEFAULT_DOMAIN:
+            domain = DEFAULT_DOMAIN
     else:
         domain, remainder = DEFAULT_DOMAIN, ref
     if domain == DEFAULT_DOMAIN and "/" not in remainder:
@@ -154,7 +173,7 @@ def parse(ref: str) -> Reference:
     if is_image_id(ref):
         raise ReferenceError(f"invalid reference {ref!r}: this is an image ID, not a name")
 
-    domain, remainder = _split_domain(ref)
+    domain, remainder = split_domain(ref)
 
     remainder, at, digest = remainder.partition("@")
     if at:
@@ -194,3 +213,16 @@ def normalize(ref: str) -> str:
     if is_image_id(ref):
         return ref if ref.startswith("sha256:") else f"sha256:{ref}"
     return str(parse(ref).with_default_tag())
+
+
+def pull_name(ref: str) -> str:
+    """The name pulls of ``ref`` are collapsed under: :func:`normalize`, or ``ref`` as it
+    is when it does not parse (the runtime answers such a pull itself).
+
+    ``nginx``, ``docker.io/library/nginx`` and ``Docker.IO/library/nginx:latest``
+    are one pull; ``repo:tag@digest`` keeps its tag (the runtime records it).
+    """
+    try:
+        return normalize(ref)
+    except ReferenceError:
+        return ref

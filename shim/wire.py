@@ -66,7 +66,7 @@ def fields(buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
             length, value_start = _read_varint(buf, i)
             j = value_start + length
         else:
-            raise WireError(f"unsupported wire type {wtype}")
+            raise WireError(f"unsupported wire type {wtype}" + (" (group)" if wtype in (3, 4) else ""))
         if j > n:
             raise WireError("truncated field")
         yield number, wtype, start, value_start, j

@@ -5,11 +5,21 @@
   registry, shims: anything with ``log_tail()`` or ``log_tails()``) are
   attached to its report.
 * ``cri_call`` fixture: raw generic unary CRI calls (see ``tests/support/cri.py``).
+* Temp dirs: every ``tempfile`` call of the test process lands in one short private
+  directory (``/tmp/cs-XXXXXXXX``), which must be empty again when the session ends;
+  anything left there fails the run, names the leftovers and is removed.  pytest's own
+  ``tmp_path`` keeps its usual place and is removed for passing tests
+  (``tmp_path_retention_policy = "failed"``).
+* ``short_tmp`` fixture: a short directory for unix sockets (``sun_path`` holds 107
+  bytes), removed after the test whatever its outcome.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +27,38 @@ import pytest
 from tests.support import cri
 
 _E2E_DIR = Path(__file__).parent / "e2e"
+
+#: Longest unix socket path (``sun_path`` is 108 bytes with its NUL).
+SUN_PATH_MAX = 107
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_dirs_are_cleaned_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Point ``tempfile`` at a private directory for the session and fail if a test leaves anything in it."""
+    tmp_path_factory.getbasetemp()  # pytest's tmp_path stays under /tmp/pytest-of-<user>
+    base = tempfile.mkdtemp(prefix="cs-")
+    previous = tempfile.tempdir
+    tempfile.tempdir = base
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        left = sorted(os.listdir(base))
+        shutil.rmtree(base, ignore_errors=True)
+    if left:
+        pytest.fail(f"tests left {len(left)} temp entries behind (removed now): {', '.join(left[:20])}",
+                    pytrace=False)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short directory for unix sockets, removed after the test (passed or failed)."""
+    path = Path(tempfile.mkdtemp(prefix="t-"))
+    assert len(str(path)) + len("/") + 40 <= SUN_PATH_MAX, f"{path}: too long for a 40-byte socket name"
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,19 +12,41 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from .. import logs, wire
-from ..errors import RpcError
+from .. import logs, reference, wire
+from ..errors import RpcError, invalid_request
+from ..handlers import with_runtime_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
 from ..pulls.scheduler import Priority, PullKey
 from .service import PULL_IMAGE, ImageService, auth_key, decode
 
 _log = logs.get("pull")
-RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
+# Length-delimited fields (strings, messages, maps) the shim reads or appends to.
+_REQUEST_FIELDS = {1: "image", 2: "auth", 3: "sandbox_config"}
+_IMAGE_SPEC_FIELDS = {1: "image", 2: "annotations", 18: "user_specified_image", 19: "runtime_handler"}
+
+
+def check_wire(request: bytes) -> None:
+    """Refuse what protobuf parsers read leniently but the shim cannot splice safely: a
+    group (wire types 3/4, not in proto3) or a known field with the wrong wire type, at
+    the top level or in ImageSpec. Raises RpcError INVALID_ARGUMENT."""
+    try:
+        for number, wtype, _, value_start, end in wire.fields(request):
+            if number in _REQUEST_FIELDS and wtype != wire.LEN:
+                raise wire.WireError(f"field {number} ({_REQUEST_FIELDS[number]}) has wire type {wtype}, "
+                                     "expected 2 (length-delimited)")
+            if number == 1:
+                for n, w, _, _, _ in wire.fields(request[value_start:end]):
+                    if n in _IMAGE_SPEC_FIELDS and w != wire.LEN:
+                        raise wire.WireError(f"field image.{_IMAGE_SPEC_FIELDS[n]} ({n}) has wire type {w}, "
+                                             "expected 2 (length-delimited)")
+    except wire.WireError as e:
+        raise invalid_request("PullImageRequest", e) from None
 
 
 async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     req = decode(api_pb2.PullImageRequest, request)
+    check_wire(request)
     image = req.image.image
     if not image:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cri-shim: PullImageRequest.image.image is empty")
@@ -33,11 +55,13 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
         decision = await svc.handlers.for_pull(req, call)  # type: ignore[attr-defined]
         if decision is not None:
             handler, how = decision.handler, decision.source
-            request = wire.append_to_submessage(request, 1, wire.string_field(RUNTIME_HANDLER_FIELD, handler))
+            request = with_runtime_handler(request, handler)
             svc.metrics.handler_injected.labels(decision.kind).inc()
             logs.log(_log, logging.INFO, "runtime handler injected", image=image, handler=handler, source=how)
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
-    key = PullKey(image=image, handler=handler, auth=auth_key(req.auth), namespace=namespace)
+    # Collapsed under the normalized name (nginx = docker.io/library/nginx:latest); the
+    # runtime still gets the request as the client sent it.
+    key = PullKey(image=reference.pull_name(image), handler=handler, auth=auth_key(req.auth), namespace=namespace)
     svc.metrics.pull_requests_total.labels("foreground").inc()
     span = call.span
     if span.is_recording():

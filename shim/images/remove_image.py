@@ -22,15 +22,13 @@ from google.protobuf.message import DecodeError
 
 from .. import logs, wire
 from ..errors import RpcError
-from ..handlers import inject_image_handler
+from ..handlers import IMAGE_FIELD, inject_image_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
 from .pinned import pin_of
 from .service import IMAGE_STATUS, ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pins")
-
-IMAGE_FIELD = 1  # RemoveImageRequest.image and ImageStatusRequest.image (both ImageSpec)
 
 
 def status_request(remove_request: bytes, parsed: api_pb2.RemoveImageRequest) -> bytes:

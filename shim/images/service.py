@@ -74,7 +74,11 @@ def decode(cls: type[M], data: bytes) -> M:
 
 
 def auth_key(auth: Message) -> str:
-    """A hash of the full AuthConfig (never the secret itself); '' when there is none."""
+    """A hash of the full AuthConfig (never the secret itself); '' when there is none.
+
+    Credentials are equal when every AuthConfig field is: a pull is never shared between
+    credentials that merely look alike (``auth`` versus username and password).
+    """
     raw = auth.SerializeToString(deterministic=True)
     return hashlib.sha256(raw).hexdigest() if raw else ""
 

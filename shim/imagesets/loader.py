@@ -6,6 +6,10 @@ A file holds one or more YAML documents. Two kinds are understood:
   ``v1alpha1``), taken as is: ``spec.pinnedImages[].name``; kept present and pinned.
 * ``kind: ImageSet`` (``apiVersion: cri-shim.io/v1``): ``spec.images[].name`` and
   ``spec.pin`` (default false); kept present, pinned only when ``pin: true``.
+  ``spec.runtimeHandler`` and ``spec.images[].runtimeHandler`` (the image's wins)
+  name the runtime handler the image is pulled for.
+* A PinnedImageSet's schema is OpenShift's, so its handler is an annotation:
+  ``metadata.annotations["cri-shim.io/runtime-handler"]``, for every image of the set.
 
 ``metadata.name`` is required and names the set node-wide. ``metadata.labels``
 (MachineConfigPool selection) and ``spec.nodeSelector`` are ignored: on a single node
@@ -34,6 +38,7 @@ MCO_GROUP = "machineconfiguration.openshift.io"
 MCO_VERSIONS = (f"{MCO_GROUP}/v1", f"{MCO_GROUP}/v1alpha1")
 OWN_VERSIONS = ("cri-shim.io/v1",)
 SUFFIXES = (".yaml", ".yml", ".json")
+HANDLER_ANNOTATION = "cri-shim.io/runtime-handler"
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -52,6 +57,7 @@ class ImageSet:
     generation: str  # metadata.generation when given, else a content hash
     source: str  # file path
     ignored: tuple[str, ...] = ()  # fields present but not applicable on a single node
+    handlers: tuple[str, ...] = ()  # runtime handler per image, parallel to refs ("" = none declared)
 
 
 def canonical(ref: str) -> str:
@@ -63,21 +69,31 @@ def canonical(ref: str) -> str:
     return normalize_pattern(ref)
 
 
-def _content_hash(kind: str, pin: bool, refs: tuple[str, ...]) -> str:
+def _content_hash(kind: str, pin: bool, refs: tuple[str, ...], handlers: tuple[str, ...]) -> str:
     h = hashlib.sha256(f"{kind}\0{pin}\0".encode())
-    for r in refs:
-        h.update(r.encode() + b"\0")
+    for r, handler in zip(refs, handlers):
+        h.update(r.encode() + b"\0" + (handler.encode() + b"\1" if handler else b""))
     return "sha256:" + h.hexdigest()[:16]
 
 
-def _images(where: str, items: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _handler(key: str, v: Any) -> str:
+    if v is None:
+        return ""
+    if not isinstance(v, str) or not v.strip() or v != v.strip():
+        raise SetFileError(f"{key}: expected a runtime handler name, got {v!r}")
+    return v
+
+
+def _images(where: str, items: Any, default_handler: str = "", *,
+            per_image_handler: bool = False) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     if items is None:
         items = []
     if not isinstance(items, list):
         raise SetFileError(f"{where}: expected a list of {{name: <image>}}, got {type(items).__name__}")
     refs: list[str] = []
     spelled: list[str] = []
-    seen: set[str] = set()
+    handlers: list[str] = []
+    seen: set[tuple[str, str]] = set()
     for i, item in enumerate(items):
         key = f"{where}[{i}].name"
         name = item.get("name") if isinstance(item, dict) else None
@@ -87,11 +103,18 @@ def _images(where: str, items: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
             ref = canonical(name.strip())
         except ValueError as e:
             raise SetFileError(f"{key}: {e}") from None
-        if ref not in seen:
-            seen.add(ref)
+        handler = default_handler
+        if per_image_handler:
+            extra = set(item) - {"name", "runtimeHandler"}
+            if extra:
+                raise SetFileError(f"{where}[{i}].{sorted(extra)[0]}: unknown key (known: name, runtimeHandler)")
+            handler = _handler(f"{where}[{i}].runtimeHandler", item.get("runtimeHandler")) or default_handler
+        if (ref, handler) not in seen:
+            seen.add((ref, handler))
             refs.append(ref)
             spelled.append(name.strip())
-    return tuple(refs), tuple(spelled)
+            handlers.append(handler)
+    return tuple(refs), tuple(spelled), tuple(handlers)
 
 
 def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
@@ -111,23 +134,30 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
     if kind == "PinnedImageSet" and api in MCO_VERSIONS:
         # taken as is: whatever else a newer API version adds to spec is noted, not refused
         ignored += [f"spec.{k}" for k in sorted(set(spec) - {"pinnedImages", "nodeSelector"})]
-        refs, spelled = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"))
+        annotations = meta.get("annotations") or {}
+        if not isinstance(annotations, dict):
+            raise SetFileError(f"{where}.metadata.annotations: expected a map")
+        handler = _handler(f"{where}.metadata.annotations[{HANDLER_ANNOTATION}]", annotations.get(HANDLER_ANNOTATION))
+        refs, spelled, handlers = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"), handler)
         pin = True
     elif kind == "ImageSet" and api in OWN_VERSIONS:
-        extra = set(spec) - {"images", "pin", "nodeSelector"}
+        extra = set(spec) - {"images", "pin", "nodeSelector", "runtimeHandler"}
         if extra:
-            raise SetFileError(f"{where}.spec.{sorted(extra)[0]}: unknown key (known: images, nodeSelector, pin)")
+            raise SetFileError(f"{where}.spec.{sorted(extra)[0]}: unknown key "
+                               "(known: images, nodeSelector, pin, runtimeHandler)")
         pin = spec.get("pin", False)
         if not isinstance(pin, bool):
             raise SetFileError(f"{where}.spec.pin: expected true or false, got {pin!r}")
-        refs, spelled = _images(f"{where}.spec.images", spec.get("images"))
+        handler = _handler(f"{where}.spec.runtimeHandler", spec.get("runtimeHandler"))
+        refs, spelled, handlers = _images(f"{where}.spec.images", spec.get("images"), handler, per_image_handler=True)
     else:
         raise SetFileError(
             f"{where}: unsupported kind {kind!r} / apiVersion {api!r} (expected PinnedImageSet in "
             f"{' or '.join(MCO_VERSIONS)}, or ImageSet in {', '.join(OWN_VERSIONS)})")
     gen = meta.get("generation")
-    generation = str(gen) if isinstance(gen, int) and not isinstance(gen, bool) else _content_hash(kind, pin, refs)
-    return ImageSet(name, kind, pin, refs, spelled, generation, source, tuple(ignored))
+    generation = (str(gen) if isinstance(gen, int) and not isinstance(gen, bool)
+                  else _content_hash(kind, pin, refs, handlers))
+    return ImageSet(name, kind, pin, refs, spelled, generation, source, tuple(ignored), handlers)
 
 
 def parse_text(text: str, source: str) -> list[ImageSet]:

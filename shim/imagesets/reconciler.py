@@ -13,6 +13,19 @@ set is forgotten: its queued or running prefetch is cancelled (the scheduler dro
 the flight unless a CRI client joined it, whose pull goes on), its pin is released,
 and the image itself is left to kubelet's garbage collection.
 
+Each pull is for the image's runtime handler: the one its set declares, else the
+first ``runtime_handlers.rules`` entry that matches the image without a pod (no
+``namespaces``/``pod_labels`` matchers). With a handler the request carries a minimal
+``sandbox_config`` (containerd reads the handler only then). Credentials come from the
+node's docker config.json files (``image_sets.docker_config``, kubelet's keyring rules);
+several matching entries are tried in order, most specific first, as kubelet does.
+The scheduler's join rule applies: a prefetch joins a CRI client's running pull of the
+same image and handler whatever its credentials.
+
+The reconciler's own ListImages and ImageFsInfo calls have a deadline
+(``image_sets.runtime_timeout_seconds``): a runtime that hangs is a failed list, retried
+with backoff, never a stuck loop.
+
 Nothing here is on the path of a CRI call: kubelet never waits for a reconcile.
 """
 
@@ -27,15 +40,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import grpc
+
 from .. import logs
 from ..config import ImageSetsConfig
+from ..credentials import Credential, DockerConfigFiles, Keyring
+from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..errors import RpcError
-from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
+from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.scheduler import Priority, PullKey, PullScheduler
-from ..reference import ReferenceError, normalize
+from ..reference import ReferenceError, normalize, pull_name
 from ..upstream import Upstream
 from .loader import ImageSet
 
@@ -47,6 +64,10 @@ PROGRESS_STEPS = (25, 50, 75, 100)
 STATES = ("declared", "present", "pulling", "queued", "failed")
 
 PinSink = Callable[[list[tuple[str, str]]], None]
+HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
+ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
+PREFETCH_POD = api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(
+    name="cri-shim-prefetch", uid="cri-shim-prefetch", namespace="cri-shim"))
 
 
 class State(enum.Enum):
@@ -62,12 +83,21 @@ class _Image:
     ref: str  # canonical
     spelled: str  # as first declared: what is pulled (so a kubelet pull of the same string collapses)
     sets: set[str]
+    handler: str = ""  # declared by its set(s); "" = a matching rule's, if any
     state: State = State.UNKNOWN
     since: float = 0.0  # clock when state last changed
     attempts: int = 0
     retry_at: float = 0.0
     error: str = ""
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> ImageKey:
+        return (self.ref, self.handler)
+
+
+def _keys(s: ImageSet) -> list[ImageKey]:
+    return list(zip(s.refs, s.handlers or ("",) * len(s.refs)))
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
@@ -91,6 +121,7 @@ def _fmt_bytes(n: int) -> str:
 class Reconciler:
     def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None,
+                 handler_for: HandlerFor | None = None, credentials: DockerConfigFiles | None = None,
                  statvfs: Callable[[str], Any] = os.statvfs, clock: Callable[[], float] = time.monotonic,
                  resync_seconds: float = RESYNC_SECONDS, disk_recheck_seconds: float = DISK_RECHECK_SECONDS) -> None:
         self.cfg = cfg
@@ -99,13 +130,17 @@ class Reconciler:
         self.metrics = metrics
         self._on_pins = on_pins
         self._pins = pins
+        self._handler_for = handler_for
+        self.credentials = credentials if credentials is not None else DockerConfigFiles(cfg.docker_config)
+        self.plugins: PluginProviders | None = None
+        self._load_plugins(cfg)
         self._statvfs = statvfs
         self._clock = clock
         self.resync_seconds = resync_seconds
         self.disk_recheck_seconds = disk_recheck_seconds
 
         self.sets: dict[str, ImageSet] = {}
-        self.images: dict[str, _Image] = {}
+        self.images: dict[ImageKey, _Image] = {}
         self._queue: deque[_Image] = deque()
         self._lanes: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -130,31 +165,46 @@ class Reconciler:
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = cfg
+        self.credentials.configure(cfg.docker_config)
+        self._load_plugins(cfg)
         self._wake.set()
+
+    def _load_plugins(self, cfg: ImageSetsConfig) -> None:
+        """(Re-)read the CredentialProviderConfig: at start and at every reload. A file that
+        turned bad since the config was validated keeps the running providers."""
+        if not cfg.credential_provider_config:
+            self.plugins = None
+            return
+        try:
+            self.plugins = PluginProviders.from_files(cfg.credential_provider_config, cfg.credential_provider_bin_dir)
+        except ProviderConfigError as e:
+            logs.log(_log, logging.ERROR, "credential provider config rejected; keeping the running providers",
+                     error=str(e))
 
     def set_sets(self, sets: dict[str, ImageSet]) -> None:
         """The declared sets changed: re-diff (one ListImages), cancel what is no longer declared."""
-        declared: dict[str, tuple[str, set[str]]] = {}
+        declared: dict[ImageKey, tuple[str, set[str]]] = {}
         for s in sets.values():
-            for ref, spelled in zip(s.refs, s.spelled):
-                entry = declared.get(ref)
+            for key, spelled in zip(_keys(s), s.spelled):
+                entry = declared.get(key)
                 if entry is None:
-                    declared[ref] = (spelled, {s.name})
+                    declared[key] = (spelled, {s.name})
                 else:
                     entry[1].add(s.name)
         now = self._clock()
-        for ref in [r for r in self.images if r not in declared]:
-            img = self.images.pop(ref)
+        for key in [k for k in self.images if k not in declared]:
+            img = self.images.pop(key)
             if img.task is not None:
                 img.task.cancel()
-                logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=ref)
-        for ref, (spelled, names) in declared.items():
-            img = self.images.get(ref)
+                logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=key[0],
+                         handler=key[1])
+        for key, (spelled, names) in declared.items():
+            img = self.images.get(key)
             if img is None:
-                self.images[ref] = _Image(ref, spelled, names, since=now)
+                self.images[key] = _Image(key[0], spelled, names, handler=key[1], since=now)
             else:
                 img.sets = names
-        self._queue = deque(i for i in self._queue if self.images.get(i.ref) is i)
+        self._queue = deque(i for i in self._queue if self.images.get(i.key) is i)
         for name, s in sets.items():
             old = self.sets.get(name)
             if old is None or old.generation != s.generation:
@@ -227,7 +277,7 @@ class Reconciler:
         wall = time.time()
         self._need_list = False
         try:
-            raw = await self.upstream.unary(LIST_IMAGES, b"")
+            raw = await self.upstream.unary(LIST_IMAGES, b"", timeout=self.cfg.runtime_timeout_seconds)
             if self.cfg.min_free_bytes > 0:
                 await self._refresh_fs()
         except RpcError as e:
@@ -289,7 +339,8 @@ class Reconciler:
 
     async def _refresh_fs(self) -> None:
         try:
-            resp = api_pb2.ImageFsInfoResponse.FromString(await self.upstream.unary(IMAGE_FS_INFO, b""))
+            resp = api_pb2.ImageFsInfoResponse.FromString(
+                await self.upstream.unary(IMAGE_FS_INFO, b"", timeout=self.cfg.runtime_timeout_seconds))
         except RpcError as e:
             self._mounts, self._fs_error = [], f"ImageFsInfo failed: {e.code.name}: {e.details}"
             return
@@ -349,7 +400,7 @@ class Reconciler:
                 logs.log(_log, logging.INFO, "image set prefetch resumed", free_bytes=self.free_bytes)
                 self.disk_blocked = ""
             img = self._queue.popleft()
-            if self.images.get(img.ref) is not img or img.state is not State.QUEUED:
+            if self.images.get(img.key) is not img or img.state is not State.QUEUED:
                 continue
             self._set(img, State.PULLING, self._clock())
             task = asyncio.get_running_loop().create_task(self._lane(img), name=f"prefetch {img.ref}")
@@ -368,42 +419,87 @@ class Reconciler:
         if self.cfg.cooldown_seconds > 0:
             await asyncio.sleep(self.cfg.cooldown_seconds)
 
+    def _handler(self, img: _Image) -> tuple[str, str]:
+        """(handler, where it came from) for this pull: the set's, else a rule's, else none."""
+        if img.handler:
+            return img.handler, "image set"
+        if self._handler_for is not None:
+            decision = self._handler_for(img.spelled)
+            if decision is not None:
+                return decision
+        return "", "none"
+
+    async def _credentials(self, img: _Image) -> list[Credential | None]:
+        """What to try, in order: matching config.json and credential-provider entries (one
+        keyring, most specific key first, as kubelet merges its providers), else anonymous."""
+        try:
+            entries = self.credentials.entries()
+            if self.plugins is not None:
+                entries += await self.plugins.entries(img.spelled)
+            found: list[Credential | None] = list(Keyring(entries).lookup(img.spelled))
+        except Exception as e:  # never let a credential file stop prefetch; never log its content
+            logs.log(_log, logging.WARNING, "registry credentials unavailable; pulling anonymously",
+                     error=type(e).__name__)
+            found = []
+        return found or [None]
+
     async def _pull(self, img: _Image) -> None:
-        request = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
-
-        async def run() -> bytes:
-            return await self.upstream.unary(PULL_IMAGE, request)
-
+        handler, handler_source = self._handler(img)
+        attempts = await self._credentials(img)
         self.pulls_started += 1
         self.metrics.pull_requests_total.labels("background").inc()
         t0 = self._clock()
-        try:
-            await self.scheduler.pull(PullKey(image=img.spelled), run, priority=Priority.BACKGROUND)
-        except RpcError as e:
-            img.task = None
-            if self.images.get(img.ref) is not img:
+        error: RpcError | None = None
+        for i, cred in enumerate(attempts):
+            req = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=img.spelled, runtime_handler=handler))
+            if cred is not None:
+                req.auth.CopyFrom(cred.auth_config())
+            if handler:  # containerd honours ImageSpec.runtime_handler only with a sandbox_config
+                req.sandbox_config.CopyFrom(PREFETCH_POD)
+            request = req.SerializeToString()
+
+            async def run(request: bytes = request) -> bytes:
+                return await self.upstream.unary(PULL_IMAGE, request)
+
+            key = PullKey(image=pull_name(img.spelled), handler=handler, auth=auth_key(req.auth))
+            try:
+                outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND)
+            except RpcError as e:
+                error = e
+                if e.code is grpc.StatusCode.CANCELLED or i == len(attempts) - 1:
+                    break
+                logs.log(_log, logging.INFO, "image set pull failed with these credentials; trying the next",
+                         image=img.ref, credentials=cred.source if cred else "none", code=e.code.name)
+                continue
+            error = None
+            break
+        img.task = None
+        if error is not None:
+            e = error
+            if self.images.get(img.key) is not img:
                 return  # dropped meanwhile
             img.attempts += 1
             img.error = f"{e.code.name}: {e.details}"
             delay = self._backoff(img.attempts)
             img.retry_at = self._clock() + delay
             self._set(img, State.FAILED, self._clock())
-            logs.log(_log, logging.WARNING, "image set pull failed; will retry", image=img.ref,
+            logs.log(_log, logging.WARNING, "image set pull failed; will retry", image=img.ref, handler=handler,
                      sets=",".join(sorted(img.sets)), code=e.code.name, error=e.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
-        img.task = None
         img.attempts, img.error = 0, ""
         self._set(img, State.PRESENT, self._clock())
-        logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, seconds=round(self._clock() - t0, 3))
+        logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, handler=handler,
+                 handler_source=handler_source, credentials=cred.source if cred else "none",
+                 joined=outcome.joined, seconds=round(self._clock() - t0, 3))
 
     # ------------------------------------------------------------------ reporting
 
     def _counts(self, s: ImageSet) -> dict[str, int]:
         c = {"declared": len(s.refs), "present": 0, "pulling": 0, "queued": 0, "failed": 0}
         images = self.images
-        for ref in s.refs:
-            img = images.get(ref)
+        for key in _keys(s):
+            img = images.get(key)
             if img is None:
                 continue
             st = img.state
@@ -428,7 +524,7 @@ class Reconciler:
             c = self._counts(s)
             for state in STATES:
                 gauge.labels(name, state).set(c[state])
-            if any(self.images.get(r) is not None and self.images[r].state is State.UNKNOWN for r in s.refs):
+            if any(self.images.get(k) is not None and self.images[k].state is State.UNKNOWN for k in _keys(s)):
                 continue  # not listed yet: no progress to speak of
             pct = 100 * c["present"] // c["declared"] if c["declared"] else 100
             step = max([p for p in PROGRESS_STEPS if p <= pct], default=0)
@@ -442,8 +538,8 @@ class Reconciler:
 
     def _last_error(self, s: ImageSet) -> str:
         worst: _Image | None = None
-        for ref in s.refs:
-            img = self.images.get(ref)
+        for key in _keys(s):
+            img = self.images.get(key)
             if img is not None and img.error and (worst is None or img.since > worst.since):
                 worst = img
         if worst is not None:
@@ -467,17 +563,22 @@ class Reconciler:
                 row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
             if s.ignored:
                 row["ignored_fields"] = list(s.ignored)
+            if any(s.handlers):
+                row["runtime_handlers"] = sorted({h for h in s.handlers if h})
             sets[name] = row
         failed = sorted((i for i in self.images.values() if i.state is State.FAILED), key=lambda i: i.retry_at)
         return {
             "sets": sets,
             "images": {st: sum(1 for i in self.images.values() if i.state.value == st)
                        for st in ("present", "pulling", "queued", "failed", "unknown")},
-            "failed": [{"image": i.ref, "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error,
+            "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
+                        "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error,
                         "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed[:20]],
             "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
                      "mountpoints": list(self._mounts), "blocked": self.disk_blocked},
             "runtime_error": self.runtime_error,
             "last_pass": dict(self.last_pass),
             "background_pulls_started": self.pulls_started,
+            "credentials": {"docker_config": self.credentials.status(),
+                            **({"plugins": self.plugins.status()} if self.plugins is not None else {})},
         }

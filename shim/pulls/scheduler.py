@@ -1,9 +1,23 @@
 """The node-wide pull scheduler: a cap, two priority classes, and collapsed pulls.
 
-A *flight* is one upstream PullImage. Callers asking for the same pull (same
-PullKey) while a flight is queued or running join it instead of starting another;
-it counts once against the cap. Each caller waits with its own deadline; the flight
-goes on while anyone waits and is cancelled (or dropped from the queue) when the
+A *flight* is one upstream PullImage. Callers asking for the same pull while a
+flight is queued or running join it instead of starting another; it counts once
+against the cap. Who may join whom (the join rule):
+
+* Flights are grouped by image (``PullKey.image``, the normalized reference:
+  ``nginx`` = ``docker.io/library/nginx:latest``) and runtime handler.
+* A **foreground** caller (kubelet, any CRI client) joins a flight of its group only
+  when the credentials (``PullKey.auth``, a hash) and ``PullKey.namespace`` are the
+  same, whether that flight was started by a foreground or a background caller. A
+  pod never gets an image through credentials that are not its own (kubelet's
+  credential checks, KEP-2535, hold), and with different credentials it starts its
+  own flight next to the other one.
+* A **background** caller (image-set prefetch) joins any flight of its group,
+  whatever its credentials or namespace: it only wants the image present and adds
+  nothing to the other caller's pull. It prefers a flight with its own key.
+
+Each caller waits with its own deadline; the flight goes on while anyone waits
+(foreground or background) and is cancelled (or dropped from the queue) when the
 last waiter leaves. Results and errors fan out to every waiter still there. A
 finished flight is forgotten at once: a later pull goes upstream again.
 
@@ -34,7 +48,8 @@ class Priority(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class PullKey:
-    """What makes two pulls the same pull. ``auth`` is a hash, never the secret."""
+    """Who asks for which pull. ``image`` is the normalized reference
+    (``reference.pull_name``); ``auth`` is a hash, never the secret."""
 
     image: str
     handler: str = ""
@@ -97,7 +112,7 @@ class PullScheduler:
         self.dedup = dedup
         self._observer: PullObserver = observer or _NullObserver()
         self._clock = clock
-        self._flights: dict[PullKey, Flight] = {}
+        self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
         self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
         self._running: set[Flight] = set()
         self._seq = itertools.count()
@@ -119,7 +134,7 @@ class PullScheduler:
         """
         if self._closed is not None:
             raise self._closed
-        flight = self._flights.get(key) if self.dedup else None
+        flight = self._joinable(key, priority) if self.dedup else None
         joined = flight is not None
         if flight is None:
             flight = self._new_flight(key, priority, run)
@@ -156,14 +171,6 @@ class PullScheduler:
                     flight.future.set_exception(self._closed)
         self._changed()
 
-    def cancel(self, key: PullKey) -> bool:
-        """Cancel a flight whoever waits for it (image removed from a declared set)."""
-        flight = self._flights.get(key)
-        if flight is None:
-            return False
-        self._abandon(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {key.image} cancelled"))
-        return True
-
     @property
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -189,12 +196,24 @@ class PullScheduler:
 
     # ------------------------------------------------------------------ internals
 
+    def _joinable(self, key: PullKey, priority: Priority) -> Flight | None:
+        """The flight a caller joins under the join rule (module docstring), or None."""
+        group = self._flights.get((key.image, key.handler))
+        if not group:
+            return None
+        for f in group:
+            if f.key == key:
+                return f
+        if priority is Priority.BACKGROUND:
+            return group[0]
+        return None
+
     def _new_flight(self, key: PullKey, priority: Priority, run: Runner) -> Flight:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
         flight = Flight(key, priority, run, next(self._seq), self._clock(), fut)
         if self.dedup:
-            self._flights[key] = flight
+            self._flights.setdefault((key.image, key.handler), []).append(flight)
         self._queues[priority].append(flight)
         self._dispatch()
         self._changed()
@@ -268,19 +287,21 @@ class PullScheduler:
             flight.future.set_result(outcome)
 
     def _forget(self, flight: Flight) -> None:
-        if self._flights.get(flight.key) is flight:
-            del self._flights[flight.key]
+        group_key = (flight.key.image, flight.key.handler)
+        group = self._flights.get(group_key)
+        if group is not None and flight in group:
+            group.remove(flight)
+            if not group:
+                del self._flights[group_key]
 
-    def _abandon(self, flight: Flight, error: RpcError | None = None) -> None:
+    def _abandon(self, flight: Flight) -> None:
         """Nobody waits any more: drop it from the queue, or cancel the upstream call."""
         self._forget(flight)
         if flight.queued:
             self._queues[flight.priority].remove(flight)
-            flight.future.set_exception(error or RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
+            flight.future.set_exception(RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
             self._changed()
         elif flight.task is not None and not flight.task.done():
-            if error is not None and not flight.future.done():
-                flight.future.set_exception(error)
             flight.task.cancel()
 
     def _changed(self) -> None:

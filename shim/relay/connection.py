@@ -276,7 +276,7 @@ class ClientConnection(asyncio.Protocol):
                         if self.upstream is None and length:  # orphaned: nobody else refunds it
                             self._write(h2.window_update(0, length))
                     else:
-                        self._local_data(s, flags, raw[9:], out_client=True)
+                        self._local_data(s, flags, raw[9:])
                 elif ftype == h2.HEADERS or ftype == h2.CONTINUATION:
                     self._client_headers(ftype, flags, sid, raw, out)
                 elif ftype == h2.WINDOW_UPDATE:
@@ -473,7 +473,7 @@ class ClientConnection(asyncio.Protocol):
         else:
             s.handler = handler
 
-    def _local_data(self, s: LocalStream, flags: int, payload: bytes, out_client: bool) -> None:
+    def _local_data(self, s: LocalStream, flags: int, payload: bytes) -> None:
         body = h2.data_payload(flags, payload)
         s.body += body
         if len(s.body) > self.relay.max_message_bytes + 5:

@@ -6,7 +6,7 @@ import base64
 import gzip
 import zlib
 from typing import Iterable
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import grpc
 
@@ -89,13 +89,3 @@ def trailers(code: grpc.StatusCode, message: str = "", md: Iterable[tuple[str, s
         out.append((b"grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode()))
     out += _metadata_headers(md)
     return out
-
-
-def status_of(headers: Iterable[tuple[bytes, bytes]]) -> tuple[int, str]:
-    code, msg = 2, ""
-    for k, v in headers:
-        if k == b"grpc-status":
-            code = int(v)
-        elif k == b"grpc-message":
-            msg = unquote(v.decode())
-    return code, msg

@@ -36,7 +36,7 @@ EXTRA = 10
 def fleet(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     """A private containerd holding 2,000 images (pulled directly from the registry, not
     through the counting proxy: faster), and 10 more in the registry, named via the proxy."""
-    workdir = tempfile.mkdtemp(prefix="e2e-sets-", dir="/tmp")
+    workdir = tempfile.mkdtemp(prefix="e2e-sets-")
     log = tmp_path_factory.mktemp("containerd-sets") / "containerd.log"
     ctd = Containerd(workdir, binary=binaries.require("containerd"),
                      registries=[registry.host, registry.direct_host], log_path=log)

@@ -16,7 +16,6 @@ import base64
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -72,10 +71,11 @@ async def until(predicate, timeout: float = 30.0) -> None:
 
 
 async def test_pull_storm_is_visible_in_status_metrics_and_traces(
-        shim_factory, containerd: Containerd, make_image, proxy: CountingProxy, collector: OtlpCollector) -> None:
+        shim_factory, containerd: Containerd, make_image, proxy: CountingProxy, collector: OtlpCollector,
+        short_tmp) -> None:
     hot = make_image(filler_bytes=20_000)
     others = [make_image(filler_bytes=20_000) for _ in range(3)]
-    admin = os.path.join(tempfile.mkdtemp(prefix="e2e-admin-"), "admin.sock")
+    admin = str(short_tmp / "admin.sock")
     metrics = f"127.0.0.1:{free_port()}"
     shim = shim_factory({"pulls": {"max_parallel": 2}, "metrics": {"address": metrics},
                          "server": {"admin_socket": admin}}, env=otel_env(collector))
@@ -151,9 +151,9 @@ async def test_pull_storm_is_visible_in_status_metrics_and_traces(
 
 async def test_registry_credentials_stay_out_of_logs_spans_metrics_and_status(
         shim_factory, containerd: Containerd, make_image, auth_registry: RegistryWithProxy,
-        collector: OtlpCollector) -> None:
+        collector: OtlpCollector, short_tmp) -> None:
     img = make_image(registry=auth_registry, filler_bytes=20_000)
-    admin = os.path.join(tempfile.mkdtemp(prefix="e2e-admin-"), "admin.sock")
+    admin = str(short_tmp / "admin.sock")
     metrics = f"127.0.0.1:{free_port()}"
     shim = shim_factory({"metrics": {"address": metrics}, "server": {"admin_socket": admin}},
                         env=otel_env(collector), log_level="debug")

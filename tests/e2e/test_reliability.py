@@ -21,12 +21,12 @@ import asyncio
 import base64
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.support import cri
+from tests.support.cri import until_ok
 from tests.support.containerd import Containerd, hosts_toml
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
 from tests.support.registry import free_port
@@ -65,18 +65,6 @@ async def until(predicate, timeout: float = 15.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def until_ok(ch: grpc.aio.Channel, method: str, request: bytes, timeout: float = 30.0) -> float:
-    t0 = time.monotonic()
-    while True:
-        try:
-            await ch.unary_unary(method)(request, timeout=30)
-            return time.monotonic() - t0
-        except grpc.aio.AioRpcError as e:
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"{method}: {e.code().name} {e.details()}")
-        await asyncio.sleep(0.05)
-
-
 async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, make_image, proxy, shim_factory,
                                                          engine) -> None:
     ctd = containerd_factory()
@@ -110,8 +98,8 @@ async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, ma
         t0 = time.monotonic()
         await asyncio.to_thread(ctd.start)
         ready = time.monotonic() - t0
-        t_version = await until_ok(ch, VERSION, b"")
-        t_pull = await until_ok(ch, PULL, cri.pull_image_request(images[2].ref))
+        t_version = await until_ok(ch, VERSION, b"", timeout=30, call_timeout=30)
+        t_pull = await until_ok(ch, PULL, cri.pull_image_request(images[2].ref), timeout=30, call_timeout=30)
         print(f"[{engine}] containerd restarted (ready in {ready:.2f}s): Version through the shim "
               f"{t_version:.3f}s later, a pull done {t_version + t_pull:.3f}s later")
         assert t_version < 5.0
@@ -133,8 +121,8 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
 
         proxy.reset()
         await asyncio.to_thread(ctd.start)
-        t_version = await until_ok(ch, VERSION, b"")
-        t_first = await until_ok(ch, PULL, cri.pull_image_request(images[0].ref))
+        t_version = await until_ok(ch, VERSION, b"", timeout=30, call_timeout=30)
+        t_first = await until_ok(ch, PULL, cri.pull_image_request(images[0].ref), timeout=30, call_timeout=30)
         storm = [pull(cri.pull_image_request(images[i % 3].ref), timeout=60) for i in range(9)]
         results = await asyncio.gather(*map(timed, storm))
         stats = proxy.stats()

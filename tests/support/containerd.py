@@ -10,13 +10,12 @@ that ``Status`` reports NetworkReady.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from tests.support import cri
+from tests.support import cri, procs
 
 _DISABLED_PLUGINS = [
     "io.containerd.internal.v1.opt",
@@ -194,21 +193,14 @@ disabled_plugins = [{disabled}]
         proc, self._proc = self._proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        procs.terminate(proc, timeout)
         return proc.returncode
 
     def kill(self) -> None:
         """SIGKILL (a crash, for fault tests)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+        if proc is not None:
+            procs.kill(proc)
 
     def restart(self, timeout: float = 30.0) -> Containerd:
         self.stop()

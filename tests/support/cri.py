@@ -8,7 +8,9 @@ covers the few image-service messages the harness needs.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -133,7 +135,7 @@ async def acall(
 # --------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = bytearray()
     n &= (1 << 64) - 1
     while True:
@@ -148,11 +150,11 @@ def _varint(n: int) -> bytes:
 
 def field_bytes(number: int, value: bytes | str) -> bytes:
     data = value.encode() if isinstance(value, str) else value
-    return _varint(number << 3 | 2) + _varint(len(data)) + data
+    return varint(number << 3 | 2) + varint(len(data)) + data
 
 
 def field_varint(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
+    return varint(number << 3) + varint(value)
 
 
 def field_map(number: int, entries: dict[str, str]) -> bytes:
@@ -166,7 +168,7 @@ def decode(data: bytes) -> dict[int, list[int | bytes]]:
     out: dict[int, list[int | bytes]] = {}
     i, n = 0, len(data)
 
-    def varint() -> int:
+    def read_varint() -> int:
         nonlocal i
         shift = result = 0
         while True:
@@ -178,13 +180,13 @@ def decode(data: bytes) -> dict[int, list[int | bytes]]:
             shift += 7
 
     while i < n:
-        key = varint()
+        key = read_varint()
         number, wire = key >> 3, key & 7
         value: int | bytes
         if wire == 0:
-            value = varint()
+            value = read_varint()
         elif wire == 2:
-            length = varint()
+            length = read_varint()
             value = data[i : i + length]
             i += length
         elif wire == 1:
@@ -302,3 +304,17 @@ def decode_version_response(data: bytes) -> dict[str, str]:
         "runtime_version": _str(f, 3),
         "runtime_api_version": _str(f, 4),
     }
+
+
+async def until_ok(ch: grpc.aio.Channel, method: str, request: bytes, timeout: float = 15.0,
+                   call_timeout: float = 5.0) -> float:
+    """Seconds until ``method`` succeeds on ``ch``, trying every 50 ms like a retrying client."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            await ch.unary_unary(method)(request, timeout=call_timeout)
+            return time.monotonic() - t0
+        except grpc.aio.AioRpcError as e:
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"{method} still failing after {timeout}s: {e.code().name} {e.details()}")
+        await asyncio.sleep(0.05)

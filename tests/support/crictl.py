@@ -1,16 +1,13 @@
 """Running crictl against arbitrary runtime/image endpoints.
 
-A private ``--config`` file is always passed, so no ``/etc/crictl.yaml`` is
-needed (and none is read).
+``--config tests/support/crictl.yaml`` is always passed, so no ``/etc/crictl.yaml``
+is needed (and none is read).
 """
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
 import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,16 +16,7 @@ from tests.support.binaries import require
 
 # Endpoints are always given on the command line; the file only keeps crictl
 # from looking for /etc/crictl.yaml.
-_CONFIG = "debug: false\npull-image-on-create: false\n"
-
-
-@functools.cache
-def _shared_config() -> Path:
-    fd, path = tempfile.mkstemp(prefix="crictl-", suffix=".yaml")
-    os.write(fd, _CONFIG.encode())
-    os.close(fd)
-    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
-    return Path(path)
+CONFIG = Path(__file__).with_name("crictl.yaml")
 
 
 def endpoint(socket: str | os.PathLike[str]) -> str:
@@ -46,17 +34,12 @@ class Crictl:
         *,
         binary: str | None = None,
         timeout: float = 30.0,
-        config_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         self.binary = binary or require("crictl")
         self.runtime_endpoint = endpoint(runtime_endpoint)
         self.image_endpoint = endpoint(image_endpoint if image_endpoint is not None else runtime_endpoint)
         self.timeout = timeout
-        if config_dir is None:
-            self.config_path = _shared_config()
-        else:
-            self.config_path = Path(config_dir) / "crictl.yaml"
-            self.config_path.write_text(_CONFIG)
+        self.config_path = CONFIG
 
     def argv(self, *args: str, timeout: float | None = None) -> list[str]:
         t = self.timeout if timeout is None else timeout
@@ -114,6 +97,5 @@ def run_crictl(
     image_endpoint: str | None = None,
     timeout: float = 30.0,
 ) -> subprocess.CompletedProcess[str]:
-    """One-shot ``crictl`` run (creates a throw-away config file)."""
-    with tempfile.TemporaryDirectory(prefix="crictl-") as d:
-        return Crictl(runtime_endpoint, image_endpoint, timeout=timeout, config_dir=d).run(*args)
+    """One-shot ``crictl`` run."""
+    return Crictl(runtime_endpoint, image_endpoint, timeout=timeout).run(*args)

@@ -7,9 +7,7 @@ real containerd can't help here (RunPodSandbox, streams) and for fault tests.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -94,6 +92,5 @@ class _Handler(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(unary)
 
 
-def socket_in(tmpdir: str | None = None, name: str = "fake-runtime.sock") -> str:
-    d = tmpdir or tempfile.mkdtemp(prefix="cri-fake-")
-    return os.path.join(d, name)
+def socket_in(tmpdir: str, name: str = "fake-runtime.sock") -> str:
+    return os.path.join(tmpdir, name)

@@ -40,7 +40,7 @@ AUTH_PASSWORD = "shim-pass-42"
 
 def _short_tmpdir(prefix: str) -> Path:
     """A short directory for unix sockets (paths must stay < 108 bytes)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def _fast_dir_base() -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 from typing import Any, AsyncIterator
 
@@ -28,16 +29,19 @@ class RunningShim:
 async def running_shim(upstream: str, settings: dict[str, Any] | None = None,
                        config_path: str | None = None, engine: str | None = None) -> AsyncIterator[RunningShim]:
     d = tempfile.mkdtemp(prefix="cri-shim-test-")
-    path = os.path.join(d, "shim.sock")
-    data = dict(settings or {})
-    data.setdefault("server", {}).setdefault("admin_socket", "")
-    if engine is not None:
-        data["server"]["engine"] = engine
-    data["listen"], data["upstream"] = f"unix://{path}", upstream
-    cfg = config_mod.from_dict(data)
-    srv = ShimServer(cfg, config_path, {})
-    await srv.start()
     try:
-        yield RunningShim(f"unix://{path}", path, srv)
+        path = os.path.join(d, "shim.sock")
+        data = dict(settings or {})
+        data.setdefault("server", {}).setdefault("admin_socket", "")
+        if engine is not None:
+            data["server"]["engine"] = engine
+        data["listen"], data["upstream"] = f"unix://{path}", upstream
+        cfg = config_mod.from_dict(data)
+        srv = ShimServer(cfg, config_path, {})
+        await srv.start()
+        try:
+            yield RunningShim(f"unix://{path}", path, srv)
+        finally:
+            await srv.shutdown()
     finally:
-        await srv.shutdown()
+        shutil.rmtree(d, ignore_errors=True)

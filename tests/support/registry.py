@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.support import procs
 from tests.support.oci import OciImage, PushedImage, RegistryClient
 from tests.support.proxy import CountingProxy, ProxyStats
 
@@ -145,14 +146,8 @@ class Registry:
 
     def stop(self, timeout: float = 10.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if proc is not None:
+            procs.terminate(proc, timeout)
 
     @property
     def running(self) -> bool:

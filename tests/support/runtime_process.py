@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.support import cri
+from tests.support import cri, procs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -67,9 +66,8 @@ class RuntimeProcess:
 
     def kill(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(5)
+        if proc is not None:
+            procs.kill(proc)
 
     stop = kill
 

@@ -13,7 +13,6 @@ when ``SOCK`` exists and accepts a connection.  It is stopped with SIGTERM
 from __future__ import annotations
 
 import os
-import signal
 import socket as pysocket
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import yaml
+
+from tests.support import procs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,24 +172,14 @@ class ShimProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return self.returncode
-        self.killed = False
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.killed = True
-                proc.kill()
-                proc.wait(5)
+        self.killed = procs.terminate(proc, timeout)
         self.returncode = proc.returncode
         return self.returncode
 
     def kill(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
         if proc is not None:
+            procs.kill(proc)
             self.returncode = proc.returncode
 
     def restart(self, timeout: float = 10.0) -> ShimProcess:

@@ -160,8 +160,9 @@ async def start_shim(upstream: str, workdir: str | os.PathLike[str], settings: M
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    # Unix socket paths are limited to 107 bytes: keep them short.
-    path = listen_path or os.path.join(_short_dir(), "shim.sock")
+    path = listen_path or str(workdir / "shim.sock")
+    if len(path) > 107:  # sun_path is 108 bytes with its NUL
+        raise ValueError(f"socket path longer than 107 bytes: {path} (pass a shorter workdir or listen_path)")
     config_path = workdir / "cri-shim.yaml"
     write_config(config_path, settings if isinstance(settings, str) else default_settings(settings))
     log_path = workdir / "shim.log"
@@ -177,12 +178,6 @@ async def start_shim(upstream: str, workdir: str | os.PathLike[str], settings: M
             await shim.stop()
             raise
     return shim
-
-
-def _short_dir() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="shim-", dir="/tmp")
 
 
 @contextlib.asynccontextmanager

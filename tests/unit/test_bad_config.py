@@ -32,6 +32,7 @@ from shim import config as config_mod
 from shim.config import Config, ConfigError
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
+from tests.support.logcapture import Lines
 from tests.support.shim import REPO_ROOT
 
 Path_ = tuple[str | int, ...]
@@ -286,15 +287,6 @@ def test_serve_process_exits_with_one_line(tmp_path: Path) -> None:
         assert p.returncode != 0, case
         assert err.count("\n") == 1 and case.key in err and "Traceback" not in err, err
         print(f"\n{case.id}: exit {p.returncode}: {err.strip()}")
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 async def test_reload_keeps_the_running_config(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ other byte of the request as kubelet sent it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from shim import config as config_mod
 from shim import wire
 from shim.config import ConfigError
-from shim.handlers import PodCache, inject_image_handler
+from shim.handlers import NEGATIVE_TTL_SECONDS, PodCache, inject_image_handler
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -222,12 +223,28 @@ async def test_found_by_list_pod_sandbox_after_restart(runtime: FakeRuntime) -> 
     assert lists[0].deadline is not None and lists[0].deadline <= 2.05  # a short timeout
 
 
+class CountingPods(PodCache):
+    """The shim's pod cache, counting the lookups asked for; ``all_asked`` is set at ``expected``."""
+
+    def __init__(self, like: PodCache, expected: int) -> None:
+        super().__init__(like.size, like.negative_ttl, time.monotonic)
+        self.expected, self.asked, self.all_asked = expected, 0, asyncio.Event()
+
+    def known_unknown(self, uid: str) -> bool:  # the first step of every lookup
+        self.asked += 1
+        if self.asked >= self.expected:
+            self.all_asked.set()
+        return super().known_unknown(uid)
+
+
 async def test_concurrent_lookups_share_one_call(runtime: FakeRuntime) -> None:
-    async def slow_list(request: bytes, context) -> bytes:
-        await asyncio.sleep(0.3)
-        return pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
-    runtime.unary[LIST] = slow_list
     async with serve(runtime, {"pulls": {"dedup": False}}) as shim:
+        pods = shim.app.handlers.pods = CountingPods(shim.app.handlers.pods, expected=20)
+
+        async def list_once_all_wait(request: bytes, context) -> bytes:
+            await pods.all_asked.wait()  # every pull is waiting for a lookup before the answer comes
+            return pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
+        runtime.unary[LIST] = list_once_all_wait
         await asyncio.gather(*(pull(shim, pull_request(f"img{i}", sandbox_config("u1"))) for i in range(20)))
     assert received_handlers(runtime) == ["kata"] * 20
     assert len(runtime.calls("ListPodSandbox")) == 1
@@ -235,13 +252,15 @@ async def test_concurrent_lookups_share_one_call(runtime: FakeRuntime) -> None:
 
 async def test_unknown_pod_gets_no_handler_and_the_answer_is_cached_briefly(runtime: FakeRuntime) -> None:
     runtime.unary[LIST] = pb.ListPodSandboxResponse(items=[sandbox("u1", "sb-1", "kata")]).SerializeToString()
+    now = [0.0]
     async with serve(runtime) as shim:
-        shim.app.handlers.pods.negative_ttl = 0.3
+        shim.app.handlers.pods = PodCache(shim.app.handlers.pods.size, NEGATIVE_TTL_SECONDS, lambda: now[0])
         request = pull_request("nginx", sandbox_config("ghost"))
         await pull(shim, request)
+        now[0] += NEGATIVE_TTL_SECONDS - 0.01
         await pull(shim, request)
         assert len(runtime.calls("ListPodSandbox")) == 1
-        await asyncio.sleep(0.35)
+        now[0] += 0.01  # remembered as unknown for NEGATIVE_TTL_SECONDS, then asked again
         await pull(shim, request)
         assert len(runtime.calls("ListPodSandbox")) == 2
         no_pod = pull_request("nginx")

@@ -85,9 +85,10 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool = True,
-                     scheduler_cap: int = 4, free_bytes: int = 10 << 30, **cfg: Any) -> AsyncIterator[Harness]:
+                     scheduler_cap: int = 4, free_bytes: int = 10 << 30, options: dict[str, Any] | None = None,
+                     **cfg: Any) -> AsyncIterator[Harness]:
     settings = dict(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
-                    retry_max_seconds=0.2)
+                    retry_max_seconds=0.2, docker_config=())
     settings.update(cfg)
     config = ImageSetsConfig(**settings)
     upstream = Upstream(runtime.endpoint, 16 << 20)
@@ -102,7 +103,8 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
 
     h = Harness(None, scheduler, metrics, pin_updates, disk, upstream)  # type: ignore[arg-type]
     h.sets = ImageSets(config, upstream, scheduler, metrics, on_pins=pin_updates.append, pins=lambda: h.pins,
-                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05)
+                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05,
+                       **(options or {}))
     await h.sets.start()
     try:
         yield h
@@ -222,7 +224,8 @@ async def test_a_kubelet_pull_sharing_a_dropped_prefetch_is_not_cancelled(runtim
 
         kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image="registry.local/shared:1"), kubelet_run,
                                                          priority=Priority.FOREGROUND))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: [r["waiters"] for r in h.scheduler.snapshot()["in_flight"]] == [2],
+                         what="kubelet's pull joined the prefetch")
         write(f, own("warm", []))
         await eventually(lambda: h.status()["sets"]["warm"]["declared"] == 0)
         await asyncio.sleep(0.05)

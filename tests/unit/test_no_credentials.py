@@ -7,8 +7,6 @@ import asyncio
 import io
 import json
 import logging
-import os
-import tempfile
 
 import grpc
 import pytest
@@ -65,7 +63,7 @@ def leaks(text: str | bytes) -> list[str]:
     return [k for k, v in SECRETS.items() if v in text]
 
 
-async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, captured_logs) -> None:
+async def test_credentials_appear_nowhere(engine: str, tmp_path, short_tmp, monkeypatch, captured_logs) -> None:
     collector = await OtlpCollector().start()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
@@ -81,7 +79,7 @@ async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, ca
 
     runtime.unary[PULL] = pull
     address = f"127.0.0.1:{free_port()}"
-    admin = os.path.join(tempfile.mkdtemp(prefix="cri-admin-"), "admin.sock")
+    admin = str(short_tmp / "admin.sock")
     settings = {"pulls": {"max_parallel": 1}, "metrics": {"address": address},
                 "server": {"admin_socket": admin}}
     status_out: list[str] = []
@@ -125,3 +123,71 @@ async def test_credentials_appear_nowhere(engine: str, tmp_path, monkeypatch, ca
     assert [i for i, raw in enumerate(collector.raw) if leaks(raw)] == []
     assert leaks(metrics) == []
     assert [s for s in status_out if leaks(s)] == []
+
+
+async def test_image_set_credentials_from_config_json_appear_nowhere(engine: str, tmp_path, monkeypatch,
+                                                                     captured_logs) -> None:
+    import base64
+
+    collector = await OtlpCollector().start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    runtime = await FakeRuntime(socket_in(str(tmp_path))).start()
+    present: list[api_pb2.Image] = []
+
+    async def pull(request: bytes, context) -> bytes:
+        image = api_pb2.PullImageRequest.FromString(request).image.image
+        if image.startswith("denied"):
+            await context.abort(grpc.StatusCode.UNKNOWN, f"pulling {image}: 401 Unauthorized")
+        present.append(api_pb2.Image(id="sha256:" + "5" * 64, repo_tags=[image]))
+        return api_pb2.PullImageResponse(image_ref="sha256:" + "5" * 64).SerializeToString()
+
+    async def list_images(request: bytes, context) -> bytes:
+        return api_pb2.ListImagesResponse(images=present).SerializeToString()
+
+    runtime.unary[PULL] = pull
+    runtime.unary["/runtime.v1.ImageService/ListImages"] = list_images
+    creds = tmp_path / "config.json"
+    creds.write_text(json.dumps({"auths": {
+        "registry.example:5000": {"auth": base64.b64encode(f"robot:{SECRETS['password']}".encode()).decode()},
+        "denied.example": {"username": "robot", "password": SECRETS["password"],
+                           "identitytoken": SECRETS["identity_token"]}}}))
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    (sets / "a.yaml").write_text("apiVersion: cri-shim.io/v1\nkind: ImageSet\nmetadata: {name: private}\n"
+                                 "spec:\n  images:\n  - name: registry.example:5000/app:1\n"
+                                 "  - name: denied.example/app:1\n")
+    address = f"127.0.0.1:{free_port()}"
+    admin = str(tmp_path / "admin.sock")
+    settings = {"metrics": {"address": address}, "server": {"admin_socket": admin},
+                "image_sets": {"dir": str(sets), "docker_config": [str(creds)], "retry_initial_seconds": 0.05,
+                               "retry_max_seconds": 0.1, "debounce_seconds": 0.05}}
+    status_out: list[str] = []
+    try:
+        async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 10
+            while not (len(runtime.calls("PullImage")) >= 3
+                       and shim.app.image_sets_status()["sets"]["private"]["present"] == 1):
+                assert loop.time() < end, "prefetch did not run"
+                await asyncio.sleep(0.02)
+            for as_json in (True, False):
+                out = io.StringIO()
+                assert await asyncio.to_thread(print_status, admin, as_json, out) == 0
+                status_out.append(out.getvalue())
+            metrics = (await scrape(address)).text
+    finally:
+        await runtime.stop()
+        await collector.stop()
+
+    sent = [api_pb2.PullImageRequest.FromString(r.request) for r in runtime.calls("PullImage")]
+    assert {(r.image.image, r.auth.password) for r in sent} >= {("registry.example:5000/app:1", SECRETS["password"]),
+                                                                ("denied.example/app:1", SECRETS["password"])}
+    assert "401 Unauthorized" in status_out[0] and "registry.example:5000" in status_out[0]
+    assert [ln for ln in captured_logs if leaks(ln)] == []
+    assert [s.name for s in collector.spans if leaks(repr(s))] == []
+    assert [i for i, raw in enumerate(collector.raw) if leaks(raw)] == []
+    assert leaks(metrics) == []
+    assert [s for s in status_out if leaks(s)] == []
+    encoded = base64.b64encode(f"robot:{SECRETS['password']}".encode()).decode()
+    assert not any(encoded in ln for ln in captured_logs) and not any(encoded in s for s in status_out)

@@ -11,17 +11,16 @@ import pytest
 
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, Storm, pull_request
 
 
 @pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    rt.unary[VERSION] = b"\x0a\x050.1.0"
-    yield rt
-    await rt.stop()
+def runtime(runtime: FakeRuntime) -> FakeRuntime:
+    """tests/unit/conftest.py's runtime, answering Version."""
+    runtime.unary[VERSION] = b"\x0a\x050.1.0"
+    return runtime
 
 
 def settings(max_parallel: int, engine: str = "relay") -> dict:

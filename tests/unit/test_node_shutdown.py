@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from shim.status import fetch_status
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, pull_request
@@ -102,15 +103,18 @@ async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRun
     assert not os.path.exists(shim.path)
 
 
-async def test_queued_pull_gets_retryable_message(runtime: FakeRuntime, tmp_path, engine: str) -> None:
+async def test_queued_pull_gets_retryable_message(runtime: FakeRuntime, tmp_path, short_tmp, engine: str) -> None:
     pulls = runtime.unary[PULL] = SlowPulls(1.0)
-    async with shim_process(runtime.endpoint, tmp_path, {"pulls": {"max_parallel": 1}, "server": {"engine": engine}}) as shim:
+    admin = str(short_tmp / "admin.sock")
+    settings = {"pulls": {"max_parallel": 1}, "server": {"engine": engine, "admin_socket": admin}}
+    async with shim_process(runtime.endpoint, tmp_path, settings) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             first = asyncio.ensure_future(pull(pull_request("registry.test/a:1"), timeout=30))
             await pulls.wait_current(1)
             queued = asyncio.ensure_future(pull(pull_request("registry.test/b:1"), timeout=30))
-            await asyncio.sleep(0.2)
+            while not (await asyncio.to_thread(fetch_status, admin))["pulls"]["queued"]:  # `cri-shim status`
+                await asyncio.sleep(0.02)
             shim.terminate()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await queued

@@ -9,26 +9,21 @@ import os
 import signal
 import stat
 import socket
-import tempfile
+from pathlib import Path
 
 import grpc
 import pytest
 
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import connectable, start_shim
 from tests.support.slow_pulls import VERSION
 
 
 @pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    rt.unary[VERSION] = b"\x0a\x050.1.0"
-    yield rt
-    await rt.stop()
-
-
-def _short_path(name: str = "shim.sock") -> str:
-    return os.path.join(tempfile.mkdtemp(prefix="shim-", dir="/tmp"), name)
+def runtime(runtime: FakeRuntime) -> FakeRuntime:
+    """tests/unit/conftest.py's runtime, answering Version."""
+    runtime.unary[VERSION] = b"\x0a\x050.1.0"
+    return runtime
 
 
 def _stale_socket(path: str) -> None:
@@ -38,8 +33,8 @@ def _stale_socket(path: str) -> None:
     s.close()
 
 
-async def test_stale_socket_from_a_crash_is_replaced(runtime: FakeRuntime, tmp_path) -> None:
-    path = _short_path()
+async def test_stale_socket_from_a_crash_is_replaced(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
+    path = str(short_tmp / "shim.sock")
     _stale_socket(path)
     assert os.path.exists(path) and not connectable(path)
     shim = await start_shim(runtime.endpoint, tmp_path, listen_path=path)
@@ -52,8 +47,8 @@ async def test_stale_socket_from_a_crash_is_replaced(runtime: FakeRuntime, tmp_p
     assert not os.path.exists(path)
 
 
-async def test_killed_shim_restarts_on_same_path(runtime: FakeRuntime, tmp_path) -> None:
-    path = _short_path()
+async def test_killed_shim_restarts_on_same_path(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
+    path = str(short_tmp / "shim.sock")
     first = await start_shim(runtime.endpoint, tmp_path / "1", listen_path=path)
     first.send(signal.SIGKILL)
     await first.wait_exit(5)
@@ -67,8 +62,8 @@ async def test_killed_shim_restarts_on_same_path(runtime: FakeRuntime, tmp_path)
         assert await second.stop() == 0
 
 
-async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime, tmp_path) -> None:
-    path = _short_path()
+async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
+    path = str(short_tmp / "shim.sock")
     first = await start_shim(runtime.endpoint, tmp_path / "1", listen_path=path)
     try:
         second = await start_shim(runtime.endpoint, tmp_path / "2", listen_path=path, wait=False)
@@ -83,8 +78,8 @@ async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime,
         assert await first.stop() == 0
 
 
-async def test_listen_path_that_is_not_a_socket_is_refused(runtime: FakeRuntime, tmp_path) -> None:
-    path = _short_path()
+async def test_listen_path_that_is_not_a_socket_is_refused(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
+    path = str(short_tmp / "shim.sock")
     with open(path, "w") as f:
         f.write("precious")
     shim = await start_shim(runtime.endpoint, tmp_path, listen_path=path, wait=False)
@@ -131,8 +126,8 @@ async def test_metrics_port_in_use_is_a_message_not_a_traceback(runtime: FakeRun
     assert not os.path.exists(shim.path)  # the listen socket it had bound is cleaned up
 
 
-async def test_systemd_notifications(runtime: FakeRuntime, tmp_path) -> None:
-    notify_path = _short_path("notify.sock")
+async def test_systemd_notifications(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
+    notify_path = str(short_tmp / "notify.sock")
     sink = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sink.bind(notify_path)
     sink.setblocking(False)

@@ -157,7 +157,8 @@ def test_match_names_the_pin_and_its_source() -> None:
 _name = st.builds(
     lambda host, path, tail: host + path + tail,
     st.sampled_from(["", "docker.io/", "index.docker.io/", "localhost/", "localhost:5000/", "reg.example.com/",
-                     "REG/", "a_b.c/", "[::1]:5000/", "docker.io/library/", "quay.io/"]),
+                     "REG/", "a_b.c/", "[::1]:5000/", "docker.io/library/", "quay.io/",
+                     "Reg.Example.com/", "LocalHost:5000/", "Docker.IO/", "Index.Docker.io/library/"]),
     st.from_regex(r"\A[a-z0-9A-Z_.:@-]{1,8}(/[a-z0-9_.:-]{1,6}){0,2}\Z"),
     st.sampled_from(["", ":v1", ":latest", f"@{D1}", f":v1@{D1}", ":", "@sha256:ab", ":Bad Tag"]),
 )
@@ -170,3 +171,13 @@ def test_image_names_agree_with_normalize(name: str) -> None:
     except reference.ReferenceError:
         expected = name
     assert image_names("", [name], []) == [expected]
+
+
+def test_pin_hosts_are_case_insensitive_and_split_like_references() -> None:
+    pins = PinSet.build(["REG.Example.com/app:*", "Quay.IO/org/tool:1"])
+    assert pins.match_image("", ["reg.example.com/app:v1"], []) == "reg.example.com/app:*"
+    assert pins.match_image("", ["quay.io/org/tool:1"], []) == "quay.io/org/tool:1"
+    assert PinSet.build(["reg.example.com/app:v1"]).match_image("", ["Reg.EXAMPLE.com/app:v1"], []) is not None
+    # the glob's host is decided by reference.split_domain: an upper-case first component is a host
+    assert normalize_pattern("LOCALDOMAIN/x:*") == "LOCALDOMAIN/x:*"
+    assert normalize_pattern("Index.Docker.io/busybox:*") == "docker.io/library/busybox:*"

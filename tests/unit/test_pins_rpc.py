@@ -18,6 +18,7 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
+from tests.support.logcapture import Lines
 
 D_NGINX = "sha256:" + "d1" * 32
 D_APP = "sha256:" + "a2" * 32
@@ -255,15 +256,6 @@ async def test_declared_image_set_pins(serve, runtime, store) -> None:
             with pytest.raises(grpc.aio.AioRpcError):  # the config pin is still in force
                 await remove(ch, "registry.k8s.io/pause:3.10")
     assert len(runtime.calls("RemoveImage")) == 1
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def write_config(path: Path, pins: list[str]) -> None:

@@ -8,9 +8,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -20,23 +18,13 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
 from tests.support.prom import free_port, scrape
+from tests.support.shim_process import connectable
 
 ROOT = Path(__file__).resolve().parents[2]
 PULL = "/runtime.v1.ImageService/PullImage"
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT = "b7ad6b7169203331"
 SECRET = "s3cr3t-registry-password-5521"
-
-
-def accepts(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
@@ -46,11 +34,11 @@ async def cli(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
     return p.returncode, out.decode(), err.decode()
 
 
-async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path) -> None:
+async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path, short_tmp) -> None:
     runtime = await FakeRuntime(socket_in(str(tmp_path))).start()
     runtime.unary[PULL] = api_pb2.PullImageResponse(image_ref="sha256:" + "9" * 64).SerializeToString()
     collector = await OtlpCollector().start()
-    d = tempfile.mkdtemp(prefix="cri-proc-")
+    d = str(short_tmp)
     listen, admin, metrics = os.path.join(d, "shim.sock"), os.path.join(d, "admin.sock"), f"127.0.0.1:{free_port()}"
     config = os.path.join(d, "config.yaml")
     Path(config).write_text(yaml.safe_dump({"server": {"admin_socket": admin}, "metrics": {"address": metrics}}))
@@ -63,7 +51,7 @@ async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path) -> None:
         cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
     try:
         for _ in range(200):
-            if accepts(listen):
+            if connectable(listen):
                 break
             assert proc.returncode is None, "shim exited early"
             await asyncio.sleep(0.05)

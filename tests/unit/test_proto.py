@@ -18,6 +18,7 @@ from google.protobuf import descriptor as _d
 from hypothesis import given, strategies as st
 
 from shim.proto.runtime.v1 import api_pb2
+from tests.support.cri import varint
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "shim" / "proto" / "runtime" / "v1"
@@ -28,18 +29,6 @@ GENERATED = ROOT / "shim" / "proto" / "runtime" / "v1"
 # --------------------------------------------------------------------------
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 def tag(num: int, wt: int) -> bytes:

@@ -54,6 +54,11 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def waiters(shim) -> list[int]:
+    """Callers waiting on each upstream pull in flight, fewest first."""
+    return sorted(row["waiters"] for row in shim.app.scheduler.snapshot()["in_flight"])
+
+
 async def test_identical_pulls_collapse_and_credentials_split(runtime: FakeRuntime, engine: str) -> None:
     slow = SlowPulls()
     runtime.unary[PULL] = slow
@@ -63,8 +68,8 @@ async def test_identical_pulls_collapse_and_credentials_split(runtime: FakeRunti
             calls = [pull(pull_request("reg/app:1"), timeout=10) for _ in range(10)]
             calls += [pull(pull_request("reg/app:1", "alice", "s3cret"), timeout=10) for _ in range(2)]
             tasks = [asyncio.ensure_future(c) for c in calls]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
-            await asyncio.sleep(0.1)
+            # every caller has joined one of two pulls, and both have reached the runtime
+            await wait_for(lambda: waiters(shim) == [2, 10] and len(runtime.calls("PullImage")) == 2)
             slow.release.set()
             responses = await asyncio.gather(*tasks)
     assert len(runtime.calls("PullImage")) == 2  # one per credential group
@@ -79,9 +84,8 @@ async def test_cap_limits_concurrent_upstream_pulls(runtime: FakeRuntime, engine
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             tasks = [asyncio.ensure_future(pull(pull_request(f"reg/app{i}:1"), timeout=10)) for i in range(6)]
-            await wait_for(lambda: slow.active == 2)
-            await asyncio.sleep(0.1)
-            assert slow.active == 2 and shim.app.scheduler.queued == 4
+            await wait_for(lambda: slow.active == 2 and shim.app.scheduler.queued == 4)  # all six arrived
+            assert shim.app.scheduler.in_flight == 2
             slow.release.set()
             await asyncio.gather(*tasks)
     assert slow.max_active == 2 and len(runtime.calls("PullImage")) == 6
@@ -117,8 +121,8 @@ async def test_runtime_error_reaches_every_waiter_unchanged(runtime: FakeRuntime
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             tasks = [asyncio.ensure_future(pull(pull_request("reg/missing:1"), timeout=10)) for _ in range(3)]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
-            await asyncio.sleep(0.05)
+            # all three wait on the one pull, which has reached the runtime
+            await wait_for(lambda: waiters(shim) == [3] and len(runtime.calls("PullImage")) == 1)
             gate.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
     for r in results:
@@ -144,7 +148,7 @@ async def test_cancelled_callers_cancel_the_upstream_pull(runtime: FakeRuntime, 
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             pull = ch.unary_unary(PULL)
             calls = [pull(pull_request("reg/a:1"), timeout=10) for _ in range(2)]
-            await wait_for(lambda: len(runtime.calls("PullImage")) == 1)
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 1 and waiters(shim) == [2])
             for c in calls:
                 c.cancel()
             await asyncio.wait_for(cancelled.wait(), 5)
@@ -174,3 +178,50 @@ async def test_request_bytes_reach_runtime_unchanged(runtime: FakeRuntime, engin
     got = runtime.calls("PullImage")[0]
     assert got.request == raw
     assert got.metadata["traceparent"] == md[0][1]
+
+
+async def test_spellings_of_one_image_collapse_and_each_request_is_sent_as_spelled(runtime: FakeRuntime,
+                                                                                  engine: str) -> None:
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    spellings = ["nginx", "docker.io/library/nginx", "docker.io/library/nginx:latest", "index.docker.io/nginx",
+                 "Docker.IO/library/nginx:latest", "library/nginx:latest"]
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pull_request(s), timeout=10)) for s in spellings * 2]
+            tasks.append(asyncio.ensure_future(pull(pull_request("nginx:1.27"), timeout=10)))  # another image
+            await wait_for(lambda: len(runtime.calls("PullImage")) == 2)
+            await wait_for(lambda: shim.app.metrics.registry.get_sample_value(
+                "cri_shim_pull_dedup_joins_total") == len(spellings) * 2 - 1)
+            slow.release.set()
+            await asyncio.gather(*tasks)
+    sent = [api_pb2.PullImageRequest.FromString(c.request).image.image for c in runtime.calls("PullImage")]
+    assert len(sent) == 2 and "nginx:1.27" in sent
+    first = next(s for s in sent if s != "nginx:1.27")
+    assert first in spellings  # the first caller's request, as that caller spelled it
+
+
+_SPEC = api_pb2.ImageSpec(image="nginx").SerializeToString()
+_GOOD = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="nginx")).SerializeToString()
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"\x0a" + bytes([len(_SPEC) + 2]) + _SPEC + b"\x1b\x1c", "wire type 3 (group)"),  # a group in ImageSpec
+    (_GOOD + b"\x2b\x2c", "wire type 3 (group)"),  # a group at the top level
+    (_GOOD + b"\x18\x05", "field 3 (sandbox_config) has wire type 0"),
+    (_GOOD + b"\x15\x00\x00\x00\x00", "field 2 (auth) has wire type 5"),
+    (b"\x0a\x02\x08\x01", "field image.image (1) has wire type 0"),
+], ids=["group-in-imagespec", "group-top-level", "sandbox-config-varint", "auth-fixed32", "image-varint"])
+@pytest.mark.parametrize("rules", [False, True], ids=["no-rules", "handler-rule"])
+async def test_parseable_but_malformed_request_is_invalid_argument(runtime: FakeRuntime, engine: str, raw: bytes,
+                                                                    says: str, rules: bool) -> None:
+    cfg = {"runtime_handlers": {"rules": [{"handler": "kata"}]}} if rules else {}
+    runtime.unary[PULL] = b"\x0a\x07sha256:x"
+    async with running_shim(runtime.endpoint, cfg, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(PULL)(raw, timeout=5)
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("cri-shim: malformed PullImageRequest: ") and says in e.value.details()
+    assert runtime.calls("PullImage") == []

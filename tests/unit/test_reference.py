@@ -190,3 +190,33 @@ def test_invalid_host_like_first_component_is_rejected() -> None:
     with pytest.raises(ReferenceError, match="host"):
         parse("a_b.c/x")
     assert normalize("a.b/x") == "a.b/x:latest"
+
+
+@pytest.mark.parametrize(
+    ("ref", "expected"),
+    [
+        # host names are case-insensitive: one normal form
+        ("Registry.Example.COM/app", "registry.example.com/app:latest"),
+        ("REG.example.com:5000/team/app:V1", "reg.example.com:5000/team/app:V1"),
+        ("Docker.IO/nginx", "docker.io/library/nginx:latest"),
+        ("Index.Docker.IO/library/nginx:1", "docker.io/library/nginx:1"),
+        ("LocalHost/app", "localhost/app:latest"),
+        # a host only because of its upper case keeps it (lower-cased it would be a Hub path)
+        ("LOCALDOMAIN/debian", "LOCALDOMAIN/debian:latest"),
+    ],
+)
+def test_host_is_lower_case_in_normal_form(ref: str, expected: str) -> None:
+    assert normalize(ref) == expected
+    assert normalize(expected) == expected
+
+
+def test_spellings_of_one_image_share_one_pull_name() -> None:
+    from shim.reference import pull_name
+
+    spellings = ["nginx", "library/nginx", "docker.io/library/nginx", "docker.io/library/nginx:latest",
+                 "index.docker.io/nginx:latest", "DOCKER.IO/library/nginx"]
+    assert {pull_name(s) for s in spellings} == {"docker.io/library/nginx:latest"}
+    assert pull_name("Reg.Local:5000/app") == pull_name("reg.local:5000/app:latest")
+    assert pull_name("nginx:1.27") != pull_name("nginx")
+    assert pull_name(f"nginx:1@{D1}") == f"docker.io/library/nginx:1@{D1}"  # the tag stays: the runtime records it
+    assert pull_name("Not A Reference") == "Not A Reference"  # unparseable: as sent, the runtime answers

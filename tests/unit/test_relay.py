@@ -76,9 +76,10 @@ async def test_local_error_carries_code_details_and_trailers(runtime: FakeRuntim
 
 
 async def test_local_handler_deadline_and_cancel(runtime: FakeRuntime) -> None:
-    cancelled = asyncio.Event()
+    cancelled, entered = asyncio.Event(), asyncio.Event()
 
     async def slow(request: bytes, call) -> bytes:
+        entered.set()
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
@@ -93,8 +94,9 @@ async def test_local_handler_deadline_and_cancel(runtime: FakeRuntime) -> None:
             assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             await asyncio.wait_for(cancelled.wait(), 5)
             cancelled.clear()
+            entered.clear()
             call = ch.unary_unary(LOCAL)(b"", timeout=30)
-            await asyncio.sleep(0.1)
+            await asyncio.wait_for(entered.wait(), 5)  # the handler is running
             call.cancel()
             await asyncio.wait_for(cancelled.wait(), 5)
 

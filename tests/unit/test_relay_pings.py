@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-import pytest
 
 from shim.relay import h2
 from tests.support.fake_runtime import FakeRuntime, socket_in
@@ -73,13 +72,6 @@ async def client(path: str) -> AsyncIterator[RawPeer]:
         yield peer
     finally:
         writer.close()
-
-
-@pytest.fixture
-async def runtime(tmp_path) -> AsyncIterator[FakeRuntime]:
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
 
 
 async def test_many_pings_do_not_get_the_connection_closed(runtime: FakeRuntime) -> None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2
+from tests.support.cri import until_ok
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -46,19 +47,6 @@ async def wait_for(predicate, timeout: float = 10.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.02)
-
-
-async def until_ok(ch: grpc.aio.Channel, method: str, request: bytes, timeout: float = 15.0) -> float:
-    """Seconds until ``method`` succeeds through the shim, trying every 50 ms like a retrying client."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            await ch.unary_unary(method)(request, timeout=5)
-            return time.monotonic() - t0
-        except grpc.aio.AioRpcError as e:
-            if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"{method} still failing after {timeout}s: {e.code().name} {e.details()}")
-        await asyncio.sleep(0.05)
 
 
 async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) -> None:

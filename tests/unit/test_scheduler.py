@@ -222,18 +222,6 @@ async def test_close_fails_queued_with_unavailable_and_refuses_new() -> None:
     await running  # in-flight pulls may still finish
 
 
-async def test_cancel_key_fails_every_waiter() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=1)
-    t = asyncio.create_task(s.pull(key("a"), up.runner("a"), priority=Priority.BACKGROUND))
-    await settle()
-    assert s.cancel(key("a"))
-    with pytest.raises(RpcError) as e:
-        await t
-    assert e.value.code is grpc.StatusCode.CANCELLED
-    await settle()
-    assert up.cancelled == ["a"] and s.in_flight == 0
-
-
 async def test_raising_the_cap_on_reload_starts_queued_pulls() -> None:
     up, s = Upstream(), PullScheduler(max_parallel=1)
     tasks = [asyncio.create_task(s.pull(key(i), up.runner(i))) for i in "abc"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 import grpc
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ ACTIONS = st.lists(
         st.sampled_from(["", "cred1"]),                     # auth hash
         st.sampled_from(list(Priority)),
         st.sampled_from(["ok", "error", "cancel", "timeout", "slow"]),
-        st.integers(min_value=0, max_value=5),              # upstream delay (ms)
+        st.integers(min_value=0, max_value=5),              # upstream delay (event-loop steps)
     ),
     min_size=1, max_size=40,
 )
@@ -32,17 +33,34 @@ def test_cap_holds_and_queue_drains(actions, cap: int, bg_cap: int, seed: int) -
     asyncio.run(_scenario(actions, cap, bg_cap, random.Random(seed)))
 
 
+async def _settle(done: Callable[[], bool], steps: int = 10_000) -> None:
+    """Let the event loop run until ``done()``; fail if it never gets there."""
+    for _ in range(steps):
+        if done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the scheduler did not settle")
+
+
 async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
     s = PullScheduler(max_parallel=cap, background_max_parallel=bg_cap)
-    active = {"n": 0, "max": 0}
+    active = {"n": 0, "max": 0, "held": 0}
+    slow_gate = asyncio.Event()  # "slow" pulls hold their slot until the end of the scenario
 
-    def runner(image: str, behaviour: str, delay_ms: int):
+    def runner(image: str, behaviour: str, delay_steps: int):
         async def run() -> bytes:
             active["n"] += 1
             active["max"] = max(active["max"], active["n"])
             assert s.in_flight <= cap
             try:
-                await asyncio.sleep(delay_ms / 1000)
+                for _ in range(delay_steps):
+                    await asyncio.sleep(0)
+                if behaviour == "slow":
+                    active["held"] += 1
+                    try:
+                        await slow_gate.wait()
+                    finally:
+                        active["held"] -= 1
                 if behaviour == "error":
                     raise RpcError(grpc.StatusCode.NOT_FOUND, f"{image} not found", from_upstream=True)
                 return image.encode()
@@ -69,11 +87,16 @@ async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
         if behaviour == "cancel" and rnd.random() < 0.8:
             t.cancel()
         await asyncio.sleep(0)
+    # Callers with a deadline finish while the slow pulls still hold their slots.
+    deadlined = [t for t, behaviour in tasks if behaviour == "timeout"]
+    if deadlined:
+        await asyncio.wait(deadlined, timeout=10)
+    assert all(t.done() for t in deadlined)
+    assert active["held"] <= s.in_flight <= cap
+    slow_gate.set()
     results = await asyncio.wait_for(asyncio.gather(*(t for t, _ in tasks), return_exceptions=True), 10)
-    for _ in range(5):
-        await asyncio.sleep(0.01)
+    await _settle(lambda: s.in_flight == 0 and s.queued == 0 and active["n"] == 0)
     assert active["max"] <= cap
-    assert s.in_flight == 0 and s.queued == 0 and active["n"] == 0
     assert not s._flights  # nothing left behind
     for r in results:
         assert isinstance(r, (tuple, asyncio.CancelledError))

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.fixtures import shim_factory  # noqa: F401  (fixture)
 from tests.support.registry import free_port
 
@@ -33,11 +33,10 @@ VERSION = "/runtime.v1.RuntimeService/Version"
 
 
 @pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    rt.unary[VERSION] = b"v"
-    yield rt
-    await rt.stop()
+def runtime(runtime: FakeRuntime) -> FakeRuntime:
+    """tests/unit/conftest.py's runtime, answering Version."""
+    runtime.unary[VERSION] = b"v"
+    return runtime
 
 
 def config(engine: str, **sections) -> dict:

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import stat
-import tempfile
 
 import grpc
 import pytest
@@ -26,8 +25,8 @@ def pull_request(image: str) -> bytes:
 
 
 @pytest.fixture
-def admin_socket():
-    return os.path.join(tempfile.mkdtemp(prefix="cri-admin-"), "admin.sock")  # short: sun_path is 108 bytes
+def admin_socket(short_tmp) -> str:
+    return str(short_tmp / "admin.sock")
 
 
 async def status(path: str, as_json: bool) -> tuple[int, str]:
@@ -65,8 +64,9 @@ async def test_status_shows_queue_in_flight_waiters_and_upstream(engine: str,
             assert doc["pulls"]["max_parallel"] == 1
             [running] = doc["pulls"]["in_flight"]
             [queued] = doc["pulls"]["queued"]
-            assert (running["image"], running["waiters"]) == ("web:1", 3)
-            assert (queued["image"], queued["waiters"]) == ("db:2", 1)
+            # the normalized name the pulls are collapsed under
+            assert (running["image"], running["waiters"]) == ("docker.io/library/web:1", 3)
+            assert (queued["image"], queued["waiters"]) == ("docker.io/library/db:2", 1)
             assert "running_seconds" in running and "running_seconds" not in queued
             assert doc["image_sets"] == {"sets": [{"name": "base", "images": 3, "present": 2}]}
             assert doc["tracing"] == {"exporter": "off"}

@@ -16,7 +16,7 @@ from shim import logs
 from shim.proto.runtime.v1 import api_pb2
 from shim import tracing as shim_tracing
 from shim.tracing import Tracing, redact_url
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
 
@@ -46,11 +46,10 @@ def pulled(ref: str = "sha256:" + "1" * 64) -> bytes:
 
 
 @pytest.fixture
-async def runtime(tmp_path):
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    rt.unary[PULL] = pulled()
-    yield rt
-    await rt.stop()
+def runtime(runtime: FakeRuntime) -> FakeRuntime:
+    """tests/unit/conftest.py's runtime, answering PullImage."""
+    runtime.unary[PULL] = pulled()
+    return runtime
 
 
 @pytest.fixture
