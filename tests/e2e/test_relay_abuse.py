@@ -53,8 +53,8 @@ from tests.support import cri
 from tests.support.containerd import Containerd
 from tests.support.h2raw import (
     CONTINUATION, DATA, END_STREAM, GOAWAY, HEADERS, PING, REFUSED_STREAM, RST_STREAM, SETTINGS,
-    SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message, headers, literal,
-    request_block,
+    SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message, headers, hpack_int,
+    hpack_string, literal, request_block,
 )
 from tests.support.shim_process import ShimProcess, start_shim
 
@@ -222,14 +222,7 @@ _FIVE_BIT = b"012aceiost"  # Huffman codes of 5 bits: 8 of them fill exactly 5 b
 def _huffman_path(n: int, coded_tail: bytes) -> bytes:
     digits = bytes(_FIVE_BIT[int(d)] for d in f"{n:08d}")
     coded = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(digits) + coded_tail
-    length = len(coded)
-    prefix = bytearray((0x80 | 0x7F,))  # Huffman flag, 7-bit prefix full
-    length -= 0x7F
-    while length >= 128:
-        prefix.append(length & 0x7F | 0x80)
-        length >>= 7
-    prefix.append(length)
-    return bytes(prefix) + coded
+    return hpack_int(len(coded), 7, 0x80) + coded  # a Huffman-coded string literal
 
 
 def huge_header_blocks(path: str) -> list[str]:
@@ -247,7 +240,7 @@ def huge_header_blocks(path: str) -> list[str]:
         if blocks % 4 == 3:  # Huffman-coded: the shim must decode 2 MiB to read it
             value = _huffman_path(blocks, coded_tail)
         else:
-            value = literal(b"", f"{blocks:08d}".encode() + raw_tail)[2:]  # length prefix + raw bytes
+            value = hpack_string(f"{blocks:08d}".encode() + raw_tail)
         block = base + b"\x00\x05:path" + value
         if not c.send(headers(sid, block, end_stream=True), timeout=max(0.05, end - time.monotonic())):
             c.close()
@@ -265,21 +258,12 @@ def huge_header_blocks(path: str) -> list[str]:
 _BOMB: dict[str, bytes] = {}
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def gzip_bomb_body(inflated_mib: int = 256) -> bytes:
     """PullImageRequest{image: ImageSpec{image: "a" * N}} gzip-compressed, N about inflated_mib MiB."""
     if "body" not in _BOMB:
         n = inflated_mib << 20
-        inner_head = b"\x0a" + _varint(n)  # field 1, length-delimited
-        head = b"\x0a" + _varint(len(inner_head) + n) + inner_head
+        inner_head = b"\x0a" + cri.varint(n)  # field 1, length-delimited
+        head = b"\x0a" + cri.varint(len(inner_head) + n) + inner_head
         z = zlib.compressobj(9, zlib.DEFLATED, 31)
         parts = [z.compress(head)]
         chunk = b"a" * (1 << 20)

@@ -35,7 +35,8 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return struct.pack(">BHBBI", n >> 16, n & 0xFFFF, ftype, flags, stream_id & 0x7FFFFFFF) + payload
 
 
-def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with ``first``'s high bits set in the prefix octet."""
     mask = (1 << prefix_bits) - 1
     if value < mask:
         return bytes((first | value,))
@@ -48,14 +49,17 @@ def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
     return bytes(out)
 
 
-def literal(name: bytes, value: bytes, huffman: bool = False) -> bytes:
-    """Literal header field without indexing, new name (RFC 7541 6.2.2)."""
+def hpack_string(value: bytes, huffman: bool = False) -> bytes:
+    """An HPACK string literal (RFC 7541 5.2), Huffman-coded or raw."""
     if huffman:
         coded = _HUFFMAN.encode(value)
-        value_part = _int(len(coded), 7, 0x80) + coded
-    else:
-        value_part = _int(len(value), 7) + value
-    return b"\x00" + _int(len(name), 7) + name + value_part
+        return hpack_int(len(coded), 7, 0x80) + coded
+    return hpack_int(len(value), 7) + value
+
+
+def literal(name: bytes, value: bytes, huffman: bool = False) -> bytes:
+    """Literal header field without indexing, new name (RFC 7541 6.2.2)."""
+    return b"\x00" + hpack_string(name) + hpack_string(value, huffman)
 
 
 def request_block(path: str | bytes, extra: Iterable[tuple[bytes, bytes]] = (), *, huffman_path: bool = False) -> bytes:

@@ -32,14 +32,13 @@ import random
 
 import hpack
 import pytest
-from hpack.huffman import HuffmanEncoder
-from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.table import HeaderTable
 
 from shim.relay.h2 import COMPRESSION_ERROR, Decoder, H2Error
+from tests.support.h2raw import hpack_int as integer
+from tests.support.h2raw import hpack_string as string
 
 STATIC = HeaderTable.STATIC_TABLE
-HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 NAMES = [b":path", b":authority", b"content-type", b"te", b"grpc-timeout", b"user-agent",
          b"authorization", b"x-request-id", b"traceparent", b"grpc-accept-encoding"]
 CONNECTIONS = 300
@@ -47,27 +46,6 @@ BLOCKS_PER_CONNECTION = 10
 
 
 # --------------------------------------------------------------------------- an HPACK writer
-
-
-def integer(value: int, prefix_bits: int, first: int) -> bytes:
-    mask = (1 << prefix_bits) - 1
-    if value < mask:
-        return bytes((first | value,))
-    out = bytearray((first | mask,))
-    value -= mask
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def string(value: bytes, huffman: bool) -> bytes:
-    if huffman:
-        coded = HUFFMAN.encode(value)
-        return integer(len(coded), 7, 0x80) + coded
-    return integer(len(value), 7, 0) + value
-
 
 class Writer:
     """Random header blocks; ``table`` mirrors the peer's dynamic table (newest first)."""
