@@ -2,6 +2,7 @@
 
     python bench/pull_storm.py [--pods 24] [--images 3] [--image-mib 8] [--link-mibps 6]
                                [--conn-mibps 0] [--max-parallel 2] [--credential-groups 0] [--json]
+                               [--status-watch SECONDS]
 
 Starts a local docker-registry behind the counting, throttling proxy of tests/support,
 pushes ``--images`` fabricated images of ``--image-mib`` MiB (one incompressible layer),
@@ -32,7 +33,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -81,23 +84,37 @@ async def _storm(endpoint: str, requests: list[bytes], timeout: float) -> tuple[
 
 def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[bytes], expected: list[str],
            *, max_parallel: int, link_bps: int | None, conn_bps: int | None, timeout: float,
-           log: Callable[[str], None]) -> dict[str, Any]:
+           log: Callable[[str], None], status_watch: float = 0.0) -> dict[str, Any]:
     proxy = reg.proxy
     assert proxy is not None
     ctd = Containerd(workdir / f"ctd-{name}", registries=[reg.host], log_level="warn")
     shim: ShimProcess | None = None
+    watcher: subprocess.Popen[str] | None = None
+    watched = ""
     try:
         ctd.start()
         endpoint = str(ctd.socket)
         if name == "shim":
-            config = {"server": {"admin_socket": ""}, "pulls": {"max_parallel": max_parallel}}
+            config: dict[str, Any] = {"pulls": {"max_parallel": max_parallel, "progress_interval_seconds": 0.5}}
+            if not status_watch:
+                config["server"] = {"admin_socket": ""}
             shim = ShimProcess(workdir / "shim", upstream=ctd.socket, config=config, log_level="info").start()
             endpoint = str(shim.socket)
+            if status_watch:  # `cri-shim status --watch` as an operator would run it, during the storm
+                watcher = subprocess.Popen(
+                    [sys.executable, "-m", "shim", "status", "--watch", "--interval", str(status_watch),
+                     "--admin-socket", str(shim.workdir / "admin.sock")],
+                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         proxy.reset()
         proxy.set_link_throttle(link_bps)
         proxy.set_throttle(conn_bps)
         log(f"  {name}: {len(requests)} concurrent PullImage calls to {'the shim' if shim else 'containerd'}")
         results, seconds = asyncio.run(_storm(endpoint, requests, timeout))
+        if watcher is not None:
+            watcher.send_signal(signal.SIGINT)
+            watched = watcher.communicate(timeout=10)[0]
+            watcher = None
+            log("  `cri-shim status --watch` during the storm:\n" + textwrap.indent(watched.rstrip(), "  | "))
         stats = proxy.stats()
         records = proxy.records()
         answers = [cri.decode_pull_image_response(r.response) if r.ok and r.response else None for r in results]
@@ -117,6 +134,7 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
             "correct": sum(1 for a, e in zip(answers, expected) if a == e),
             "errors": errors,
             "seconds_per_pod": [round(t, 3) for t in seconds],
+            **({"status_watch": watched} if watched else {}),
         }
     except BaseException:
         if shim is not None:
@@ -124,6 +142,9 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
         log(f"containerd log tail:\n{ctd.log_tail()}")
         raise
     finally:
+        if watcher is not None:
+            watcher.kill()
+            watcher.wait()
         proxy.set_link_throttle(None)
         proxy.set_throttle(None)
         if shim is not None:
@@ -135,7 +156,7 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
 def run_storm(pods: int = 24, images: int = 3, image_bytes: int = 8 * MiB, *, link_bps: int | None = 6 * MiB,
               conn_bps: int | None = None, max_parallel: int = 2, credential_groups: int = 0,
               phases: tuple[str, ...] = PHASES, timeout: float = 300.0,
-              log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+              log: Callable[[str], None] = lambda s: None, status_watch: float = 0.0) -> dict[str, Any]:
     """Run the storm in each of ``phases`` ("direct", "shim"); returns parameters and figures per phase."""
     if pods < 1 or images < 1 or credential_groups < 0 or not set(phases) <= set(PHASES):
         raise ValueError("need pods >= 1, images >= 1, credential_groups >= 0, phases from direct/shim")
@@ -168,7 +189,8 @@ def run_storm(pods: int = 24, images: int = 3, image_bytes: int = 8 * MiB, *, li
         }
         for name in phases:
             result[name] = _phase(name, reg, workdir, requests, expected, max_parallel=max_parallel,
-                                  link_bps=link_bps, conn_bps=conn_bps, timeout=timeout, log=log)
+                                  link_bps=link_bps, conn_bps=conn_bps, timeout=timeout, log=log,
+                                  status_watch=status_watch)
         return result
     finally:
         reg.stop()
@@ -241,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", default="direct,shim", help="comma-separated: direct, shim")
     ap.add_argument("--explain", action="store_true", help="add sentences on what the figures show")
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--status-watch", type=float, default=0.0, metavar="SECONDS",
+                    help="run `cri-shim status --watch --interval SECONDS` during the shim's storm and "
+                         "print what it showed (pull progress); 0: off (default)")
     args = ap.parse_args(argv)
     quiet = args.json
     result = run_storm(
@@ -249,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         max_parallel=args.max_parallel, credential_groups=args.credential_groups,
         phases=tuple(p.strip() for p in args.phases.split(",") if p.strip()),
         log=(lambda s: None) if quiet else (lambda s: print(s, file=sys.stderr, flush=True)),
+        status_watch=args.status_watch,
     )
     if args.json:
         print(json.dumps(result, indent=2))

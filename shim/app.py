@@ -15,6 +15,7 @@ from .images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE,
 from .imagesets import ImageSets
 from .metrics import Metrics
 from .proxy import Handler, Proxy
+from .pulls.poller import ProgressPoller
 from .pulls.scheduler import PullScheduler
 from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
 from .status import AdminServer, StatusSource, collect
@@ -36,6 +37,8 @@ class App:
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
                                        dedup=cfg.pulls.dedup, observer=self.metrics)
+        self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
+        self.scheduler.hooks.append(self.progress)
         self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
         self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self.image_sets: ImageSets | None = None
@@ -55,6 +58,7 @@ class App:
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
+        self.progress.configure(cfg.pulls)
 
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
@@ -126,6 +130,7 @@ class App:
     async def close(self) -> None:
         if self.image_sets is not None:
             await self.image_sets.stop()
+        await self.progress.close()
         if self.admin is not None:
             await self.admin.close()
         self.metrics.close()

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file to read the admin socket from "
                                                              f"(default {DEFAULT_CONFIG})")
     st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl-C)")
+    st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (default 1)")
     return p
 
 
@@ -104,6 +106,10 @@ def _status(args: argparse.Namespace) -> int:
         if not admin_socket:
             print(f"cri-shim: status is off: server.admin_socket is empty in {args.config}", file=sys.stderr)
             return 1
+    if args.watch:
+        from .status import watch_status
+
+        return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
     return print_status(admin_socket, as_json=args.json)
 
 

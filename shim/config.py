@@ -55,6 +55,13 @@ class PullsConfig:
     max_parallel: int = 4  # 0 = unlimited
     dedup: bool = True
     dedup_per_namespace: bool = False
+    progress_interval_seconds: float = 1.0  # one runtime poll for every running pull; 0 = progress off
+    progress_log_after_seconds: float = 10.0  # 25/50/75/100 % steps of pulls running this long are logged at info
+    stall_timeout_seconds: float = 0.0  # 0 = stall guard off
+    stall_min_bytes_per_second: int = 65536
+
+
+MIN_PROGRESS_INTERVAL = 0.1
 
 
 @dataclass(frozen=True)
@@ -277,11 +284,30 @@ def _log(d: Mapping[str, Any]) -> LogConfig:
 def _pulls(d: Mapping[str, Any]) -> PullsConfig:
     _check_keys("pulls", d, {f.name for f in dataclasses.fields(PullsConfig)})
     c = PullsConfig()
-    return PullsConfig(
+    cfg = PullsConfig(
         max_parallel=_int("pulls.max_parallel", d.get("max_parallel", c.max_parallel)),
         dedup=_bool("pulls.dedup", d.get("dedup", c.dedup)),
         dedup_per_namespace=_bool("pulls.dedup_per_namespace", d.get("dedup_per_namespace", c.dedup_per_namespace)),
+        progress_interval_seconds=_duration(
+            "pulls.progress_interval_seconds", d.get("progress_interval_seconds", c.progress_interval_seconds)),
+        progress_log_after_seconds=_duration(
+            "pulls.progress_log_after_seconds", d.get("progress_log_after_seconds", c.progress_log_after_seconds)),
+        stall_timeout_seconds=_duration(
+            "pulls.stall_timeout_seconds", d.get("stall_timeout_seconds", c.stall_timeout_seconds)),
+        stall_min_bytes_per_second=_size(
+            "pulls.stall_min_bytes_per_second", d.get("stall_min_bytes_per_second", c.stall_min_bytes_per_second)),
     )
+    if 0 < cfg.progress_interval_seconds < MIN_PROGRESS_INTERVAL:
+        raise ConfigError("pulls.progress_interval_seconds",
+                          f"must be 0 (off) or >= {MIN_PROGRESS_INTERVAL}, got {cfg.progress_interval_seconds!r}")
+    if cfg.stall_timeout_seconds > 0 and cfg.progress_interval_seconds == 0:
+        raise ConfigError("pulls.stall_timeout_seconds",
+                          "needs pull progress: pulls.progress_interval_seconds must not be 0")
+    if 0 < cfg.stall_timeout_seconds < 2 * cfg.progress_interval_seconds:
+        raise ConfigError("pulls.stall_timeout_seconds",
+                          f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
+                          f"({cfg.progress_interval_seconds:g}), got {cfg.stall_timeout_seconds!r}")
+    return cfg
 
 
 def _pins(d: Mapping[str, Any]) -> PinsConfig:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from .pulls.scheduler import Priority, PullKey
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_THROUGHPUT_BUCKETS = tuple(float(2**i) for i in range(14, 32, 2))  # 16 KiB/s .. 1 GiB/s
 _RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -47,6 +48,18 @@ class Metrics:
                                       "(declared, present, pulling, queued, failed).", ["set", "state"], registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
+        self.pull_bytes = Counter("cri_shim_pull_bytes", "Bytes upstream pulls downloaded into the runtime, as "
+                                  "its content store reports them (each blob counted once node-wide; containerd "
+                                  "only).", registry=r)
+        self.pull_in_flight_bytes = Gauge("cri_shim_pull_in_flight_bytes", "Running upstream pulls whose size is "
+                                          "known: bytes done and total.", ["kind"], registry=r)
+        self.pull_throughput = Histogram("cri_shim_pull_throughput_bytes_per_second", "Bytes an upstream pull "
+                                         "downloaded divided by its running time (pulls of 1 MiB or more).",
+                                         buckets=_THROUGHPUT_BUCKETS, registry=r)
+        self.progress_calls = Counter("cri_shim_pull_progress_calls", "Calls the pull-progress poller made to the "
+                                      "runtime's content API, by method.", ["method"], registry=r)
+        self.pull_stalls = Counter("cri_shim_pull_stalls", "Upstream pulls cancelled by the stall guard "
+                                   "(pulls.stall_timeout_seconds).", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None

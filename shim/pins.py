@@ -3,7 +3,8 @@
 A pattern is one of:
 - an image reference, normalized (``nginx`` = ``docker.io/library/nginx:latest``);
 - a digest reference, ``repo@sha256:...`` (``repo:tag@sha256:...`` pins the digest);
-- an image ID, ``sha256:<64 hex>``;
+- an image ID, ``sha256:<64 hex>`` or the bare 64 hex (the same pin; containerd
+  reports IDs with ``sha256:``, CRI-O without);
 - a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``
   (fnmatch rules: ``*`` also crosses ``/``; docker.io defaults apply to the
   repository part, so ``pause:*`` means ``docker.io/library/pause:*``).
@@ -24,6 +25,7 @@ from . import reference
 from .reference import ReferenceError
 
 _GLOB_CHARS = frozenset("*?[")
+_SHORT_ID = re.compile(r"sha256:[0-9a-f]{1,63}", re.ASCII)
 _IPV6_HOST = re.compile(r"\[[0-9a-fA-F:]+\](?::[0-9]+)?/")  # [fc00::1]:5000/ is a host, not a [class]
 
 
@@ -59,6 +61,9 @@ def normalize_pattern(p: str) -> str:
         return _normalize_glob(p)
     if reference.is_image_id(p):
         return reference.normalize(p)
+    if _SHORT_ID.fullmatch(p):  # would parse as the tag of docker.io/library/sha256: never what was meant
+        raise ValueError(f"{p!r} is a shortened image ID; an ID pin needs all 64 hex digits "
+                         "(with or without 'sha256:')")
     try:
         ref = reference.parse(p)
     except ReferenceError as e:
@@ -98,7 +103,7 @@ def image_names(image_id: str, repo_tags: Iterable[str], repo_digests: Iterable[
     names = [_normal(n) for n in repo_tags]
     names += [_normal(n) for n in repo_digests]
     if image_id:
-        names.append(image_id)
+        names.append(reference.normalize_image_id(image_id) or image_id)  # CRI-O: bare hex
     return names
 
 
@@ -174,8 +179,10 @@ class PinSet:
 
         Same answer as ``match(image_names(...))``, with each name looked at once per PinSet.
         """
-        if image_id in self.exact:
-            return image_id
+        if image_id:
+            canon_id = reference.normalize_image_id(image_id) or image_id  # CRI-O reports bare hex
+            if canon_id in self.exact:
+                return canon_id
         for n in repo_tags:
             if (pin := self._match_name(n)) is not None:
                 return pin

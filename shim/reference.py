@@ -35,6 +35,7 @@ __all__ = [
     "ReferenceError",
     "is_image_id",
     "normalize",
+    "normalize_image_id",
     "parse",
     "pull_name",
     "split_domain",
@@ -111,6 +112,18 @@ class Reference:
 def is_image_id(s: str) -> bool:
     """True for an image ID: ``sha256:<64 lowercase hex>`` or bare 64 hex."""
     return _IMAGE_ID.fullmatch(s) is not None
+
+
+def normalize_image_id(s: str) -> str | None:
+    """An image ID in its ``sha256:<hex>`` form, or None if ``s`` is not one.
+
+    containerd reports IDs as ``sha256:<hex>``, CRI-O as the bare 64 hex; both name
+    the same image (the digest of its config), so every comparison of IDs goes
+    through this form.
+    """
+    if _IMAGE_ID.fullmatch(s) is None:
+        return None
+    return s if s.startswith("sha256:") else f"sha256:{s}"
 
 
 def _host_in_lower_case(domain: str) -> str:
@@ -210,8 +223,9 @@ def normalize(ref: str) -> str:
     An image ID is returned in its ``sha256:<hex>`` form. Raises
     :class:`ReferenceError` for invalid input.
     """
-    if is_image_id(ref):
-        return ref if ref.startswith("sha256:") else f"sha256:{ref}"
+    image_id = normalize_image_id(ref)
+    if image_id is not None:
+        return image_id
     return str(parse(ref).with_default_tag())
 
 

@@ -46,13 +46,21 @@ def collect(app: "App", started_at: float) -> dict[str, Any]:
     from .tracing import shim_version
 
     cfg = app.cfg
+    pulls = app.scheduler.snapshot()
+    progress = getattr(app, "progress", None)
+    for row in pulls["in_flight"]:
+        view = progress.view(int(row["id"])) if progress is not None else None  # type: ignore[call-overload]
+        if view is not None:
+            row["progress"] = view
     out: dict[str, Any] = {
         "version": shim_version(),
         "pid": os.getpid(),
         "uptime_seconds": round(time.monotonic() - started_at, 1),
         "upstream": {"target": app.upstream.target, "state": app.upstream.state},
         "pulls": {"max_parallel": cfg.pulls.max_parallel, "dedup": cfg.pulls.dedup,
-                  **app.scheduler.snapshot()},
+                  "progress_interval_seconds": cfg.pulls.progress_interval_seconds,
+                  "stall_timeout_seconds": cfg.pulls.stall_timeout_seconds,
+                  "stall_min_bytes_per_second": cfg.pulls.stall_min_bytes_per_second, **pulls},
         "tracing": dict(app.tracing.description) if app.tracing.enabled else {"exporter": "off"},
     }
     for name, source in list(app.status_sources.items()):
@@ -202,6 +210,38 @@ def print_status(admin_socket: str, as_json: bool = False, out: TextIO | None = 
     return 0
 
 
+def watch_status(admin_socket: str, interval: float = 1.0, as_json: bool = False, out: TextIO | None = None,
+                 count: int | None = None) -> int:
+    """`cri-shim status --watch`: redraw every ``interval`` seconds until interrupted (or ``count`` times).
+
+    On a terminal the screen is cleared before each view; otherwise views are separated
+    by a blank line (for logs). With ``--json``, one JSON document per line.
+    """
+    out = out or sys.stdout
+    clear = out.isatty() and not as_json
+    shown = 0
+    try:
+        while count is None or shown < count:
+            try:
+                doc = fetch_status(admin_socket)
+            except StatusError as e:
+                text = f"cri-shim: {e}\n"
+            else:
+                text = json.dumps(doc) + "\n" if as_json else render(doc)
+            if clear:
+                out.write("\x1b[H\x1b[2J")
+            elif shown and not as_json:
+                out.write("\n")
+            out.write(time.strftime("%H:%M:%S ") + text if not as_json else text)
+            out.flush()
+            shown += 1
+            if count is None or shown < count:
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -232,6 +272,32 @@ def _pull_line(p: dict[str, Any]) -> str:
         parts.append(f"(queued {_secs(p.get('queued_seconds', 0))})")
     else:
         parts.append(f"queued {_secs(p.get('queued_seconds', 0))}")
+    return "  ".join(parts)
+
+
+BAR_WIDTH = 24
+
+
+def progress_line(pr: dict[str, Any]) -> str:
+    """``[#########...............]  38%  9.1/24.0 MiB  1/3 layers  3.9 MiB/s  ETA 4s`` (or the phase and why)."""
+    from .pulls.progress import human_bytes
+
+    phase = pr.get("phase", "unknown")
+    if "bytes_total" not in pr:
+        return f"[{'?' * BAR_WIDTH}]  {phase}: {pr.get('reason', '')}".rstrip(": ")
+    done, total = int(pr.get("bytes_done") or 0), int(pr.get("bytes_total") or 0)
+    frac = done / total if total else 1.0
+    filled = int(round(frac * BAR_WIDTH))
+    parts = [f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {100 * frac:3.0f}%",
+             f"{human_bytes(done)} / {human_bytes(total)}",
+             f"{pr.get('layers_done', 0)}/{pr.get('layers_total', 0)} layers"]
+    if phase == "unpacking":
+        parts.append("unpacking")
+    else:
+        rate = pr.get("bytes_per_second")
+        parts.append("- /s" if rate is None else f"{human_bytes(rate)}/s")
+        eta = pr.get("eta_seconds")
+        parts.append("ETA -" if eta is None else f"ETA {_secs(eta)}")
     return "  ".join(parts)
 
 
@@ -281,6 +347,8 @@ def render(doc: dict[str, Any]) -> str:
     for label, rows in (("running", running), ("queued", queued)):
         for i, p in enumerate(rows):
             lines.append(f"  {label if i == 0 else '':8} {_pull_line(p)}")
+            if "progress" in p:
+                lines.append(f"  {'':8}   {progress_line(p['progress'])}")
     tracing = doc.get("tracing", {})
     if tracing:
         lines.append("tracing    " + "  ".join(f"{k}={v}" for k, v in tracing.items()))

@@ -1,6 +1,6 @@
 """Shared test configuration.
 
-* Tests under ``tests/e2e`` are marked ``e2e`` automatically.
+* Tests under ``tests/e2e`` are marked ``e2e`` automatically, those under ``tests/node`` ``node``.
 * When a test fails, the log tails of the fixtures it used (containerd,
   registry, shims: anything with ``log_tail()`` or ``log_tails()``) are
   attached to its report.
@@ -27,6 +27,7 @@ import pytest
 from tests.support import cri
 
 _E2E_DIR = Path(__file__).parent / "e2e"
+_NODE_DIR = Path(__file__).parent / "node"
 
 #: Longest unix socket path (``sun_path`` is 108 bytes with its NUL).
 SUN_PATH_MAX = 107
@@ -65,6 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _E2E_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.e2e)
+        elif _NODE_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.node)
 
 
 @pytest.hookimpl(hookwrapper=True)

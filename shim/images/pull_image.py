@@ -79,7 +79,8 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
                 raise
 
     try:
-        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining())
+        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining(),
+                                           listener=span.add_event if span.is_recording() else None)
     except RpcError as e:
         _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)
         raise

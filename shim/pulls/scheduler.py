@@ -81,6 +81,15 @@ class _NullObserver:
 
 
 Runner = Callable[[], Awaitable[bytes]]
+# A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
+Listener = Callable[[str, dict[str, object]], None]
+
+
+class FlightHooks(Protocol):
+    """Told when a flight goes upstream and when it ends (pull progress follows these)."""
+
+    def flight_started(self, flight: "Flight") -> None: ...
+    def flight_finished(self, flight: "Flight") -> None: ...
 
 
 @dataclass(eq=False)
@@ -95,6 +104,7 @@ class Flight:
     started_at: float | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     result: str | None = None  # success | error | cancelled, once finished
+    listeners: list[Listener] = field(default_factory=list)  # of the callers waiting now
 
     @property
     def queued(self) -> bool:
@@ -117,6 +127,7 @@ class PullScheduler:
         self._running: set[Flight] = set()
         self._seq = itertools.count()
         self._closed: RpcError | None = None
+        self.hooks: list[FlightHooks] = []
 
     # ------------------------------------------------------------------ public
 
@@ -126,7 +137,7 @@ class PullScheduler:
         self._dispatch()
 
     async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
-                   timeout: float | None = None) -> PullOutcome:
+                   timeout: float | None = None, listener: Listener | None = None) -> PullOutcome:
         """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds.
 
         Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``timeout`` runs out
@@ -143,6 +154,8 @@ class PullScheduler:
             if priority < flight.priority:
                 self._lift(flight, priority)
         flight.waiters += 1
+        if listener is not None:
+            flight.listeners.append(listener)
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
             # arrives just as the result does, and this caller must see its own cancel.
@@ -154,6 +167,8 @@ class PullScheduler:
                            f"cri-shim: deadline exceeded {where} {key.image}") from None
         finally:
             flight.waiters -= 1
+            if listener is not None:
+                flight.listeners.remove(listener)
             if flight.waiters == 0 and not flight.future.done():
                 self._abandon(flight)
         started = flight.started_at if flight.started_at is not None else self._clock()
@@ -171,6 +186,14 @@ class PullScheduler:
                     flight.future.set_exception(self._closed)
         self._changed()
 
+    def fail_running(self, flight: Flight, error: RpcError) -> bool:
+        """End a running flight with ``error`` for every waiter and cancel its upstream call
+        (the stall guard). False if it is not running any more."""
+        if flight not in self._running or flight.future.done():
+            return False
+        self._abandon(flight, error)
+        return True
+
     @property
     def queued(self) -> int:
         return sum(len(q) for q in self._queues.values())
@@ -184,7 +207,7 @@ class PullScheduler:
         now = self._clock()
 
         def row(f: Flight) -> dict[str, object]:
-            d: dict[str, object] = {"image": f.key.image, "handler": f.key.handler,
+            d: dict[str, object] = {"id": f.seq, "image": f.key.image, "handler": f.key.handler,
                                     "priority": f.priority.name.lower(), "waiters": f.waiters,
                                     "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
             if f.started_at is not None:
@@ -252,6 +275,8 @@ class PullScheduler:
         # Cleanup in a done callback, not a finally: a task cancelled before its first
         # step never runs its body, and its slot must still come back.
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
+        for hook in self.hooks:
+            hook.flight_started(flight)
 
     async def _run(self, flight: Flight) -> None:
         try:
@@ -273,6 +298,8 @@ class PullScheduler:
             flight.result = "cancelled"
             self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
         self._running.discard(flight)
+        for hook in self.hooks:
+            hook.flight_finished(flight)
         self._observer.finished(flight.key, flight.result, self._clock() - (flight.started_at or self._clock()))
         self._dispatch()
         self._changed()
@@ -294,14 +321,17 @@ class PullScheduler:
             if not group:
                 del self._flights[group_key]
 
-    def _abandon(self, flight: Flight) -> None:
-        """Nobody waits any more: drop it from the queue, or cancel the upstream call."""
+    def _abandon(self, flight: Flight, error: RpcError | None = None) -> None:
+        """Nobody waits any more (or the stall guard ended it with ``error``): drop it from
+        the queue, or cancel the upstream call."""
         self._forget(flight)
         if flight.queued:
             self._queues[flight.priority].remove(flight)
-            flight.future.set_exception(RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
+            flight.future.set_exception(error or RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
             self._changed()
         elif flight.task is not None and not flight.task.done():
+            if error is not None and not flight.future.done():
+                flight.future.set_exception(error)
             flight.task.cancel()
 
     def _changed(self) -> None:

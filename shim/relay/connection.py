@@ -390,6 +390,8 @@ class ClientConnection(asyncio.Protocol):
                     trailers_only=True)), True, self.client_max_frame))
                 return
             self.relayed_open.add(sid)
+            if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
+                logs.log(_log, logging.DEBUG, "relayed", method=path.decode("latin-1") if path else "")
             out.extend(frames)
             return
         self.decoder.restore(snapshot)  # decode again, this time every header
@@ -427,6 +429,11 @@ class ClientConnection(asyncio.Protocol):
             if sid and sid in self.dropped_upstream:
                 if ftype == h2.RST_STREAM or (flags & h2.END_STREAM and ftype in (h2.HEADERS, h2.DATA)):
                     self.dropped_upstream.discard(sid)
+                continue
+            if sid and sid in self.local:
+                # A stream we answer ourselves whose header block the runtime had to see: grpc-go
+                # may answer it (an unknown method: trailers at once) and then RST_STREAM(NO_ERROR)
+                # before it reads our RST_STREAM. None of that is the client's.
                 continue
             if ftype == h2.SETTINGS:
                 if not flags & h2.ACK:

@@ -23,6 +23,8 @@ INSTALL_HINTS: dict[str, str] = {
     "crictl": "go install sigs.k8s.io/cri-tools/cmd/crictl@v1.37.0",
     "h2spec-grpc": "bash scripts/setup.d/60-h2spec.sh",
     "socat": "apt-get install -y socat",
+    "systemd-nspawn": "bash scripts/setup.d/45-nspawn-root.sh (apt-get install -y systemd-container)",
+    "nsenter": "apt-get install -y util-linux",
 }
 
 

@@ -415,7 +415,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self, method: str, path: str, body: bytes | None, kind: str, image: ImageKey | None
     ) -> tuple[int, int]:
         proxy = self.server.proxy
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # A header sent several times (containers/image, so CRI-O, sends one Accept per media
+        # type) is forwarded once with its values comma-joined, which means the same (RFC 9110).
+        headers: dict[str, str] = {}
+        for k, v in self.headers.items():
+            if k.lower() not in _HOP_BY_HOP:
+                headers[k] = f"{headers[k]}, {v}" if k in headers else v
         if body is not None:
             headers["Content-Length"] = str(len(body))
         for attempt in (0, 1):

@@ -113,7 +113,9 @@ async def test_status_through_the_cli(engine: str, runtime: FakeRuntime, admin_s
         assert await asyncio.to_thread(cli.main, ["status", "--admin-socket", admin_socket, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pid"] == os.getpid() and doc["pulls"] == {"max_parallel": 4, "dedup": True, "queued": [],
-                                                          "in_flight": []}
+                                                          "in_flight": [], "progress_interval_seconds": 1.0,
+                                                          "stall_timeout_seconds": 0.0,
+                                                          "stall_min_bytes_per_second": 65536}
 
 
 async def test_admin_socket_answers_only_get_status(engine: str, runtime: FakeRuntime, admin_socket: str) -> None:

@@ -1,0 +1,101 @@
+"""A call the shim answers itself whose header block the runtime still had to see.
+
+When a client's first header block inserts into the HPACK table, the relay forwards it to
+the runtime and cancels it there (RST_STREAM CANCEL). grpc-go (CRI-O, containerd) may
+answer such a stream before reading the cancel: trailers at once for a method it does
+not know (StreamImages on CRI-O v1.34), then RST_STREAM(NO_ERROR). None of that may
+reach the client: grpc clients fail the call with INTERNAL "Received RST_STREAM with
+error code 0" instead of taking the shim's answer. Found by the crio suite
+(StreamImages with pins), about one call in fifty on a fresh connection.
+
+Client and runtime here speak raw HTTP/2, so the order of frames is fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hpack import Encoder
+
+from shim.relay import h2
+from tests.support.inproc import running_shim
+
+STREAM = "/runtime.v1.ImageService/StreamImages"
+
+
+def frames(buf: bytearray) -> list[tuple[int, int, int, bytes]]:
+    """Whole frames taken off the front of ``buf``: (type, flags, stream id, payload)."""
+    out = []
+    while len(buf) >= 9:
+        length = int.from_bytes(buf[:3], "big")
+        if len(buf) < 9 + length:
+            break
+        out.append((buf[3], buf[4], int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF, bytes(buf[9:9 + length])))
+        del buf[:9 + length]
+    return out
+
+
+async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_client(tmp_path) -> None:
+    ping = b"runtime!"
+    runtime_done = asyncio.Event()
+
+    async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """grpc-go's way with an unknown method: trailers on HEADERS, then RST_STREAM(NO_ERROR)."""
+        writer.write(h2.settings_frame({}))
+        buf = bytearray()
+        preface_seen = False
+        trailers = Encoder().encode([(":status", "200"), ("content-type", "application/grpc"),
+                                     ("grpc-status", "12"), ("grpc-message", "unknown method")])
+        while data := await reader.read(65536):
+            buf += data
+            if not preface_seen:
+                if len(buf) < len(h2.PREFACE):
+                    continue
+                del buf[:len(h2.PREFACE)]
+                preface_seen = True
+            for ftype, flags, sid, _ in frames(buf):
+                if ftype == h2.SETTINGS and not flags & h2.ACK:
+                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+                elif ftype == h2.HEADERS:
+                    writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, sid, trailers)
+                                 + h2.rst_stream(sid, h2.NO_ERROR)
+                                 + h2.frame(h2.PING, 0, 0, ping))  # everything before it has been relayed
+        writer.close()
+        runtime_done.set()
+
+    server = await asyncio.start_unix_server(runtime, str(tmp_path / "runtime.sock"))
+    relayed = asyncio.Event()
+
+    async def answer(request: bytes, call):
+        await relayed.wait()
+        yield b"from the shim"
+
+    async with running_shim(f"unix://{tmp_path / 'runtime.sock'}", engine="relay") as shim:
+        shim.app.proxy.set_table({STREAM: answer})
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+        # a first header block that inserts into the HPACK table (incremental indexing)
+        block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),
+                                  (":authority", "localhost"), ("content-type", "application/grpc"),
+                                  ("te", "trailers")])
+        writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, block)
+                     + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\x00\x00\x00\x00\x00"))
+        seen: list[tuple[int, int, int]] = []
+        buf = bytearray()
+        ended = False
+        while not ended:
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            assert data, f"connection closed; frames so far: {seen}"
+            buf += data
+            for ftype, flags, sid, payload in frames(buf):
+                seen.append((ftype, flags, sid))
+                if ftype == h2.PING and payload == ping:
+                    relayed.set()
+                elif ftype == h2.SETTINGS and not flags & h2.ACK:
+                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
+                elif sid == 1 and (ftype == h2.RST_STREAM or (ftype == h2.HEADERS and flags & h2.END_STREAM)):
+                    ended = True
+        writer.close()
+    await asyncio.wait_for(runtime_done.wait(), 10)  # the shim closed its runtime connection
+    server.close()
+    on_stream = [t for t, _, s in seen if s == 1 and t in (h2.HEADERS, h2.DATA, h2.RST_STREAM)]
+    assert on_stream == [h2.HEADERS, h2.DATA, h2.HEADERS], on_stream  # the shim's answer: headers, message, trailers
