@@ -21,6 +21,8 @@ INSTALL_HINTS: dict[str, str] = {
     "docker-registry": "apt-get install -y docker-registry",
     "skopeo": "apt-get install -y skopeo",
     "crictl": "go install sigs.k8s.io/cri-tools/cmd/crictl@v1.37.0",
+    "h2spec-grpc": "bash scripts/setup.d/60-h2spec.sh",
+    "socat": "apt-get install -y socat",
     "systemd-nspawn": "bash scripts/setup.d/45-nspawn-root.sh (apt-get install -y systemd-container)",
     "nsenter": "apt-get install -y util-linux",
 }

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import yaml
 
@@ -151,10 +151,12 @@ def write_config(path: Path, settings: Mapping[str, Any] | str) -> None:
 
 async def start_shim(upstream: str, workdir: str | os.PathLike[str], settings: Mapping[str, Any] | str | None = None,
                      *, listen_path: str | None = None, extra_args: Sequence[str] = (),
-                     env: Mapping[str, str] | None = None, wait: bool = True) -> ShimProcess:
+                     env: Mapping[str, str] | None = None, wait: bool = True,
+                     preexec_fn: Callable[[], None] | None = None) -> ShimProcess:
     """Start ``python -m shim serve``; with ``wait``, return once its socket accepts connections.
 
     ``settings`` is a dict (written as YAML, test defaults added) or raw YAML text.
+    ``preexec_fn`` runs in the child before exec (e.g. to set an rlimit, as systemd does).
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +169,7 @@ async def start_shim(upstream: str, workdir: str | os.PathLike[str], settings: M
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(shim_command(f"unix://{path}", upstream, config_path, extra_args),
                             cwd=REPO, env=shim_env(env), stdin=subprocess.DEVNULL,
-                            stdout=log_file, stderr=subprocess.STDOUT)
+                            stdout=log_file, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
     shim = ShimProcess(proc, path, config_path, log_path, log_file)
     if wait:
         try:
