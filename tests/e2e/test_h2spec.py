@@ -40,44 +40,8 @@ CASES = 145  # h2spec v2.2.1 --dryrun
 
 # issue 13, fixed by relay-core: remove each case here when relay-core's relay passes it
 # (the test fails while a listed case passes, so the list can only shrink).
-KNOWN_RELAY_GAPS: dict[str, frozenset[str]] = {
-    VERSION: frozenset({
-        'hpack/6.3 Sends a dynamic table size update larger than the value of SETTINGS_HEADER_TABLE_SIZE',
-        'http2/4.3 Sends a PRIORITY frame while sending the header blocks',
-        'http2/5.5 Sends an unknown extension frame in the middle of a header block',
-        'http2/6.10 Sends a CONTINUATION frame followed by any frame other than CONTINUATION',
-        'http2/6.2 Sends a HEADERS frame without the END_HEADERS flag, and a PRIORITY frame',
-        'http2/6.5 Sends a SETTINGS frame with a stream identifier other than 0x0',
-        'http2/6.9 Sends a WINDOW_UPDATE frame with a flow control window increment of 0',
-    }),
-    PULL_IMAGE: frozenset({
-        'hpack/6.3 Sends a dynamic table size update larger than the value of SETTINGS_HEADER_TABLE_SIZE',
-        'http2/4.2 Sends a large size DATA frame that exceeds the SETTINGS_MAX_FRAME_SIZE',
-        'http2/4.3 Sends a PRIORITY frame while sending the header blocks',
-        'http2/5.1 half closed (remote): Sends a DATA frame',
-        'http2/5.1 half closed (remote): Sends a HEADERS frame',
-        'http2/5.5 Sends an unknown extension frame in the middle of a header block',
-        'http2/6.1 Sends a DATA frame on the stream that is not in "open" or "half-closed (local)" state',
-        'http2/6.10 Sends a CONTINUATION frame followed by any frame other than CONTINUATION',
-        'http2/6.2 Sends a HEADERS frame without the END_HEADERS flag, and a PRIORITY frame',
-        'http2/6.3 Sends a PRIORITY frame with a length other than 5 octets',
-        'http2/6.4 Sends a RST_STREAM frame with a length other than 4 octets',
-        'http2/6.5 Sends a SETTINGS frame with a stream identifier other than 0x0',
-        'http2/6.9 Sends a WINDOW_UPDATE frame with a flow control window increment of 0',
-        'http2/6.9 Sends a WINDOW_UPDATE frame with a flow control window increment of 0 on a stream',
-        'http2/8.1 Sends a second HEADERS frame without the END_STREAM flag',
-        'http2/8.1.2 Sends a HEADERS frame that contains the header field name in uppercase letters',
-        'http2/8.1.2.1 Sends a HEADERS frame that contains a pseudo-header field as trailers',
-        'http2/8.1.2.1 Sends a HEADERS frame that contains a pseudo-header field that appears in a header block after a regular header field',
-        'http2/8.1.2.1 Sends a HEADERS frame that contains a unknown pseudo-header field',
-        'http2/8.1.2.1 Sends a HEADERS frame that contains the pseudo-header field defined for response',
-        'http2/8.1.2.3 Sends a HEADERS frame that omits ":method" pseudo-header field',
-        'http2/8.1.2.3 Sends a HEADERS frame that omits ":scheme" pseudo-header field',
-        'http2/8.1.2.3 Sends a HEADERS frame with duplicated ":method" pseudo-header field',
-        'http2/8.1.2.3 Sends a HEADERS frame with duplicated ":path" pseudo-header field',
-        'http2/8.1.2.3 Sends a HEADERS frame with duplicated ":scheme" pseudo-header field',
-    }),
-}
+KNOWN_RELAY_GAPS: dict[str, frozenset[str]] = {VERSION: frozenset(), PULL_IMAGE: frozenset()}
+
 # server.engine: grpc is grpc-core's (C) HTTP/2 server in front of containerd, not shim/relay/:
 # issue 13's relay work does not change these. Listed so that any further change is noticed.
 KNOWN_GRPC_ENGINE_GAPS: dict[str, frozenset[str]] = {

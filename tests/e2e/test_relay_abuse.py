@@ -378,8 +378,7 @@ async def _shim(containerd: Containerd, tmp_path: Path, settings: dict | None = 
 # ping_flood +228 MiB, silent_sockets: new clients UNAVAILABLE, continuation_flood +251 MiB,
 # huge_header_blocks +255 MiB, gzip_bomb +1270 MiB, data_beyond_window +163 MiB). Remove an attack
 # from this set when the relay passes it (strict: an unexpected pass fails the run).
-KNOWN_RELAY_GAPS = {"ping_flood", "silent_sockets", "continuation_flood", "huge_header_blocks", "gzip_bomb",
-                    "data_beyond_window", "new_stream_after_goaway"}
+KNOWN_RELAY_GAPS: set[str] = set()
 ATTACKS: list = [
     pytest.param(a, id=a.__name__, marks=[RELAY_CORE] if a.__name__ in KNOWN_RELAY_GAPS else [])
     for a in (ping_flood, silent_sockets, continuation_flood, huge_header_blocks, gzip_bomb, data_beyond_window)

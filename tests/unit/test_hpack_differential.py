@@ -203,8 +203,6 @@ def test_valid_blocks_decode_exactly_like_hpack(full: bool) -> None:
     assert accepted == CONNECTIONS * BLOCKS_PER_CONNECTION
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: relay-core (a size update after a header field is accepted; "
-                                       "HPACK errors are PROTOCOL_ERROR, not COMPRESSION_ERROR)")
 def test_corrupted_and_random_blocks_are_refused_exactly_when_hpack_refuses() -> None:
     refused = accepted = 0
     for rng, blocks in connections(1013):
@@ -237,7 +235,6 @@ def acknowledged_zero() -> tuple[Decoder, hpack.Decoder]:
     return ours, ref
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: relay-core (the decoder does not enforce the advertised size 0)")
 def test_after_table_size_zero_only_an_update_to_zero_at_block_start_is_accepted() -> None:
     rng = random.Random(7)
     # an update above the advertised 0 is refused, whatever its size
