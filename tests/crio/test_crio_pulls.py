@@ -135,7 +135,9 @@ def test_short_deadline_caller_leaves_others_get_the_image(crio: Crio, shim_fact
         proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
         patient = storm(pool, crio.socket, [req, req])
         wait_for(lambda: crio.log_text().count(f"Pulling image: {direct_img.ref}") >= 3, what="3 calls at CRI-O")
-        assert impatient.result(timeout=30).code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # CRI-O's gRPC server also times the call out and resets the stream (RST_STREAM CANCEL);
+        # whichever side's timer fires first decides the code the client sees
+        assert impatient.result(timeout=30).code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
         joined = [f.result(timeout=60) for f in patient]
     finally:
         proxy.release_blobs()
