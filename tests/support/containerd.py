@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -175,18 +174,7 @@ disabled_plugins = [{disabled}]
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        last: object = None
-        while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"containerd exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if self.socket.exists():
-                res = cri.call(str(self.socket), "Version", b"", timeout=2.0)
-                if res.ok:
-                    return
-                last = res
-            time.sleep(0.05)
-        raise TimeoutError(f"containerd CRI not ready on {self.socket} ({last}):\n{self.log_tail()}")
+        cri.wait_runtime_ready("containerd CRI", self.socket, self._proc, self.log_tail, timeout)
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout``.  Returns the exit code."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -134,6 +135,24 @@ async def acall(
 # Protobuf wire format (just enough for the image service)
 # --------------------------------------------------------------------------
 
+
+
+def wait_runtime_ready(name: str, socket: str | os.PathLike[str], proc: subprocess.Popen[bytes] | None,
+                       log_tail: Callable[[], str], timeout: float) -> None:
+    """Wait until a runtime process (containerd, CRI-O) answers CRI ``Version`` on ``socket``;
+    RuntimeError if it exits first, TimeoutError (with its log tail) if it never answers."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log_tail()}")
+        if os.path.exists(socket):
+            res = call(str(socket), "Version", b"", timeout=2.0)
+            if res.ok:
+                return
+            last = res
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} not ready on {socket} ({last}):\n{log_tail()}")
 
 def varint(n: int) -> bytes:
     out = bytearray()

@@ -301,18 +301,7 @@ enable_metrics = false
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        last: object = None
-        while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise RuntimeError(f"crio exited with {self._proc.returncode}:\n{self.log_tail()}")
-            if self.socket.exists():
-                res = cri.call(str(self.socket), "Version", b"", timeout=2.0)
-                if res.ok:
-                    return
-                last = res
-            time.sleep(0.05)
-        raise TimeoutError(f"CRI-O not ready on {self.socket} ({last}):\n{self.log_tail()}")
+        cri.wait_runtime_ready("CRI-O", self.socket, self._proc, self.log_tail, timeout)
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout``. Returns the exit code."""
