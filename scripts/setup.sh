@@ -31,7 +31,9 @@ if ! command -v crictl >/dev/null; then
   GOBIN=/usr/local/bin go install sigs.k8s.io/cri-tools/cmd/crictl@v1.37.0
 fi
 # One file per extra component (containerd 2.x, kubelet, CRI-O, ...), each idempotent and
-# caching its build by version, run in name order.
-for step in scripts/setup.d/*.sh; do
-  bash "$step"
-done
+# caching its build by version, run in name order. `--base` (the demo) skips them.
+if [ "${1:-}" != "--base" ]; then
+  for step in scripts/setup.d/*.sh; do
+    bash "$step"
+  done
+fi
