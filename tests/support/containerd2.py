@@ -17,10 +17,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import grpc
+from tests.support import cri
 
 INSTALL = ('GOBIN=/opt/containerd2/bin go install -tags "no_btrfs no_devmapper no_zfs" '
            "github.com/containerd/containerd/v2/cmd/containerd@v2.4.2")
@@ -118,20 +117,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen([self.binary, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"containerd 2.x exited with {self._proc.returncode}:\n{self.log()[-3000:]}")
-            if self.socket.exists():
-                with grpc.insecure_channel(self.endpoint) as ch:
-                    try:
-                        ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=2)
-                        return self
-                    except grpc.RpcError:
-                        pass
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"containerd 2.x CRI not ready on {self.socket}:\n{self.log()[-3000:]}")
+        try:
+            cri.wait_runtime_ready("containerd 2.x CRI", self.socket, self._proc, lambda: self.log()[-3000:], timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

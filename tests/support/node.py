@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 
-from tests.support import binaries
+from tests.support import binaries, cri
 from tests.support.containerd2 import Containerd2
 from tests.support.crictl import Crictl
 from tests.support.oci import MEDIA_OCI_CONFIG, MEDIA_OCI_LAYER_GZIP, MEDIA_OCI_MANIFEST, Blob, Layer, OciImage, \
@@ -301,20 +300,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen([self.binary, "--config", str(config)], stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"containerd 2.x exited with {self._proc.returncode}:\n{self.log()[-3000:]}")
-            if self.socket.exists():
-                with grpc.insecure_channel(self.endpoint) as ch:
-                    try:
-                        ch.unary_unary("/runtime.v1.RuntimeService/Version")(b"", timeout=2)
-                        return self
-                    except grpc.RpcError:
-                        pass
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"containerd 2.x CRI not ready on {self.socket}:\n{self.log()[-3000:]}")
+        try:
+            cri.wait_runtime_ready("containerd 2.x CRI", self.socket, self._proc, lambda: self.log()[-3000:], timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def remove_all_pods(self, crictl: Crictl) -> None:
         """Stop and remove every pod (and so every runc container, mount and netns) it runs."""
