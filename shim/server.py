@@ -142,6 +142,7 @@ class ShimServer:
                                        lambda: app.proxy.table, self.cfg.server.max_message_bytes,
                                        observe=app.proxy.observe, settings=relay_settings(self.cfg))
                     await self.relay.start(self.path)
+                    app.status_sources["relay"] = self.relay.status
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
                     self.server.add_generic_rpc_handlers((app.proxy,))

@@ -153,6 +153,14 @@ class Relay:
         self.connections.discard(conn)
         self.admission.remove(conn)
 
+    def status(self) -> dict[str, Any]:
+        """For `cri-shim status`: what clients hold now, against each bound."""
+        calls, buf = self.limits.calls, self.limits.request_buffer
+        return {"connections": len(self.connections), "max_connections": self.settings.max_connections,
+                "untrusted_connections_by_uid": self.admission.uids(),
+                "intercepted_calls": calls.used, "max_intercepted_calls": calls.limit,
+                "request_buffer_bytes": buf.used, "max_request_buffer_bytes": buf.limit}
+
     def out_of_fds(self, err: OSError, where: str) -> None:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
