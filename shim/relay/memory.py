@@ -61,9 +61,9 @@ def request_limit(limits: Mapping[str, int], default: int, path: str) -> tuple[i
     """Bytes a request message of ``path``'s method may have (before and after
     decompression), and the key that sets it."""
     name = method_name(path)
-    if name in limits:
+    if limits.get(name, default) < default:
         return limits[name], f"server.max_request_bytes.{name}"
-    return default, "server.max_message_bytes"
+    return default, "server.max_message_bytes"  # no entry, or the entry is server.max_message_bytes
 
 
 def too_large(size: int, limit: int, key: str) -> str:
