@@ -59,7 +59,7 @@ from tests.support.h2raw import (
     SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message, headers, hpack_int,
     hpack_string, literal, request_block,
 )
-from tests.support.other_uid import NOBODY, run_as, shared_dir
+from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim_process import ShimProcess, start_shim
 
 pytestmark = pytest.mark.e2e
@@ -615,6 +615,7 @@ async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_p
     """With server.max_connections 8, another uid holding and churning busy-looking connections
     (no preface, half-sent bodies, answers held by a zero window) cannot fail or slow kubelet's calls.
     main @ 48be281 (no peer admission): 31 of 41 kubelet Version calls failed, every one while it churned."""
+    require_root()
     with shared_dir() as d:
         admin = d / "admin.sock"
         shim = await _shim(containerd, tmp_path, _shared_socket_settings(admin, {"server": {"max_connections": LOCKOUT_CAP}}),
@@ -682,6 +683,7 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
     requests of 15 MiB, then 40 just under PullImage's 4 MiB limit. RSS stays within the README's
     bound, kubelet's calls keep working, and everything is given back afterwards.
     main @ 48be281: the 15 MiB requests were all taken in, RSS +1,230 MiB (as root); here +134 MiB."""
+    require_root()
     release = asyncio.Event()
 
     async def slow_pull(request: bytes, context: object) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,20 @@ from typing import Any, Callable, Iterator
 from tests.support.shim_process import REPO, shim_env
 
 NOBODY = 65534  # uid and gid (nogroup) of Debian's nobody
+
+
+def require_root() -> None:
+    """Skip unless this process may run a client as another uid (root, with a ``nobody``)."""
+    import pwd
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("running a client as another uid needs root")
+    try:
+        pwd.getpwuid(NOBODY)
+    except KeyError:
+        pytest.skip(f"no user with uid {NOBODY} (nobody) on this machine")
 
 
 @contextlib.contextmanager
