@@ -23,6 +23,19 @@ DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
 KUBELET_MAX_MESSAGE = 16 * 1024 * 1024
 MIN_MESSAGE_BYTES = 1024
 UNIX_PATH_MAX = 107  # bytes of a unix socket path (sun_path holds 108 with the NUL)
+# Request message bytes per intercepted method (server.max_request_bytes); others: server.max_message_bytes.
+# kubelet builds these from a pod (an API object: 1.5 MiB at most, etcd's default request
+# limit; its annotations 256 KiB): a PodSandboxConfig is below 2 MiB, an ImageSpec (image,
+# the pod's annotations, runtime handler) below 512 KiB. Twice that, for headroom.
+DEFAULT_MAX_REQUEST_BYTES: dict[str, int] = {
+    "PullImage": 4 << 20,  # ImageSpec + AuthConfig + PodSandboxConfig
+    "RunPodSandbox": 4 << 20,  # PodSandboxConfig + runtime handler
+    "ImageStatus": 1 << 20,  # ImageSpec
+    "RemoveImage": 1 << 20,  # ImageSpec
+    "ListImages": 1 << 20,  # a filter: ImageSpec
+    "StreamImages": 1 << 20,
+    "RemovePodSandbox": 64 << 10,  # a sandbox ID
+}
 
 
 class ConfigError(ValueError):
@@ -53,6 +66,11 @@ class ServerConfig:
     write_buffer_low_bytes: int = 16 * 1024
     write_stall_seconds: float = 30.0
     preface_timeout_seconds: float = 10.0
+    max_intercepted_calls: int = 1024  # all connections together
+    max_request_bytes: tuple[tuple[str, int], ...] = tuple(sorted(DEFAULT_MAX_REQUEST_BYTES.items()))
+    stream_stall_seconds: float = 30.0  # incomplete request / answer waiting for the client's window
+    trusted_uids: tuple[int, ...] = (0,)  # never closed to make room; the full request pools
+    max_connections_per_uid: int = 64  # for a uid outside trusted_uids
 
 
 @dataclass(frozen=True)
@@ -285,15 +303,46 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
                                       d.get("write_stall_seconds", c.write_stall_seconds)),
         preface_timeout_seconds=_duration("server.preface_timeout_seconds",
                                           d.get("preface_timeout_seconds", c.preface_timeout_seconds)),
+        max_intercepted_calls=_int("server.max_intercepted_calls",
+                                   d.get("max_intercepted_calls", c.max_intercepted_calls), minimum=2),
+        max_request_bytes=_request_bytes(d.get("max_request_bytes"), d.get("max_message_bytes", c.max_message_bytes)),
+        stream_stall_seconds=_duration("server.stream_stall_seconds",
+                                       d.get("stream_stall_seconds", c.stream_stall_seconds)),
+        trusted_uids=_uids("server.trusted_uids", d.get("trusted_uids", list(c.trusted_uids))),
+        max_connections_per_uid=_int("server.max_connections_per_uid",
+                                     d.get("max_connections_per_uid", c.max_connections_per_uid), minimum=1),
     )
     if cfg.write_buffer_low_bytes >= cfg.write_buffer_high_bytes:
         raise ConfigError("server.write_buffer_low_bytes",
                           f"must be below server.write_buffer_high_bytes ({cfg.write_buffer_high_bytes}), "
                           f"got {cfg.write_buffer_low_bytes}")
-    for key in ("write_stall_seconds", "preface_timeout_seconds"):
+    for key in ("write_stall_seconds", "preface_timeout_seconds", "stream_stall_seconds"):
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"server.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
     return cfg
+
+
+def _request_bytes(v: Any, max_message: Any) -> tuple[tuple[str, int], ...]:
+    """server.max_request_bytes: method name -> size, over the defaults; each within server.max_message_bytes."""
+    from .methods import KNOWN_METHODS  # local import: the proto module is only needed here
+
+    names = {p.rsplit("/", 1)[1] for p in KNOWN_METHODS}
+    cap = _size("server.max_message_bytes", max_message, minimum=MIN_MESSAGE_BYTES)
+    out = {name: min(size, cap) for name, size in DEFAULT_MAX_REQUEST_BYTES.items()}
+    for name, size in _mapping("server.max_request_bytes", v).items():
+        key = f"server.max_request_bytes.{name}"
+        if name not in names:
+            raise ConfigError(key, "not a CRI method name (e.g. PullImage)")
+        out[name] = _size(key, size, minimum=MIN_MESSAGE_BYTES)
+        if out[name] > cap:
+            raise ConfigError(key, f"must be <= server.max_message_bytes ({cap}), got {size!r}")
+    return tuple(sorted(out.items()))
+
+
+def _uids(key: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list):
+        raise ConfigError(key, f"expected a list of numeric uids, got {v!r}")
+    return tuple(_int(f"{key}[{i}]", uid) for i, uid in enumerate(v))
 
 
 def _group(key: str, v: Any) -> str:

@@ -68,7 +68,10 @@ def relay_settings(cfg: Config) -> RelaySettings:
                          write_stall_seconds=s.write_stall_seconds, preface_timeout=s.preface_timeout_seconds,
                          max_header_list_bytes=s.max_header_list_bytes,
                          max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
-                         max_request_buffer_bytes=s.max_request_buffer_bytes)
+                         max_request_buffer_bytes=s.max_request_buffer_bytes,
+                         max_intercepted_calls=s.max_intercepted_calls, max_request_bytes=dict(s.max_request_bytes),
+                         stream_stall_seconds=s.stream_stall_seconds, trusted_uids=frozenset(s.trusted_uids),
+                         max_connections_per_uid=s.max_connections_per_uid)
 
 
 def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, Any]]:
@@ -139,6 +142,7 @@ class ShimServer:
                                        lambda: app.proxy.table, self.cfg.server.max_message_bytes,
                                        observe=app.proxy.observe, settings=relay_settings(self.cfg))
                     await self.relay.start(self.path)
+                    app.status_sources["relay"] = self.relay.status
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
                     self.server.add_generic_rpc_handlers((app.proxy,))

@@ -13,13 +13,21 @@ client can make the shim hold bounded:
   ``write_stall_seconds`` while over the mark is closed.
   The same marks apply toward the runtime (a slow runtime stops the client being read)
   and to the runtime frames the core holds for the client's flow-control window.
+- Intercepted calls: a request whose body is not complete, or an answer that waits for
+  the client's flow-control window, for ``stream_stall_seconds`` is ended; what a
+  request holds in the process-wide pools (memory.py) is given back when its handler
+  task is done, however it ends.
+- The peer (SO_PEERCRED, admission.py) is read at accept: its uid decides its share of
+  the pools and how the listener makes room for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +36,8 @@ import grpc
 from .. import logs
 from ..errors import RpcError
 from . import core as core_mod
-from . import grpcwire
+from . import grpcwire, h2
+from .admission import Peer, peer_of
 from .core import LocalStream, RelayCore
 
 if TYPE_CHECKING:
@@ -88,6 +97,8 @@ class ClientConnection(asyncio.Protocol):
         self._waiters: list[asyncio.Future[None]] = []
         self._stall: asyncio.TimerHandle | None = None
         self._preface_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self.peer = Peer()
         self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
 
     # ------------------------------------------------------------------ lifecycle
@@ -95,6 +106,8 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = transport  # type: ignore[assignment]
         s = self.relay.settings
+        self.peer = peer_of(transport, s.trusted_uids)
+        self.core.trusted = self.peer.trusted
         if not self.relay.admit(self):
             self._closed = True
             transport.close()
@@ -113,7 +126,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.relay.forget(self)
-        for t in (self._stall, self._preface_timer):
+        for t in (self._stall, self._preface_timer, self._body_timer):
             if t is not None:
                 t.cancel()
         if self.upstream is not None:
@@ -240,6 +253,8 @@ class ClientConnection(asyncio.Protocol):
             self._handle(core.take_events())
         if core.held_bytes or core.deferred_bytes or self._paused["upstream"] or self._paused["client"]:
             self._held_backpressure()
+        if core.local and self._body_timer is None and core.incomplete:
+            self._body_timer = self.loop.call_later(self.relay.settings.stream_stall_seconds, self._expire_bodies)
         if self.orphaned and not core.local and not self.tasks and self.client is not None:
             self.client.close()
 
@@ -266,6 +281,18 @@ class ClientConnection(asyncio.Protocol):
                     self.client.close()
                 if self.upstream is not None:
                     self.upstream.close()
+
+    def _expire_bodies(self) -> None:
+        """Intercepted requests whose body did not arrive within server.stream_stall_seconds end."""
+        self._body_timer = None
+        if self._closed:
+            return
+        stall = self.relay.settings.stream_stall_seconds
+        now = time.monotonic()  # the core's clock
+        oldest = self.core.expire_incomplete(now - stall, stall)
+        if oldest is not None:
+            self._body_timer = self.loop.call_later(max(0.0, oldest + stall - now), self._expire_bodies)
+        self._pump()
 
     def _held_backpressure(self) -> None:
         """Runtime frames held for the client's window, and the shim's own frames held
@@ -341,8 +368,12 @@ class ClientConnection(asyncio.Protocol):
         handler = self.relay.table.get(s.path)
         if handler is None:  # the table changed (reload) after the call came in
             self.core.answer_error(s, grpc.StatusCode.UNAVAILABLE, "cri-shim: configuration changed; retry")
+            self.core.handler_ended(s)
             return
-        self.tasks[s.sid] = self.loop.create_task(self._serve_local(s, handler), name=f"cri {s.path}")
+        task = self.loop.create_task(self._serve_local(s, handler), name=f"cri {s.path}")
+        # done, however it ends (also cancelled before it ran): the request's share is free
+        task.add_done_callback(lambda _, s=s: self.core.handler_ended(s))
+        self.tasks[s.sid] = task
 
     async def _serve_local(self, s: LocalStream, handler: Any) -> None:
         core = self.core
@@ -352,8 +383,12 @@ class ClientConnection(asyncio.Protocol):
         ctx = LocalContext(deadline, grpcwire.metadata(s.headers), self.loop)
         try:
             body, s.body = bytes(s.body), bytearray()
-            messages = grpcwire.unframe_messages(body, hdr.get(b"grpc-encoding"), core.limits.max_message_bytes)
+            messages = grpcwire.unframe_messages(body, hdr.get(b"grpc-encoding"), s.limit)
+            inflated = sum(map(len, messages)) - len(body)  # decompressed: the handler holds more than arrived
             del body
+            if inflated > 0 and not core.charge(s, inflated):
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               "cri-shim: decompressed requests would pass server.max_request_buffer_bytes; retry")
             if len(messages) != 1:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cri-shim: {s.path} expects one request message, got {len(messages)}")
@@ -367,7 +402,7 @@ class ClientConnection(asyncio.Protocol):
         except RpcError as e:
             core.answer_error(s, e.code, e.details, e.trailing_metadata)
         except grpcwire.MessageTooLarge as e:
-            core.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} (server.max_message_bytes)")
+            core.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} ({s.limit_key})")
         except grpcwire.MessageError as e:
             core.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
         except asyncio.TimeoutError:
@@ -391,13 +426,24 @@ class ClientConnection(asyncio.Protocol):
                 raise asyncio.CancelledError()
             core.send_headers(s)
             view = memoryview(grpcwire.frame_message(msg))
+            stalled_since = None
             while view:
                 if core.stream_gone(s) or self._closed:
                     raise asyncio.CancelledError()
                 room = 0 if self._client_write_paused else core.send_room(s)
                 if room <= 0:
-                    await self._writable()
+                    stall = self.relay.settings.stream_stall_seconds
+                    now = self.loop.time()
+                    stalled_since = now if stalled_since is None else stalled_since
+                    if now - stalled_since >= stall:  # the client opens no window: end the call
+                        self.relay.stream_stalled(method=s.path, seconds=stall, key="server.stream_stall_seconds")
+                        core.reset(s, h2.CANCEL)
+                        self._pump()
+                        raise asyncio.CancelledError()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._writable(), stalled_since + stall - now)
                     continue
+                stalled_since = None
                 core.send_data(s, bytes(view[:room]))
                 view = view[room:]
                 self._pump()

@@ -30,9 +30,11 @@ x/net/http2 framer) would:
 - After the shim's GOAWAY, a new stream is refused (REFUSED_STREAM) and never relayed.
 - Streams the shim answers (intercepted calls) have their own state: receive window
   enforced (FLOW_CONTROL_ERROR), DATA refunded in batches, request at most
-  ``max_message_bytes``; at most ``max_intercepted_streams`` at once per connection,
-  and request bodies still being received hold at most ``request_buffer.limit``
-  bytes over all connections (RESOURCE_EXHAUSTED beyond).
+  its method's limit (memory.py: refused on the message's declared length); at most
+  ``max_intercepted_streams`` at once per connection and ``calls.limit`` over all
+  connections; a request's header list and body count in ``request_buffer`` from its
+  first frame until its handler ends (``handler_ended``), RESOURCE_EXHAUSTED beyond;
+  a request not complete within the stall timeout is ended (``expire_incomplete``).
   Frames that arrive for them after the shim answered or refused them are consumed
   and their DATA refunded, never forwarded.
 
@@ -65,14 +67,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import grpc
 
 from .. import logs
-from . import grpcwire, h2
+from . import grpcwire, h2, memory
 from .h2 import H2Error
 from .hpack_decoder import Decoder, HeaderListTooLarge
+from .memory import Pool
 
 _log = logs.get("relay")
 
@@ -89,21 +92,15 @@ def frame_name(ftype: int) -> str:
     return _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"frame type {ftype}"
 
 
-class Budget:
-    """Bytes of intercepted request bodies being received, over all connections."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-
 @dataclass(frozen=True)
 class Limits:
     max_message_bytes: int = 16 << 20
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 << 10
-    request_buffer: Budget = field(default_factory=lambda: Budget(64 << 20))
+    request_buffer: Pool = field(default_factory=lambda: Pool(64 << 20))  # bytes, all connections
+    calls: Pool = field(default_factory=lambda: Pool(1024))  # intercepted calls, all connections
+    max_request_bytes: Mapping[str, int] = field(default_factory=dict)  # method name -> bytes
 
 
 # ------------------------------------------------------------------ events
@@ -119,7 +116,12 @@ class LocalStream:
     recv_window: int
     send_window: int
     body: bytearray = field(default_factory=bytearray)
-    budgeted: int = 0  # bytes of body counted in Limits.request_buffer
+    limit: int = 16 << 20  # bytes its request message may have
+    limit_key: str = "server.max_message_bytes"
+    opened: float = 0.0  # when its HEADERS arrived (the core's clock)
+    trusted: bool = True  # its client's uid is in server.trusted_uids
+    budgeted: int = 0  # bytes counted in Limits.request_buffer, until its handler ends
+    counted: bool = False  # counted in Limits.calls, until its handler ends
     unrefunded: int = 0
     client_ended: bool = False  # the client sent END_STREAM
     dispatched: bool = False  # a Request event went out
@@ -203,8 +205,9 @@ class RelayCore:
     PREFACE, WAITING, RELAY, LOCAL, CLOSED = "preface", "waiting", "relay", "local", "closed"
 
     def __init__(self, limits: Limits, intercepts: Callable[[str], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trusted: bool = True) -> None:
         self.limits = limits
+        self.trusted = trusted  # the client's uid is in server.trusted_uids (see memory.py)
         self.intercepts = intercepts
         self.phase = self.PREFACE
         self.message = ""  # why new streams are answered UNAVAILABLE (LOCAL phase)
@@ -336,7 +339,7 @@ class RelayCore:
         self.to_client.append(h2.goaway(self.last_sid, code, reason.encode()[:200]))
         self.phase = self.CLOSED
         for sid, s in self.local.items():
-            self._release(s)
+            self._release_unless_dispatched(s)
             if s.dispatched:
                 self.events.append(Cancelled(sid))
         self.local.clear()
@@ -423,7 +426,7 @@ class RelayCore:
                     raise H2Error("RST_STREAM on stream 0")
                 s = self.local.pop(sid, None)
                 if s is not None:
-                    self._release(s)
+                    self._release_unless_dispatched(s)
                     self._remember_closed(sid, True)  # the client is done with it: later frames are errors
                     if s.dispatched:
                         self.events.append(Cancelled(sid))
@@ -664,14 +667,41 @@ class RelayCore:
                               f"cri-shim: more than {self.limits.max_intercepted_streams} intercepted calls at once "
                               "on this connection (server.max_intercepted_streams)", flags)
             return
+        refusal = self._admit_call(headers)
+        if refusal:
+            self._answer_only(sid, frames, inserted, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, flags)
+            return
         if inserted:
             self._cancel_upstream(sid, frames)
+        limit, key = memory.request_limit(self.limits.max_request_bytes, self.limits.max_message_bytes, path)
         s = LocalStream(sid, path, headers, recv_window=self.runtime_initial_window,
-                        send_window=self.client_initial_window)
+                        send_window=self.client_initial_window, limit=limit, limit_key=key,
+                        opened=self._clock(), trusted=self.trusted,
+                        budgeted=memory.header_bytes(headers), counted=True)
         self.local[sid] = s
         if flags & h2.END_STREAM:
             s.client_ended = True
             self._dispatch(s)
+
+    def _admit_call(self, headers: list[tuple[bytes, bytes]]) -> str:
+        """Count a new intercepted call and its header list in the process-wide pools, or say why not."""
+        calls, buf = self.limits.calls, self.limits.request_buffer
+        whose = "" if self.trusted else " by clients outside server.trusted_uids"
+        if not calls.take(1, self.trusted):
+            n = calls.limit if self.trusted else calls.untrusted_limit
+            return f"cri-shim: more than {n} intercepted calls at once{whose} (server.max_intercepted_calls); retry"
+        if not buf.take(memory.header_bytes(headers), self.trusted):
+            calls.give(1, self.trusted)
+            return self._buffer_full()
+        return ""
+
+    def _buffer_full(self) -> str:
+        buf = self.limits.request_buffer
+        if self.trusted:
+            return (f"cri-shim: intercepted requests hold more than server.max_request_buffer_bytes "
+                    f"({buf.limit} bytes); retry")
+        return (f"cri-shim: intercepted requests of clients outside server.trusted_uids hold more than their share "
+                f"of server.max_request_buffer_bytes ({buf.untrusted_limit} bytes); retry")
 
     def _cancel_upstream(self, sid: int, frames: list[bytes]) -> None:
         """Give the runtime a header block it must decode, on a stream that ends at once."""
@@ -729,19 +759,20 @@ class RelayCore:
         s.recv_window -= length
         s.unrefunded += length
         body = h2.data_payload(flags, raw[9:])
-        if len(s.body) + len(body) > self.limits.max_message_bytes + 5:
+        have = len(s.body)
+        if have < 5 <= have + len(body):  # the message prefix: its declared length, before buffering it
+            declared = int.from_bytes((bytes(s.body) + body[:5 - have])[1:5], "big")
+            if declared > s.limit:
+                self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, memory.too_large(declared, s.limit,
+                                                                                          s.limit_key))
+                return
+        if have + len(body) > s.limit + 5:
             self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"cri-shim: request larger than server.max_message_bytes "
-                              f"({self.limits.max_message_bytes} bytes)")
+                              memory.too_large(have + len(body) - 5, s.limit, s.limit_key))
             return
-        budget = self.limits.request_buffer
-        if budget.used + len(body) > budget.limit:
-            self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"cri-shim: requests being received hold more than server.max_request_buffer_bytes "
-                              f"({budget.limit} bytes); retry")
+        if not self.charge(s, len(body)):
+            self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, self._buffer_full())
             return
-        budget.used += len(body)
-        s.budgeted += len(body)
         s.body += body
         if flags & h2.END_STREAM:
             s.client_ended = True
@@ -763,19 +794,61 @@ class RelayCore:
             self._emit(b"".join(out))
 
     def _dispatch(self, s: LocalStream) -> None:
-        self._release(s)  # the request is complete: the handler holds it from here on
-        if not s.dispatched and not s.done:
+        if not s.dispatched and not s.done:  # the request stays counted until handler_ended(s)
             s.dispatched = True
             self.events.append(Request(s))
 
+    def charge(self, s: LocalStream, n: int) -> bool:
+        """Count ``n`` more bytes of ``s``'s request in the process-wide buffer, if they fit."""
+        if not self.limits.request_buffer.take(n, s.trusted):
+            return False
+        s.budgeted += n
+        return True
+
+    def handler_ended(self, s: LocalStream) -> None:
+        """``s``'s handler is done (answered, failed or cancelled): what it held is free."""
+        self._release(s)
+
     def _release(self, s: LocalStream) -> None:
         if s.budgeted:
-            self.limits.request_buffer.used -= s.budgeted
+            self.limits.request_buffer.give(s.budgeted, s.trusted)
             s.budgeted = 0
+        if s.counted:
+            self.limits.calls.give(1, s.trusted)
+            s.counted = False
+
+    def _release_unless_dispatched(self, s: LocalStream) -> None:
+        """A stream ends: what it held is free now, unless its handler runs (handler_ended)."""
+        if not s.dispatched:
+            self._release(s)
+
+    def expire_incomplete(self, older_than: float, seconds: float) -> float | None:
+        """End the intercepted requests still incomplete that began before ``older_than``
+        (their body does not arrive). Returns when the oldest remaining one began, or None."""
+        oldest = None
+        for s in list(self.local.values()):
+            if s.client_ended or s.dispatched:
+                continue
+            if s.opened <= older_than:
+                self.answer_error(s, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"cri-shim: request not complete within {seconds:g} s (server.stream_stall_seconds)")
+            elif oldest is None or s.opened < oldest:
+                oldest = s.opened
+        return oldest
+
+    @property
+    def incomplete(self) -> bool:
+        """An intercepted request is still being received."""
+        return any(not s.client_ended and not s.dispatched for s in self.local.values())
+
+    def reset(self, s: LocalStream, code: int = h2.CANCEL) -> None:
+        """End an intercepted stream with RST_STREAM (e.g. its answer is stalled on the client's window)."""
+        if self.local.get(s.sid) is s:
+            self._reset_local(s, code)
 
     def _reset_local(self, s: LocalStream, code: int) -> None:
         """A stream error on an intercepted stream: RST_STREAM, handler cancelled."""
-        self._release(s)
+        self._release_unless_dispatched(s)
         self.local.pop(s.sid, None)
         self._remember_closed(s.sid)  # after our RST_STREAM, late frames are ignored
         if not s.done:
@@ -830,15 +903,16 @@ class RelayCore:
         self._finish(s)
 
     def _finish(self, s: LocalStream) -> None:
-        self._release(s)
+        self._release_unless_dispatched(s)
         if self.local.get(s.sid) is s:
             del self.local[s.sid]
             self._remember_closed(s.sid, s.client_ended)
 
     def release_all(self) -> None:
-        """The connection is gone: what its streams held goes back to the process budget."""
+        """The connection is gone: what its streams held goes back to the process pools
+        (a stream whose handler runs gives it back when the handler ends)."""
         for s in self.local.values():
-            self._release(s)
+            self._release_unless_dispatched(s)
         self.local.clear()
 
     def stream_gone(self, s: LocalStream) -> bool:

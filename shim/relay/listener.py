@@ -1,8 +1,7 @@
 """The relay's listening socket and the state shared by its connections.
 
-Process-wide bounds: at most ``max_connections`` client connections (at the cap a
-connection that sent no preface, else one with no call in flight, makes room; the
-new one is refused only when all are busy; logged), a listen backlog of ``listen_backlog``, and the
+Process-wide bounds: at most ``max_connections`` client connections (who makes room
+at the cap, by peer uid: admission.py; logged), a listen backlog of ``listen_backlog``, and the
 soft RLIMIT_NOFILE raised to the hard limit at start (a warning when it cannot
 hold ``max_connections``: each client connection uses two descriptors, its own and
 its runtime connection). Running out of descriptors anyway (EMFILE/ENFILE) is logged
@@ -14,18 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import resource
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, ContextManager, Mapping
 
+from ..config import DEFAULT_MAX_REQUEST_BYTES
+
 from .. import logs
 from ..methods import Cardinality, cardinality
 from ..proxy import Call, Handler
 from ..upstream import Upstream
+from .admission import Admission
 from .connection import FD_ERRNOS, ClientConnection, LocalContext
-from .core import Budget, Limits
+from .core import Limits
+from .memory import Pool
 
 _log = logs.get("relay")
 
@@ -49,6 +53,11 @@ class RelaySettings:
     max_intercepted_streams: int = 100
     path_cache_bytes: int = 16 << 10
     max_request_buffer_bytes: int = 64 << 20
+    max_intercepted_calls: int = 1024
+    max_request_bytes: Mapping[str, int] = dataclasses.field(default_factory=lambda: dict(DEFAULT_MAX_REQUEST_BYTES))
+    stream_stall_seconds: float = 30.0
+    trusted_uids: frozenset[int] = frozenset({0})
+    max_connections_per_uid: int = 64
 
 
 class _RateLimited:
@@ -81,15 +90,16 @@ class Relay:
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
                              max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
-                             request_buffer=Budget(s.max_request_buffer_bytes))
+                             request_buffer=Pool(s.max_request_buffer_bytes), calls=Pool(s.max_intercepted_calls),
+                             max_request_bytes=dict(s.max_request_bytes))
         self.connections: set[ClientConnection] = set()
+        self.admission = Admission(s.max_connections, s.max_connections_per_uid)
         self._server: asyncio.AbstractServer | None = None
         self._probe: asyncio.Task[None] | None = None
         self._reachable: bool | None = None
         self._refused = _RateLimited("connection refused: server.max_connections reached")
         self._evicted = _RateLimited("closed a connection to make room: server.max_connections reached")
-        self._order: dict[ClientConnection, None] = {}  # every connection, oldest first
-        self._no_preface: dict[ClientConnection, None] = {}  # those that sent no preface yet, oldest first
+        self.stream_stalled = _RateLimited("ended an intercepted call: the client opens no flow-control window")
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
@@ -120,37 +130,36 @@ class Relay:
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
     def admit(self, conn: ClientConnection) -> bool:
-        """Count a new client connection in, unless server.max_connections are open.
-
-        At the cap a connection makes room if one can do without it: the oldest that
-        has not sent its preface yet (an honest client sends it at once), else the
-        oldest with no call in flight (GOAWAY: its client reconnects when it needs
-        to). Only when every connection has a call in flight is the new one refused.
-        """
-        if len(self.connections) >= self.settings.max_connections:
-            victim = next(iter(self._no_preface), None)
-            why = "no preface"
-            if victim is None:
-                victim = next((c for c in self._order if c.idle), None)
-                why = "no call in flight"
-            if victim is None:
-                self._refused(max_connections=self.settings.max_connections, key="server.max_connections")
-                return False
-            self._evicted(reason=why, max_connections=self.settings.max_connections, key="server.max_connections")
+        """Count a new client connection in, making room first if needed (admission.py)."""
+        ok, victim, key = self.admission.room_for(conn)
+        if not ok:
+            self._refused(uid=conn.peer.uid, pid=conn.peer.pid, max_connections=self.settings.max_connections,
+                          key=key)
+            return False
+        if victim is not None:
+            self._evicted(uid=victim.peer.uid, pid=victim.peer.pid, new_uid=conn.peer.uid,
+                          reason="no preface" if victim in self.admission.no_preface
+                          else "no call in flight" if victim.idle else "calls in flight", key=key)
             self.forget(victim)
             victim.evict()
         self.connections.add(conn)
-        self._order[conn] = None
-        self._no_preface[conn] = None
+        self.admission.add(conn)
         return True
 
     def preface_received(self, conn: ClientConnection) -> None:
-        self._no_preface.pop(conn, None)
+        self.admission.preface_received(conn)
 
     def forget(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
-        self._order.pop(conn, None)
-        self._no_preface.pop(conn, None)
+        self.admission.remove(conn)
+
+    def status(self) -> dict[str, Any]:
+        """For `cri-shim status`: what clients hold now, against each bound."""
+        calls, buf = self.limits.calls, self.limits.request_buffer
+        return {"connections": len(self.connections), "max_connections": self.settings.max_connections,
+                "untrusted_connections_by_uid": self.admission.uids(),
+                "intercepted_calls": calls.used, "max_intercepted_calls": calls.limit,
+                "request_buffer_bytes": buf.used, "max_request_buffer_bytes": buf.limit}
 
     def out_of_fds(self, err: OSError, where: str) -> None:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),

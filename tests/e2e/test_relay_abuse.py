@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import select
 import socket
 import statistics
 import threading
@@ -50,12 +51,15 @@ from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
 from tests.support import cri
+from shim.status import fetch_status
 from tests.support.containerd import Containerd
+from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.h2raw import (
-    CONTINUATION, DATA, END_STREAM, GOAWAY, HEADERS, PING, REFUSED_STREAM, RST_STREAM, SETTINGS,
+    CONTINUATION, DATA, END_STREAM, GOAWAY, HEADERS, PING, PREFACE, REFUSED_STREAM, RST_STREAM, SETTINGS,
     SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message, headers, hpack_int,
     hpack_string, literal, request_block,
 )
+from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim_process import ShimProcess, start_shim
 
 pytestmark = pytest.mark.e2e
@@ -102,36 +106,47 @@ class RssPeak(threading.Thread):
 
 
 class Honest(threading.Thread):
-    """Version every 50 ms over one channel; every fifth call over a new connection instead."""
+    """Version every 50 ms over one channel; every fifth call over a new connection instead.
 
-    def __init__(self, path: str) -> None:
+    Kubelet-like (``interval=0.3, fresh_every=0``): one connection kept, as kubelet does;
+    ``also`` adds calls (method, request) made over it in every round."""
+
+    def __init__(self, path: str, interval: float = 0.05, fresh_every: int = 5,
+                 also: tuple[tuple[str, bytes], ...] = ()) -> None:
         super().__init__(daemon=True)
         self.path = path
+        self.interval, self.fresh_every, self.also = interval, fresh_every, also
         self.latencies: list[float] = []
         self.failures: list[str] = []
+        self.calls = 0
+        self.first = threading.Event()  # the first round is done (the connection is open)
         self._halt = threading.Event()
 
     def run(self) -> None:
         request = cri.version_request()
         with grpc.insecure_channel(cri.target(self.path), options=[("grpc.enable_retries", 0)]) as channel:
-            stub = channel.unary_unary(VERSION)
+            calls = [(channel.unary_unary(VERSION), request, "Version")]
+            calls += [(channel.unary_unary(cri.method_path(m)), r, m) for m, r in self.also]
             i = 0
             while not self._halt.is_set():
                 i += 1
-                fresh = i % 5 == 0
-                t0 = time.monotonic()
-                try:
-                    if fresh:
-                        res = cri.call(self.path, "Version", request, timeout=10)
-                        if not res.ok:
-                            raise RuntimeError(f"{res.code.name}: {res.details}")
-                    else:
-                        stub(request, timeout=10)
-                except Exception as e:  # noqa: BLE001  every failure is reported
-                    code = e.code().name if isinstance(e, grpc.RpcError) else ""  # type: ignore[attr-defined]
-                    self.failures.append(f"{'new' if fresh else 'kept'} connection: {code} {e}"[:300])
-                self.latencies.append(time.monotonic() - t0)
-                self._halt.wait(0.05)
+                fresh = bool(self.fresh_every) and i % self.fresh_every == 0
+                for stub, req, name in calls[:1] if fresh else calls:
+                    t0 = time.monotonic()
+                    try:
+                        if fresh:
+                            res = cri.call(self.path, "Version", request, timeout=10)
+                            if not res.ok:
+                                raise RuntimeError(f"{res.code.name}: {res.details}")
+                        else:
+                            stub(req, timeout=10)
+                    except Exception as e:  # noqa: BLE001  every failure is reported
+                        code = e.code().name if isinstance(e, grpc.RpcError) else ""  # type: ignore[attr-defined]
+                        self.failures.append(f"{name}, {'new' if fresh else 'kept'} connection: {code} {e}"[:300])
+                    self.calls += 1
+                    self.latencies.append(time.monotonic() - t0)
+                self.first.set()
+                self._halt.wait(self.interval)
 
     def stop(self) -> None:
         self._halt.set()
@@ -274,8 +289,10 @@ def gzip_bomb_body(inflated_mib: int = 256) -> bytes:
     return _BOMB["body"]
 
 
-def send_with_flow_control(c: RawH2, sid: int, data: bytes, timeout: float) -> Frame | None:
-    """DATA within the peer's windows; returns an RST_STREAM/GOAWAY that stopped it, else None."""
+def send_with_flow_control(c: RawH2, sid: int, data: bytes, timeout: float,
+                           seen: list[Frame] | None = None) -> Frame | None:
+    """DATA within the peer's windows; returns an RST_STREAM/GOAWAY that stopped it, else None.
+    Frames read meanwhile are appended to ``seen``."""
     conn_window = stream_window = 65535
     end = time.monotonic() + timeout
     while data and time.monotonic() < end:
@@ -289,6 +306,8 @@ def send_with_flow_control(c: RawH2, sid: int, data: bytes, timeout: float) -> F
         f = c.read_frame(max(0.01, end - time.monotonic()))
         if f is None:
             return None
+        if seen is not None:
+            seen.append(f)
         if f.type == SETTINGS and not f.flags & 1:
             for i in range(0, len(f.payload), 6):
                 if int.from_bytes(f.payload[i:i + 2], "big") == SETTINGS_INITIAL_WINDOW_SIZE:
@@ -370,8 +389,10 @@ def _enough_fds_for_the_attacker() -> Iterator[None]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-async def _shim(containerd: Containerd, tmp_path: Path, settings: dict | None = None) -> ShimProcess:
-    return await start_shim(containerd.endpoint, tmp_path, settings or {}, preexec_fn=_soft_nofile)
+async def _shim(containerd: Containerd | str, tmp_path: Path, settings: dict | None = None,
+                **kwargs: object) -> ShimProcess:
+    endpoint = containerd if isinstance(containerd, str) else containerd.endpoint
+    return await start_shim(endpoint, tmp_path, settings or {}, preexec_fn=_soft_nofile, **kwargs)
 
 
 # issue 13, fixed by relay-core: every attack below breaks a bound on main (measured, main @ ef22f76:
@@ -467,3 +488,242 @@ async def test_new_stream_after_goaway(containerd: Containerd, pinned_image: str
             f"stream 3 after GOAWAY got {answer} (grpc-status {status!r})"
     finally:
         await shim.stop()
+
+
+# --------------------------------------------------------------------------- issue 21: memory and admission
+#
+# The attacker runs as another local user (nobody, in the socket's group): a process the
+# shim does not trust (server.trusted_uids). The honest client is kubelet-like: root, one
+# connection, a call every 0.3 s.
+
+LIST_CONTAINERS = "/runtime.v1.RuntimeService/ListContainers"
+LIST_IMAGES = "/runtime.v1.ImageService/ListImages"
+IMAGE_STATUS = "/runtime.v1.ImageService/ImageStatus"
+KUBELET_INTERVAL_S = 0.3
+PINNED = "example.invalid/pinned:1"  # a pin makes ListImages and ImageStatus intercepted
+LOCKOUT_CAP = 8                # server.max_connections in the lockout test
+KUBELET_P50_BOUND_S = 0.25     # kubelet's calls while another uid churns thousands of connections a second
+KUBELET_MAX_BOUND_S = 5.0      # (a 2-core box at load ~17 during development: generous margins)
+LOCKOUT_SECONDS = 12.0         # half churning connections, half holding them (> STALL_SECONDS)
+STALL_SECONDS = 2              # server.stream_stall_seconds in these tests
+MEMORY_RSS_BOUND_MIB = 192     # README "Limits": 3 x server.max_request_buffer_bytes (64 MiB by default)
+
+
+def _shared_socket_settings(admin: Path, extra: dict | None = None) -> dict:
+    server = {"socket_group": str(NOBODY), "admin_socket": str(admin), "stream_stall_seconds": STALL_SECONDS}
+    settings = {"server": server, "pins": {"images": [PINNED]}}
+    for k, v in (extra or {}).items():
+        settings.setdefault(k, {}).update(v)
+    return settings
+
+
+def _busy_looking_connection(path: str, kind: int) -> socket.socket | None:
+    """A connection that looks busy at no cost to the attacker, one of five kinds."""
+    s = _connect_unix(path, 2.0)
+    if isinstance(s, str):
+        return None
+    s.setblocking(True)
+    s.settimeout(2)
+    hello = PREFACE + frame(SETTINGS, 0, 0)
+    try:
+        if kind == 0:  # silent: no preface
+            pass
+        elif kind == 1:  # an intercepted request whose body never completes
+            s.sendall(hello + headers(1, request_block(PULL_IMAGE), end_stream=False)
+                      + frame(DATA, 0, 1, b"\0" + (1000).to_bytes(4, "big") + b"x" * 100))
+        elif kind == 2:  # a relayed request whose body never comes
+            s.sendall(hello + headers(1, request_block(VERSION), end_stream=False))
+        else:  # an answer held by a zero flow-control window: relayed (3) or intercepted (4)
+            zero = PREFACE + frame(SETTINGS, 0, 0, SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + bytes(4))
+            s.sendall(zero + headers(1, request_block(LIST_CONTAINERS if kind == 3 else LIST_IMAGES), end_stream=False)
+                      + frame(DATA, END_STREAM, 1, grpc_message(b"")))
+    except OSError:
+        s.close()
+        return None
+    s.setblocking(False)
+    return s
+
+
+def lock_kubelet_out(path: str, seconds: float, churn: int, hold: int) -> dict[str, int]:
+    """(Runs as another uid.) First half of ``seconds``: keep ``churn`` busy-looking connections
+    open, reopening each one the shim closes, as fast as it can. Second half: ``hold`` of them
+    (the kinds with a request in flight), kept, counting the streams the shim ends."""
+    conns: dict[socket.socket, bytearray] = {}
+    opened = closed = failed = ended = 0
+    half = time.monotonic() + seconds / 2
+    kinds = [1, 4, 2, 3]
+
+    def pump(until: float, target: int, kind_of) -> None:
+        nonlocal opened, closed, failed, ended
+        while time.monotonic() < until:
+            while len(conns) < target and time.monotonic() < until:
+                s = _busy_looking_connection(path, kind_of(opened))
+                if s is None:
+                    failed += 1
+                    time.sleep(0.01)
+                    continue
+                conns[s] = bytearray()
+                opened += 1
+            ready, _, _ = select.select(list(conns), [], [], 0.05)
+            for s in ready:
+                try:
+                    data = s.recv(1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    del conns[s]
+                    s.close()
+                    closed += 1
+                    continue
+                buf = conns[s] + data
+                while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                    n, ftype, flags, sid = int.from_bytes(buf[:3], "big"), buf[3], buf[4], buf[8]
+                    if sid == 1 and (ftype == RST_STREAM or (ftype == HEADERS and flags & END_STREAM)):
+                        ended += 1
+                    del buf[:9 + n]
+                conns[s] = buf
+
+    pump(half, churn, lambda i: i % 5)
+    for s in conns:
+        s.close()
+    conns.clear()
+    ended = 0
+    pump(half + seconds / 2, hold, lambda i: kinds[i % len(kinds)])
+    for s in conns:
+        s.close()
+    return {"opened": opened, "closed_by_shim": closed, "connect_failed": failed, "streams_ended_by_shim": ended}
+
+
+async def _relay_status(admin: Path) -> dict:
+    return (await asyncio.to_thread(fetch_status, str(admin)))["relay"]
+
+
+async def _back_to_idle(admin: Path, connections: int, timeout: float = 10.0) -> dict:
+    """The relay's status once only ``connections`` (the honest ones) are left and nothing is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = await _relay_status(admin)
+        idle = (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (connections, 0, 0)
+        if idle or time.monotonic() > deadline:
+            return st
+        await asyncio.sleep(0.1)
+
+
+async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_path: Path) -> None:
+    """With server.max_connections 8, another uid holding and churning busy-looking connections
+    (no preface, half-sent bodies, answers held by a zero window) cannot fail or slow kubelet's calls.
+    main @ 48be281 (no peer admission): 31 of 41 kubelet Version calls failed, every one while it churned."""
+    require_root()
+    with shared_dir() as d:
+        admin = d / "admin.sock"
+        shim = await _shim(containerd, tmp_path, _shared_socket_settings(admin, {"server": {"max_connections": LOCKOUT_CAP}}),
+                           listen_path=f"{d}/shim.sock")
+        try:
+            baseline = rss_mib(shim.pid)
+            peak, kubelet = RssPeak(shim.pid), Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0)
+            peak.start()
+            kubelet.start()
+            assert await asyncio.to_thread(kubelet.first.wait, 10), "kubelet's first call did not finish"
+            attack = await asyncio.to_thread(run_as, NOBODY, lock_kubelet_out, shim.path, LOCKOUT_SECONDS,
+                                             2 * LOCKOUT_CAP, LOCKOUT_CAP // 2, timeout=LOCKOUT_SECONDS + 30)
+            kubelet.stop()
+            growth = peak.stop() - baseline
+            lat = sorted(kubelet.latencies)
+            print(f"\n  lockout: attacker {attack}; kubelet: {kubelet.calls} calls, {len(kubelet.failures)} failed, "
+                  f"p50 {statistics.median(lat) * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms; RSS +{growth:.0f} MiB")
+            assert shim.proc.poll() is None, f"the shim died:\n{shim.logs()[-3000:]}"
+            assert attack["opened"] > 2 * LOCKOUT_CAP and attack["closed_by_shim"] > 0, attack  # it did its worst
+            assert not kubelet.failures, f"{len(kubelet.failures)} of {kubelet.calls} failed: {kubelet.failures[:3]}"
+            assert kubelet.calls >= LOCKOUT_SECONDS / KUBELET_INTERVAL_S / 2
+            assert statistics.median(lat) <= KUBELET_P50_BOUND_S and lat[-1] <= KUBELET_MAX_BOUND_S, \
+                f"kubelet's calls: p50 {statistics.median(lat):.2f} s, max {lat[-1]:.2f} s"
+            assert growth <= RSS_BOUND_MIB, f"RSS grew {growth:.0f} MiB (bound {RSS_BOUND_MIB})"
+            # held: its intercepted calls (body never complete, answer on a zero window) end after the stall timeout
+            assert attack["streams_ended_by_shim"] >= 2, attack
+            assert "ended an intercepted call: the client opens no flow-control window" in shim.logs()
+            st = await _back_to_idle(admin, 0)
+            assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
+        finally:
+            await shim.stop()
+
+
+def queue_big_pulls(path: str, n: int, size: int, hold_s: float) -> dict[str, int]:
+    """(Runs as any uid.) ``n`` PullImage requests of ``size`` bytes on one connection, within
+    flow control, then hold the connection ``hold_s``; returns the grpc-status counts."""
+    c = RawH2(path, timeout=30)
+    seen: list[Frame] = []
+    for i in range(n):
+        sid = 2 * i + 1
+        body = grpc_message(cri.pull_image_request(f"example.invalid/big{i}:1", annotations={"a": "x" * size}))
+        if not c.send(headers(sid, request_block(PULL_IMAGE), end_stream=False)):
+            break
+        send_with_flow_control(c, sid, body, timeout=60, seen=seen)
+    end = time.monotonic() + hold_s
+    while (left := end - time.monotonic()) > 0:
+        f = c.read_frame(left)
+        if f is None and c.closed:
+            break
+        if f is not None:
+            seen.append(f)
+    counts: dict[str, int] = {}
+    for f in seen:
+        if f.type == HEADERS and f.flags & END_STREAM:
+            code = c.decode_headers(f).get(b"grpc-status", b"?").decode()
+            counts[code] = counts.get(code, 0) + 1
+    c.close()
+    counts["answered"] = sum(counts.values())
+    return counts
+
+
+@pytest.mark.parametrize("attacker", [0, NOBODY], ids=["root", "nobody"])
+async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, tmp_path: Path) -> None:
+    """pulls.max_parallel 1 and a pull that does not finish: one connection queues 40 PullImage
+    requests of 15 MiB, then 40 just under PullImage's 4 MiB limit. RSS stays within the README's
+    bound, kubelet's calls keep working, and everything is given back afterwards.
+    main @ 48be281: the 15 MiB requests were all taken in, RSS +1,230 MiB (as root); here +134 MiB."""
+    require_root()
+    release = asyncio.Event()
+
+    async def slow_pull(request: bytes, context: object) -> bytes:
+        await release.wait()
+        return b"\x0a\x04done"
+
+    with shared_dir() as d:
+        admin = d / "admin.sock"
+        rt = await FakeRuntime(socket_in(str(d), "rt.sock")).start()
+        rt.unary[VERSION] = cri.version_request()
+        rt.unary[PULL_IMAGE] = slow_pull
+        shim = await _shim(rt.endpoint, tmp_path, _shared_socket_settings(
+            admin, {"pulls": {"max_parallel": 1, "progress_interval_seconds": 0}}), listen_path=f"{d}/shim.sock")
+        try:
+            also = (("ImageStatus", cri.image_status_request(PINNED)),)
+            warm = [await cri.acall(shim.path, m, r, timeout=10) for m, r in (("Version", cri.version_request()), *also)]
+            assert all(w.ok for w in warm), warm
+            baseline = rss_mib(shim.pid)
+            peak, kubelet = RssPeak(shim.pid), Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0, also=also)
+            peak.start()
+            kubelet.start()
+            big = await asyncio.to_thread(run_as, attacker, queue_big_pulls, shim.path, 40, 15 << 20, 0.0, timeout=300)
+            near = await asyncio.to_thread(run_as, attacker, queue_big_pulls, shim.path, 40, (4 << 20) - (64 << 10),
+                                           3.0, timeout=300)
+            kubelet.stop()
+            growth = peak.stop() - baseline
+            release.set()
+            lat = sorted(kubelet.latencies)
+            print(f"\n  memory ({'root' if attacker == 0 else 'nobody'}): RSS {baseline:.0f} MiB, +{growth:.0f} MiB peak; "
+                  f"15 MiB requests {big}; 4 MiB requests {near}; kubelet: {kubelet.calls} calls, "
+                  f"{len(kubelet.failures)} failed, max {lat[-1] * 1000:.0f} ms")
+            assert shim.proc.poll() is None, f"the shim died:\n{shim.logs()[-3000:]}"
+            assert big == {"8": 40, "answered": 40}, big  # RESOURCE_EXHAUSTED, each on its declared length
+            assert near.get("8", 0) > 0 and near["answered"] < 40, near  # some queued, the rest refused
+            assert growth <= MEMORY_RSS_BOUND_MIB, f"RSS grew {growth:.0f} MiB (bound {MEMORY_RSS_BOUND_MIB})"
+            assert not kubelet.failures, f"{len(kubelet.failures)} of {kubelet.calls} failed: {kubelet.failures[:3]}"
+            assert lat[-1] <= LATENCY_BOUND_S, f"a kubelet call took {lat[-1]:.2f} s"
+            st = await _back_to_idle(admin, 0)
+            assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
+        finally:
+            release.set()
+            await shim.stop()
+            await rt.stop()

@@ -497,6 +497,10 @@ def test_sandbox_holds_under_real_systemd(node: Node) -> None:
     score, rating = float(m.group(1)), m.group(2)
     print(f"\nsystemd-analyze security cri-shim.service (systemd 252, nspawn): {score} {rating}")
     assert rating in ("OK", "SAFE", "PERFECT") and score < 5.0, out[-2000:]
+    # its memory is capped (README "Limits"), so an OOM kills the shim, not a pod
+    props = node.m.run("systemctl", "show", "-p", "MemoryHigh", "-p", "MemoryMax", "cri-shim.service").stdout
+    assert dict(line.split("=", 1) for line in props.split()) == {"MemoryHigh": str(384 << 20),
+                                                                   "MemoryMax": str(512 << 20)}, props
 
 
 

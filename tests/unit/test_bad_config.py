@@ -153,7 +153,11 @@ def _field_cases(path: Path_, tp: Any, f: dataclasses.Field | None) -> Iterator[
             for sub in dataclasses.fields(item):
                 yield from _field_cases(path + (0, sub.name), _hints(item)[sub.name], sub)
             return
-        yield Case(path + (0,), 1, "item-int", key_of(path + (0,)))
+        if item is int:  # a list of numbers (uids)
+            for why, v in (("item-string", "root"), ("item-bool", True), ("item-negative", -1)):
+                yield Case(path + (0,), v, why, key_of(path + (0,)))
+        else:
+            yield Case(path + (0,), 1, "item-int", key_of(path + (0,)))
         yield Case(path + (0,), ["a"], "item-list", key_of(path + (0,)))
         yield Case(path + (0,), "bad\x00value", "item-nul", key_of(path + (0,)))
         return
@@ -184,6 +188,12 @@ EXPLICIT = [
     (("server", "max_message_bytes"), 0, "zero"),
     (("server", "shutdown_grace_seconds"), "10 fortnights", "bad-unit"),
     (("server", "engine"), "fast", "unknown"),
+    (("server", "max_request_bytes", "PullImagee"), "1MiB", "unknown-method"),
+    (("server", "max_request_bytes", "PullImage"), "32MiB", "above-max-message-bytes"),
+    (("server", "max_request_bytes", "PullImage"), 100, "below-minimum"),
+    (("server", "max_intercepted_calls"), 1, "one"),
+    (("server", "max_connections_per_uid"), 0, "zero"),
+    (("server", "stream_stall_seconds"), 0, "zero"),
     (("log", "level"), "verbose", "unknown"),
     (("log", "format"), "xml", "unknown"),
     (("pins", "images"), ["nginx@sha256:abc"], "short-digest"),

@@ -141,7 +141,7 @@ def _keys(cls: Any, prefix: str = "") -> set[str]:
 def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
     out = set()
     for k, v in data.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and f"{prefix}{k}" not in _keys(config_mod.Config):  # a map-valued key is one key
             out |= _yaml_keys(v, f"{prefix}{k}.")
         else:
             out.add(f"{prefix}{k}")

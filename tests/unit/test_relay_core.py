@@ -14,6 +14,7 @@ from hpack import Encoder
 from shim.relay import h2
 from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
                              Request)
+from shim.relay.memory import Pool
 
 PULL = "/runtime.v1.ImageService/PullImage"
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
@@ -337,7 +338,8 @@ def test_data_beyond_the_stream_window_is_a_flow_control_error() -> None:
     p = Peers()
     p.from_client(headers(1, PULL))
     p.client_got()
-    burst = b"".join(data(1, b"x" * 16384) for _ in range(8))  # 128 KiB on a 64 KiB window, in one read
+    body = message(b"x" * (8 * 16384 - 5))
+    burst = b"".join(data(1, body[i:i + 16384]) for i in range(0, len(body), 16384))  # 128 KiB on a 64 KiB window
     p.from_client(burst)
     got = p.client_got()
     assert rst(got, 1) == h2.FLOW_CONTROL_ERROR
@@ -537,25 +539,92 @@ def test_data_after_the_clients_end_stream_is_stream_closed(answered: bool) -> N
     assert p.runtime_got() == []
 
 
-def test_request_bodies_being_received_share_one_process_wide_budget() -> None:
-    from shim.relay.core import Budget
+def test_requests_share_one_process_wide_budget_until_their_handler_ends() -> None:
+    """Header list and body count from the first frame until the handler ends (not when the
+    request is complete: the handler holds it), however the stream ends."""
+    from shim.relay.memory import header_bytes
 
-    budget = Budget(1000)
+    budget = Pool(3000)
     a, b = Peers(Limits(request_buffer=budget)), Peers(Limits(request_buffer=budget))
-    a.from_client(headers(1, PULL) + data(1, b"x" * 800))  # a slow sender, never ending its request
-    b.from_client(headers(1, PULL) + data(1, b"y" * 300))
+    a.from_client(headers(1, PULL) + data(1, message(b"x" * 2000)[:800]))  # a slow sender, never ending its request
+    hdr = budget.used - 800
+    assert hdr == header_bytes([(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()),
+                                (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+    b.from_client(headers(1, PULL) + data(1, message(b"y" * 2000)[:2000]))
     code, msg = grpc_status(b.client_got(), 1)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "server.max_request_buffer_bytes" in msg
+    assert budget.used == hdr + 800  # the refused request holds nothing
     a.from_client(h2.rst_stream(1, h2.CANCEL))  # the slow sender gives up: its bytes are free again
+    assert budget.used == 0
     b.from_client(headers(3, PULL) + data(3, message(b"y" * 295), end_stream=True))
     [ev] = b.events()
     assert isinstance(ev, Request) and len(ev.stream.body) == 300
-    assert budget.used == 0  # handed to the handler
-    a.from_client(headers(3, PULL) + data(3, b"z" * 900))
-    assert budget.used == 900
+    assert budget.used == hdr + 300  # complete, handed to the handler: still held
+    b.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")  # answered...
+    b.core.release_all()  # ...and the connection closed, but the handler still runs
+    assert budget.used == hdr + 300
+    b.core.handler_ended(ev.stream)
+    b.core.handler_ended(ev.stream)  # twice is harmless
+    assert budget.used == 0
+    a.from_client(headers(3, PULL) + data(3, b"\0\0\0\x04\0" + b"z" * 895))
+    assert budget.used == hdr + 900
     a.core.release_all()  # the connection closed
     assert budget.used == 0
 
+
+def test_a_request_over_its_methods_limit_is_refused_on_its_declared_length() -> None:
+    """As grpc-go: RESOURCE_EXHAUSTED "received message larger than max", before the body is buffered."""
+    budget = Pool(64 << 20)
+    p = Peers(Limits(request_buffer=budget, max_request_bytes={"PullImage": 4096}))
+    p.from_client(headers(1, PULL) + data(1, b"\0" + (15 << 20).to_bytes(4, "big") + b"x" * 100))
+    code, msg = grpc_status(p.client_got(), 1)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert msg == f"cri-shim: received message larger than max ({15 << 20} vs. 4096) (server.max_request_bytes.PullImage)"
+    assert budget.used == 0 and p.events() == []
+    p.from_client(headers(3, REMOVE) + data(3, message(b"r" * 5000), end_stream=True))  # no entry: max_message_bytes
+    [ev] = p.events()
+    assert isinstance(ev, Request) and ev.stream.limit_key == "server.max_message_bytes"
+
+
+def test_intercepted_calls_at_once_are_capped_over_all_connections_with_room_kept_for_trusted_clients() -> None:
+    calls = Pool(4)
+    kubelet, other, other2 = (Peers(Limits(calls=calls)) for _ in range(3))
+    other.core.trusted = other2.core.trusted = False
+    for sid in (1, 3):
+        other.from_client(headers(sid, PULL, end_stream=True))
+    assert len(other.events()) == 2  # the untrusted share (half) is taken
+    other2.from_client(headers(1, PULL, end_stream=True))
+    code, msg = grpc_status(other2.client_got(), 1)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "clients outside server.trusted_uids" in msg and "server.max_intercepted_calls" in msg
+    kubelet.from_client(headers(1, PULL, end_stream=True) + headers(3, PULL, end_stream=True))
+    assert len(kubelet.events()) == 2  # the reserved half
+    kubelet.from_client(headers(5, PULL, end_stream=True))
+    assert grpc_status(kubelet.client_got(), 5)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert calls.used == 4 and calls.untrusted == 2
+
+
+def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout() -> None:
+    now = [100.0]
+    budget = Pool(1 << 20)
+    core = RelayCore(Limits(request_buffer=budget), INTERCEPTED.__contains__, clock=lambda: now[0])
+    p = Peers.__new__(Peers)
+    p.core = core
+    core.receive_client(h2.PREFACE)
+    core.start_relay()
+    core.take_events(), core.take_client(), core.take_runtime()
+    p.from_client(headers(1, PULL) + data(1, message(b"x" * 100)[:50]))
+    now[0] = 105.0
+    p.from_client(headers(3, PULL))
+    assert core.expire_incomplete(now[0] - 10, 10) == 100.0  # not yet: both younger than 10 s
+    now[0] = 111.0
+    assert core.expire_incomplete(now[0] - 10, 10) == 105.0  # stream 1 ended, stream 3 remains
+    code, msg = grpc_status(p.client_got(), 1)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "server.stream_stall_seconds" in msg
+    assert 1 not in core.local and 3 in core.local
+    assert core.incomplete
+    core.release_all()
+    assert budget.used == 0
 
 def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed() -> None:
     p = Peers()

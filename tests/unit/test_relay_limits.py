@@ -3,9 +3,12 @@
 - A PING flood gets GOAWAY ENHANCE_YOUR_CALM after a burst; a client that reads
   nothing stops being read, and after server.write_stall_seconds it is disconnected;
   others are served all along.
-- server.max_connections: a connection that sent no preface, else one with no call in
-  flight, makes room for a new one (silent or idle sockets cannot lock clients out);
-  only when all have calls in flight is the new one refused, and logged.
+- server.max_connections, all clients trusted (root, as here): a connection that sent no
+  preface, else one with no call in flight, makes room for a new one (silent or idle
+  sockets cannot lock clients out); only when all have calls in flight is the new one
+  refused, and logged. (Other uids: test_relay_admission.py.)
+- server.stream_stall_seconds: an intercepted request whose body stops, or whose answer
+  waits on a zero window, is ended, and what it held is given back.
 - A connection that sends no preface opens no runtime connection and is closed after
   server.preface_timeout_seconds.
 - Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
@@ -217,3 +220,54 @@ async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_reco
         assert shim.proc.poll() is None
     finally:
         await shim.stop()
+
+
+async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -> list[tuple[int, int, bytes]]:
+    """Frames (type, flags, payload) of stream ``sid`` until it ends (END_STREAM or RST_STREAM)."""
+    buf, out = b"", []
+    async with asyncio.timeout(within):
+        while True:
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                n, ftype, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+                fsid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
+                if fsid == sid:
+                    out.append((ftype, flags, buf[9:9 + n]))
+                    if ftype == h2.RST_STREAM or (ftype == h2.HEADERS and flags & h2.END_STREAM):
+                        return out
+                buf = buf[9 + n:]
+            data = await reader.read(1 << 16)
+            assert data, f"connection closed before stream {sid} ended"
+            buf += data
+
+
+async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtime: FakeRuntime) -> None:
+    """server.stream_stall_seconds: a PullImage whose body never completes gets DEADLINE_EXCEEDED;
+    a ListImages answer held by the client's zero window is reset (CANCEL). The connection goes
+    on, and the process-wide counts of calls and request bytes are back at zero."""
+    runtime.unary["/runtime.v1.ImageService/ListImages"] = b"\x0a\x05\x0a\x03img"
+    settings = {"server": {"stream_stall_seconds": 0.5}, "pins": {"images": ["example.invalid/p:1"]}}
+    async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
+        limits = shim.server.relay.limits
+        reader, writer = await asyncio.open_unix_connection(shim.path)
+
+        def request(sid: int, path: str) -> bytes:
+            block = h2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+                                       (b":authority", b"x"), (b"content-type", b"application/grpc"),
+                                       (b"te", b"trailers")])
+            return h2.headers_frames(sid, block, False, h2.DEFAULT_MAX_FRAME)
+
+        writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
+                     + request(1, "/runtime.v1.ImageService/PullImage")
+                     + h2.frame(h2.DATA, 0, 1, b"\0\0\0\0\x64" + b"x" * 10))  # 100 bytes declared, 10 sent
+        t0 = time.monotonic()
+        frames = await _frames_until(reader, 1, 10)
+        assert time.monotonic() - t0 >= 0.4
+        status = dict(h2.Decoder().decode(frames[-1][2], full=True)[1])
+        assert status[b"grpc-status"] == b"4" and b"server.stream_stall_seconds" in status[b"grpc-message"]
+        writer.write(request(3, "/runtime.v1.ImageService/ListImages") + h2.frame(h2.DATA, h2.END_STREAM, 3,
+                                                                                   b"\0\0\0\0\0"))
+        frames = await _frames_until(reader, 3, 10)
+        assert frames[-1][0] == h2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == h2.CANCEL
+        assert not any(t == h2.DATA for t, _, _ in frames)  # nothing was sent past the zero window
+        assert (limits.calls.used, limits.request_buffer.used) == (0, 0)
+        writer.close()
