@@ -28,6 +28,13 @@ x/net/http2 framer) would:
   what the shim sends itself); only increases wait for the runtime's ACK, since
   gRPC clients check DATA against the settings they know acknowledged.
 - After the shim's GOAWAY, a new stream is refused (REFUSED_STREAM) and never relayed.
+- At most ``max_concurrent_streams`` streams (relayed and intercepted) are open at once
+  per connection, or fewer if the runtime advertises a lower
+  SETTINGS_MAX_CONCURRENT_STREAMS; the SETTINGS the client gets say so, and a new stream
+  beyond it is refused (REFUSED_STREAM) and never relayed. A relayed stream counts until
+  the runtime's END_STREAM or RST_STREAM (or the client's RST_STREAM) passes the shim, so
+  while the adapter holds the runtime's answers back for a client that does not read
+  them, the calls the runtime holds answers for stay bounded too.
 - Streams the shim answers (intercepted calls) have their own state: receive window
   enforced (FLOW_CONTROL_ERROR), DATA refunded in batches, request at most
   ``max_message_bytes``; at most ``max_intercepted_streams`` at once per connection,
@@ -102,6 +109,7 @@ class Limits:
     max_message_bytes: int = 16 << 20
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
+    max_concurrent_streams: int = 100
     path_cache_bytes: int = 16 << 10
     request_buffer: Budget = field(default_factory=lambda: Budget(64 << 20))
 
@@ -227,6 +235,7 @@ class RelayCore:
         self._closed_order: deque[int] = deque()
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
+        self.max_streams = limits.max_concurrent_streams  # lowered by the runtime's MAX_CONCURRENT_STREAMS
         self.responding: set[int] = set()  # relayed streams whose response headers went out
         self.going_away = False
         self.goaway_sid = 0
@@ -643,6 +652,9 @@ class RelayCore:
         if not relay:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.UNAVAILABLE, self.message, flags)
             return
+        if len(self.relayed_open) + len(self.local) >= self.max_streams:
+            self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)  # the client retries it
+            return
         if path is None or not self.intercepts(path):
             self.relayed_open.add(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
@@ -931,7 +943,10 @@ class RelayCore:
             self.runtime_initial_window = new
             for s in self.local.values():
                 s.recv_window += delta
-        return h2.frame(h2.SETTINGS, 0, 0, h2.with_table_size_zero(payload, self.limits.max_header_list_bytes))
+        if h2.SETTINGS_MAX_CONCURRENT_STREAMS in values:  # in force until the runtime changes it again
+            self.max_streams = min(self.limits.max_concurrent_streams, values[h2.SETTINGS_MAX_CONCURRENT_STREAMS])
+        payload = h2.with_table_size_zero(payload, self.limits.max_header_list_bytes)
+        return h2.frame(h2.SETTINGS, 0, 0, payload + h2.setting(h2.SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams))
 
     def _flush_held(self) -> None:
         out = self.to_client

@@ -47,6 +47,7 @@ class RelaySettings:
     preface_timeout: float = 10.0
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
+    max_concurrent_streams: int = 100
     path_cache_bytes: int = 16 << 10
     max_request_buffer_bytes: int = 64 << 20
 
@@ -80,7 +81,8 @@ class Relay:
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
-                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
+                             max_intercepted_streams=s.max_intercepted_streams,
+                             max_concurrent_streams=s.max_concurrent_streams, path_cache_bytes=s.path_cache_bytes,
                              request_buffer=Budget(s.max_request_buffer_bytes))
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None

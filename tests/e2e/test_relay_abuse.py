@@ -49,7 +49,7 @@ import pytest
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from tests.support import cri
+from tests.support import binaries, containerd2, cri
 from tests.support.containerd import Containerd
 from tests.support.h2raw import (
     CONTINUATION, DATA, END_STREAM, GOAWAY, HEADERS, PING, REFUSED_STREAM, RST_STREAM, SETTINGS,
@@ -465,5 +465,112 @@ async def test_new_stream_after_goaway(containerd: Containerd, pinned_image: str
         assert _present(containerd, pinned_image), "the pinned image was removed through a stream opened after GOAWAY"
         assert answer is None or answer.type == RST_STREAM and answer.error_code == REFUSED_STREAM or status not in (None, b"0"), \
             f"stream 3 after GOAWAY got {answer} (grpc-status {status!r})"
+    finally:
+        await shim.stop()
+
+
+# --------------------------------------------------------------------------- answers nobody reads (issue 25)
+#
+# A client that sends calls and never reads the answers must not make the *runtime* hold them
+# either: the shim stops reading such a client while its answers wait, and relays at most
+# server.max_concurrent_streams calls at once per connection (advertised to the client as
+# SETTINGS_MAX_CONCURRENT_STREAMS; more is refused with REFUSED_STREAM, which clients retry).
+# Measured on main @ 48be281 with containerd 1.6.20 (200,000 Version calls, never read):
+# direct containerd +666 MiB; through the shim containerd +732 MiB, shim +15 MiB.
+
+UNREAD_CALLS = 200_000        # Version calls the never-reading client tries to send
+UNREAD_SECONDS = 60.0         # its time budget (the socket blocks once the shim stops reading it)
+RUNTIME_RSS_BOUND_MIB = 128   # the runtime's RSS growth allowed meanwhile
+IDLE_MARGIN_MIB = 24          # "back to idle": within this of the RSS before the attack
+IDLE_WAIT_S = 60.0            # how long the runtime (Go: memory returns lazily) may take to get there
+
+
+def version_calls(first_sid: int, n: int) -> bytes:
+    """``n`` Version calls (HEADERS + DATA with END_STREAM) on streams ``first_sid``, +2, ..."""
+    block = request_block(VERSION)
+    body = grpc_message(cri.version_request())
+    return b"".join(headers(sid, block, end_stream=False) + frame(DATA, END_STREAM, sid, body)
+                    for sid in range(first_sid, first_sid + 2 * n, 2))
+
+
+def never_read(path: str, calls: int = UNREAD_CALLS, seconds: float = UNREAD_SECONDS) -> tuple[RawH2, int]:
+    """Version calls as fast as the socket takes them, for up to ``seconds``; nothing is read.
+    Returns the connection (still open) and how many calls were written whole."""
+    c = RawH2(path)
+    batch, sent, sid = 1000, 0, 1
+    end = time.monotonic() + seconds
+    while sent < calls and time.monotonic() < end:
+        n = min(batch, calls - sent)
+        if not c.send(version_calls(sid, n), timeout=max(0.05, end - time.monotonic())):
+            break  # blocked until the end of the budget (or closed): what is written is written
+        sent, sid = sent + n, sid + 2 * n
+    return c, sent
+
+
+@pytest.fixture(params=["containerd-1.6", "containerd-2"])
+def runtime_process(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """(CRI endpoint, pid) of a private runtime: its RSS is this test's alone."""
+    if request.param == "containerd-1.6":
+        factory = request.getfixturevalue("containerd_factory")
+        c = factory()
+        yield c.endpoint, c.pid
+        return
+    binary, why = containerd2.find()
+    if binary is None:
+        if binaries.in_ci():
+            pytest.fail(f"{why}; end-to-end tests are required in CI")
+        pytest.skip(why)
+    c2 = containerd2.Containerd2(binary, tmp_path / "c2", {})
+    c2.start()
+    try:
+        yield c2.endpoint, c2.pid
+    finally:
+        c2.stop()
+
+
+async def _back_to(pid: int, idle: float, within: float) -> float:
+    """The process's RSS once it is within IDLE_MARGIN_MIB of ``idle``, or after ``within`` seconds."""
+    end = time.monotonic() + within
+    while True:
+        now = rss_mib(pid)
+        if now <= idle + IDLE_MARGIN_MIB or time.monotonic() > end:
+            return now
+        await asyncio.sleep(0.5)
+
+
+async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
+        runtime_process: tuple[str, int], tmp_path: Path) -> None:
+    endpoint, runtime_pid = runtime_process
+    shim = await start_shim(endpoint, tmp_path / "shim")
+    try:
+        for _ in range(20):
+            assert (await cri.acall(shim.path, "Version", cri.version_request(), timeout=10)).ok
+        idle = {"runtime": rss_mib(runtime_pid), "shim": rss_mib(shim.pid)}
+        peaks = {"runtime": RssPeak(runtime_pid), "shim": RssPeak(shim.pid)}
+        honest = Honest(shim.path)
+        for p in peaks.values():
+            p.start()
+        honest.start()
+        try:
+            conn, sent = await asyncio.to_thread(never_read, shim.path)
+            await asyncio.sleep(2.0)  # the runtime answers what it got meanwhile
+        finally:
+            honest.stop()
+            growth = {k: p.stop() - idle[k] for k, p in peaks.items()}
+        conn.close()
+        after = {"runtime": await _back_to(runtime_pid, idle["runtime"], IDLE_WAIT_S),
+                 "shim": await _back_to(shim.pid, idle["shim"], IDLE_WAIT_S)}
+        lat = sorted(honest.latencies) or [0.0]
+        print(f"\n  never-read client: {sent} Version calls written; runtime RSS {idle['runtime']:.0f} MiB idle, "
+              f"+{growth['runtime']:.0f} MiB peak, {after['runtime']:.0f} MiB after; shim RSS {idle['shim']:.0f} MiB "
+              f"idle, +{growth['shim']:.0f} MiB peak, {after['shim']:.0f} MiB after; honest Version: {len(lat)} calls, "
+              f"{len(honest.failures)} failed, p50 {statistics.median(lat) * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms")
+        assert shim.proc.poll() is None, shim.logs()[-3000:]
+        assert not honest.failures, f"{len(honest.failures)} honest calls failed, first: {honest.failures[:3]}"
+        assert lat[-1] <= LATENCY_BOUND_S, f"an honest Version call took {lat[-1]:.2f} s"
+        assert growth["runtime"] < RUNTIME_RSS_BOUND_MIB, f"the runtime's RSS grew {growth['runtime']:.0f} MiB"
+        assert growth["shim"] < RSS_BOUND_MIB, f"the shim's RSS grew {growth['shim']:.0f} MiB"
+        for k in after:
+            assert after[k] <= idle[k] + IDLE_MARGIN_MIB, f"{k} RSS {after[k]:.0f} MiB, idle was {idle[k]:.0f} MiB"
     finally:
         await shim.stop()

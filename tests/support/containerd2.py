@@ -58,6 +58,10 @@ class Containerd2:
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
     def endpoint(self) -> str:
         return f"unix://{self.socket}"
 
