@@ -53,8 +53,8 @@ from tests.support import binaries, containerd2, cri
 from tests.support.containerd import Containerd
 from tests.support.h2raw import (
     CONTINUATION, DATA, END_STREAM, GOAWAY, HEADERS, PING, REFUSED_STREAM, RST_STREAM, SETTINGS,
-    SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message, headers, hpack_int,
-    hpack_string, literal, request_block,
+    SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, WINDOW_UPDATE, Frame, RawH2, frame, grpc_message,
+    headers, hpack_int, hpack_string, literal, request_block, unary_calls,
 )
 from tests.support.shim_process import ShimProcess, start_shim
 
@@ -485,14 +485,6 @@ IDLE_MARGIN_MIB = 24          # "back to idle": within this of the RSS before th
 IDLE_WAIT_S = 60.0            # how long the runtime (Go: memory returns lazily) may take to get there
 
 
-def version_calls(first_sid: int, n: int) -> bytes:
-    """``n`` Version calls (HEADERS + DATA with END_STREAM) on streams ``first_sid``, +2, ..."""
-    block = request_block(VERSION)
-    body = grpc_message(cri.version_request())
-    return b"".join(headers(sid, block, end_stream=False) + frame(DATA, END_STREAM, sid, body)
-                    for sid in range(first_sid, first_sid + 2 * n, 2))
-
-
 def never_read(path: str, calls: int = UNREAD_CALLS, seconds: float = UNREAD_SECONDS) -> tuple[RawH2, int]:
     """Version calls as fast as the socket takes them, for up to ``seconds``; nothing is read.
     Returns the connection (still open) and how many calls were written whole."""
@@ -501,7 +493,8 @@ def never_read(path: str, calls: int = UNREAD_CALLS, seconds: float = UNREAD_SEC
     end = time.monotonic() + seconds
     while sent < calls and time.monotonic() < end:
         n = min(batch, calls - sent)
-        if not c.send(version_calls(sid, n), timeout=max(0.05, end - time.monotonic())):
+        calls = unary_calls(VERSION, cri.version_request(), sid, n)
+        if not c.send(calls, timeout=max(0.05, end - time.monotonic())):
             break  # blocked until the end of the budget (or closed): what is written is written
         sent, sid = sent + n, sid + 2 * n
     return c, sent
@@ -572,5 +565,39 @@ async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
         assert growth["shim"] < RSS_BOUND_MIB, f"the shim's RSS grew {growth['shim']:.0f} MiB"
         for k in after:
             assert after[k] <= idle[k] + IDLE_MARGIN_MIB, f"{k} RSS {after[k]:.0f} MiB, idle was {idle[k]:.0f} MiB"
+    finally:
+        await shim.stop()
+
+
+STATUS = "/runtime.v1.RuntimeService/Status"
+STATUS_VERBOSE = b"\x08\x01"  # StatusRequest{verbose: true}: containerd answers about 3 KiB
+
+
+async def test_a_client_that_pauses_then_reads_gets_every_answer(containerd: Containerd, tmp_path: Path) -> None:
+    """As many verbose Status calls as the shim advertises it takes at once, sent without
+    reading (about 300 KiB of answers: more than the socket and the shim's write buffer
+    hold); a pause of a few seconds; then every answer is read, and the next calls go as usual."""
+    shim = await _shim(containerd, tmp_path)
+    try:
+        c = RawH2(shim.path, timeout=10)
+        c.open_windows()
+        settings, _ = await asyncio.to_thread(c.read_until, lambda f: f.type == SETTINGS and not f.flags & 1, 10)
+        assert settings is not None
+        n = settings.settings[SETTINGS_MAX_CONCURRENT_STREAMS]  # the shim's advertised limit
+        assert n == 100
+        assert await asyncio.to_thread(c.send, unary_calls(STATUS, STATUS_VERBOSE, 1, n), 10)
+        await asyncio.sleep(3.0)  # the pause
+        t0 = time.monotonic()
+        first = await asyncio.to_thread(c.read_answers, n)
+        took = time.monotonic() - t0
+        assert sorted(first) == list(range(1, 2 * n, 2))
+        assert {status for _, status in first.values()} == {b"0"}, first
+        assert min(size for size, _ in first.values()) > 1000  # whole verbose answers
+        assert await asyncio.to_thread(c.send, unary_calls(STATUS, STATUS_VERBOSE, 2 * n + 1, n), 10)
+        second = await asyncio.to_thread(c.read_answers, n)
+        assert {status for _, status in second.values()} == {b"0"} and len(second) == n
+        c.close()
+        print(f"\n  pausing client: {n} verbose Status answers ({sum(s for s, _ in first.values()) >> 10} KiB) "
+              f"read in {took * 1000:.0f} ms after a 3 s pause; {n} more answered after")
     finally:
         await shim.stop()

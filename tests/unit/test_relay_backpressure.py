@@ -11,51 +11,27 @@ test_relay_core_streams.py; tests/e2e/test_relay_abuse.py measures RSS with cont
 from __future__ import annotations
 
 import asyncio
-import struct
 
 from shim.relay.connection import ClientConnection
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.h2raw import (DATA, END_STREAM, HEADERS, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, WINDOW_UPDATE,
-                                 RawH2, frame, grpc_message, headers, request_block)
+from tests.support.h2raw import RawH2, grpc_message, unary_calls
 from tests.support.inproc import running_shim
 
 LIST = "/runtime.v1.RuntimeService/ListContainers"
 ANSWER = b"x" * (16 << 10)  # 100 of them are far more than the socket and the shim's buffer hold
 CALLS = 100  # server.max_concurrent_streams's default: a client may have this many in flight
 SMALL_BUFFERS = {"server": {"write_buffer_high_bytes": "16KiB", "write_buffer_low_bytes": "4KiB"}}
-WIDE = 1 << 30
 
 
 def calls(first_sid: int, n: int) -> bytes:
-    block = request_block(LIST)
-    return b"".join(headers(sid, block, end_stream=False) + frame(DATA, END_STREAM, sid, grpc_message(b""))
-                    for sid in range(first_sid, first_sid + 2 * n, 2))
+    return unary_calls(LIST, b"", first_sid, n)
 
 
 def open_client(path: str) -> RawH2:
     """A client whose flow-control windows never hold anything back: only reading does."""
     c = RawH2(path, timeout=10)
-    c.send(frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, WIDE - 1))
-           + frame(WINDOW_UPDATE, 0, 0, WIDE.to_bytes(4, "big")))
+    c.open_windows()
     return c
-
-
-def read_answers(c: RawH2, n: int, timeout: float = 20) -> dict[int, tuple[int, bytes]]:
-    """Reads until ``n`` streams ended: stream id -> (bytes of DATA, grpc-status)."""
-    got: dict[int, int] = {}
-    ended: dict[int, tuple[int, bytes]] = {}
-    while len(ended) < n:
-        f = c.read_frame(timeout)
-        assert f is not None, f"{len(ended)} of {n} answers, then nothing for {timeout} s"
-        if f.type == SETTINGS and not f.flags & 1:
-            c.send(frame(SETTINGS, 1, 0))
-        elif f.type == DATA:
-            got[f.stream_id] = got.get(f.stream_id, 0) + len(f.payload)
-        elif f.type == HEADERS:
-            fields = c.decode_headers(f)
-            if f.flags & END_STREAM:
-                ended[f.stream_id] = (got.get(f.stream_id, 0), fields.get(b"grpc-status", b"?"))
-    return ended
 
 
 async def held_back(shim) -> ClientConnection:
@@ -97,10 +73,10 @@ async def test_a_client_that_pauses_then_reads_gets_every_answer_and_goes_on(run
         assert await asyncio.to_thread(c.send, calls(1, CALLS), 10)
         await held_back(shim)
         await asyncio.sleep(3.0)  # the client's pause
-        first = await asyncio.to_thread(read_answers, c, CALLS)
+        first = await asyncio.to_thread(c.read_answers, CALLS)
         assert first == {sid: (len(grpc_message(ANSWER)), b"0") for sid in range(1, 2 * CALLS, 2)}
         # drained: the next calls are relayed and answered as usual
         assert await asyncio.to_thread(c.send, calls(2 * CALLS + 1, CALLS), 10)
-        second = await asyncio.to_thread(read_answers, c, CALLS)
+        second = await asyncio.to_thread(c.read_answers, CALLS)
         assert second == {sid: (len(grpc_message(ANSWER)), b"0") for sid in range(2 * CALLS + 1, 4 * CALLS, 2)}
         c.close()
