@@ -184,6 +184,7 @@ EXPLICIT = [
     (("server", "max_message_bytes"), 0, "zero"),
     (("server", "shutdown_grace_seconds"), "10 fortnights", "bad-unit"),
     (("server", "engine"), "fast", "unknown"),
+    (("server", "max_concurrent_streams"), 0, "zero"),
     (("log", "level"), "verbose", "unknown"),
     (("log", "format"), "xml", "unknown"),
     (("pins", "images"), ["nginx@sha256:abc"], "short-digest"),

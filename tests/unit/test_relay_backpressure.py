@@ -14,7 +14,8 @@ import asyncio
 
 from shim.relay.connection import ClientConnection
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.h2raw import RawH2, grpc_message, unary_calls
+from tests.support.h2raw import (REFUSED_STREAM, RST_STREAM, SETTINGS, SETTINGS_MAX_CONCURRENT_STREAMS, RawH2,
+                                 grpc_message, unary_calls)
 from tests.support.inproc import running_shim
 
 LIST = "/runtime.v1.RuntimeService/ListContainers"
@@ -79,4 +80,25 @@ async def test_a_client_that_pauses_then_reads_gets_every_answer_and_goes_on(run
         assert await asyncio.to_thread(c.send, calls(2 * CALLS + 1, CALLS), 10)
         second = await asyncio.to_thread(c.read_answers, CALLS)
         assert second == {sid: (len(grpc_message(ANSWER)), b"0") for sid in range(2 * CALLS + 1, 4 * CALLS, 2)}
+        c.close()
+
+
+async def test_server_max_concurrent_streams_is_advertised_and_a_call_beyond_it_refused(runtime: FakeRuntime) -> None:
+    release = asyncio.Event()
+
+    async def hang(request: bytes, context: object) -> bytes:
+        await release.wait()
+        return b"late"
+    runtime.unary[LIST] = hang
+    async with running_shim(runtime.endpoint, {"server": {"max_concurrent_streams": 2}}, engine="relay") as shim:
+        c = RawH2(shim.path, timeout=10)
+        settings, _ = await asyncio.to_thread(c.read_until, lambda f: f.type == SETTINGS and not f.flags & 1, 10)
+        assert settings is not None and settings.settings[SETTINGS_MAX_CONCURRENT_STREAMS] == 2
+        assert await asyncio.to_thread(c.send, calls(1, 3), 10)
+        refused, _ = await asyncio.to_thread(c.read_until, lambda f: f.type == RST_STREAM, 10)
+        assert refused is not None and (refused.stream_id, refused.error_code) == (5, REFUSED_STREAM)
+        release.set()
+        assert await asyncio.to_thread(c.read_answers, 2) == {1: (len(grpc_message(b"late")), b"0"),
+                                                             3: (len(grpc_message(b"late")), b"0")}
+        assert len(runtime.calls("ListContainers")) == 2  # the refused call never reached it
         c.close()
