@@ -248,6 +248,8 @@ class ClientConnection(asyncio.Protocol):
                 task = self.tasks.pop(ev.sid, None)
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
+            elif isinstance(ev, core_mod.StreamRefused):
+                self.relay.stream_refused(limit=ev.limit)
             elif isinstance(ev, core_mod.PrefaceReceived):
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()

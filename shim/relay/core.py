@@ -160,6 +160,13 @@ class WindowOpened:
 
 
 @dataclass(frozen=True)
+class StreamRefused:
+    """A new stream was over the streams allowed at once (``limit``): refused, never relayed."""
+
+    limit: int
+
+
+@dataclass(frozen=True)
 class ConnectionClosed:
     """The connection ends: write what is pending, then close both sides."""
 
@@ -167,7 +174,7 @@ class ConnectionClosed:
     code: int
 
 
-Event = PrefaceReceived | Request | Cancelled | WindowOpened | ConnectionClosed
+Event = PrefaceReceived | Request | Cancelled | WindowOpened | StreamRefused | ConnectionClosed
 
 
 _REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":authority", b":path"))
@@ -654,6 +661,7 @@ class RelayCore:
             return
         if len(self.relayed_open) + len(self.local) >= self.max_streams:
             self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)  # the client retries it
+            self.events.append(StreamRefused(self.max_streams))
             return
         if path is None or not self.intercepts(path):
             self.relayed_open.add(sid)

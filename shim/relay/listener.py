@@ -95,6 +95,8 @@ class Relay:
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
+        self.stream_refused = _RateLimited("stream refused (REFUSED_STREAM, the client retries it): "
+                                           "server.max_concurrent_streams reached on its connection")
 
     @property
     def table(self) -> Mapping[str, Handler]:

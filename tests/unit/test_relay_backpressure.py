@@ -83,7 +83,8 @@ async def test_a_client_that_pauses_then_reads_gets_every_answer_and_goes_on(run
         c.close()
 
 
-async def test_server_max_concurrent_streams_is_advertised_and_a_call_beyond_it_refused(runtime: FakeRuntime) -> None:
+async def test_server_max_concurrent_streams_is_advertised_and_a_call_beyond_it_refused(runtime: FakeRuntime,
+                                                                                        caplog) -> None:
     release = asyncio.Event()
 
     async def hang(request: bytes, context: object) -> bytes:
@@ -101,4 +102,5 @@ async def test_server_max_concurrent_streams_is_advertised_and_a_call_beyond_it_
         assert await asyncio.to_thread(c.read_answers, 2) == {1: (len(grpc_message(b"late")), b"0"),
                                                              3: (len(grpc_message(b"late")), b"0")}
         assert len(runtime.calls("ListContainers")) == 2  # the refused call never reached it
+        assert "server.max_concurrent_streams reached" in caplog.text
         c.close()

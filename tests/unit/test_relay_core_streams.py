@@ -13,7 +13,7 @@ import grpc
 from hpack import Encoder
 
 from shim.relay import h2
-from shim.relay.core import Limits, Request
+from shim.relay.core import Limits, Request, StreamRefused
 from tests.unit.test_relay_core import PULL, VERSION, Peers, data, grpc_status, headers, message, parse, rst
 
 
@@ -74,6 +74,7 @@ def test_a_stream_beyond_the_limit_is_refused_and_never_reaches_the_runtime() ->
     assert all(s != 5 for _, _, s, _ in runtime)  # neither its HEADERS nor its DATA
     client = p.client_got()
     assert rst(client, 5) == h2.REFUSED_STREAM
+    assert p.events() == [StreamRefused(2)]
     # its DATA is consumed: the connection window the client spent on it comes back
     assert (h2.WINDOW_UPDATE, 0, 0, len(message(b"")).to_bytes(4, "big")) in client
 
@@ -111,8 +112,9 @@ def test_the_clients_reset_or_the_runtimes_reset_frees_a_place() -> None:
 def test_intercepted_calls_count_too_and_free_their_place_when_answered() -> None:
     p, _ = new_peers(2)
     p.from_client(headers(1, PULL, end_stream=True) + version_call(3) + headers(5, PULL, end_stream=True))
-    [ev] = p.events()
+    ev, refused = p.events()
     assert isinstance(ev, Request) and ev.stream.sid == 1
+    assert refused == StreamRefused(2)  # the adapter logs it (rate-limited)
     assert rst(p.client_got(), 5) == h2.REFUSED_STREAM
     assert opened(p.runtime_got()) == [3]
     p.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
