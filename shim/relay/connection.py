@@ -13,7 +13,9 @@ client can make the shim hold bounded:
   in flight, ``max_concurrent_streams``); below ``write_buffer_low`` all go on. A
   client that reads nothing for ``write_stall_seconds`` while over the mark is closed.
   The same marks apply toward the runtime (a slow runtime stops the client being read)
-  and to the runtime frames the core holds for the client's flow-control window.
+  and to the runtime frames the core holds for the client's flow-control window (those
+  stop only the runtime being read: the client's WINDOW_UPDATE, which releases them,
+  must still be read; the stream limit bounds its calls meanwhile).
 """
 
 from __future__ import annotations
