@@ -490,10 +490,37 @@ IDLE_MARGIN_MIB = 24          # "back to idle": within this of the RSS before th
 IDLE_WAIT_S = 60.0            # how long the runtime (Go: memory returns lazily) may take to get there
 
 
-def never_read(path: str, calls: int = UNREAD_CALLS, seconds: float = UNREAD_SECONDS) -> tuple[RawH2, int]:
-    """Version calls as fast as the socket takes them, for up to ``seconds``; nothing is read.
-    Returns the connection (still open) and how many calls were written whole."""
+class Drain(threading.Thread):
+    """Reads and drops what a connection receives until it is closed."""
+
+    def __init__(self, c: RawH2) -> None:
+        super().__init__(daemon=True)
+        self.sock = c.sock
+        self.bytes = 0
+
+    def run(self) -> None:
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not chunk:
+                return
+            self.bytes += len(chunk)
+
+
+def never_read(path: str, calls: int = UNREAD_CALLS, seconds: float = UNREAD_SECONDS,
+               window: bool = True) -> tuple[RawH2, int]:
+    """Version calls as fast as the socket takes them, for up to ``seconds``; no answer is read:
+    with ``window``, the socket is not read either; without, it is read (and dropped) but the
+    client's flow-control window for answers is 0. Returns the connection (still open) and how
+    many calls were written whole."""
     c = RawH2(path)
+    if not window:
+        c.send(frame(SETTINGS, 0, 0, SETTINGS_INITIAL_WINDOW_SIZE.to_bytes(2, "big") + bytes(4)))
+        Drain(c).start()
     batch, sent, sid = 1000, 0, 1
     end = time.monotonic() + seconds
     while sent < calls and time.monotonic() < end:
@@ -531,8 +558,9 @@ async def _back_to(pid: int, idle: float, within: float) -> float:
         await asyncio.sleep(0.5)
 
 
+@pytest.mark.parametrize("client", ["reads-nothing", "grants-no-window"])
 async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
-        runtime_process: tuple[str, int], tmp_path: Path) -> None:
+        client: str, runtime_process: tuple[str, int], tmp_path: Path) -> None:
     endpoint, runtime_pid = runtime_process
     shim = await start_shim(endpoint, tmp_path / "shim")
     try:
@@ -545,7 +573,7 @@ async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
             p.start()
         honest.start()
         try:
-            conn, sent = await asyncio.to_thread(never_read, shim.path)
+            conn, sent = await asyncio.to_thread(never_read, shim.path, window=client == "reads-nothing")
             await asyncio.sleep(2.0)  # the runtime answers what it got meanwhile
         finally:
             honest.stop()
@@ -554,7 +582,7 @@ async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
         after = {"runtime": await _back_to(runtime_pid, idle["runtime"], IDLE_WAIT_S),
                  "shim": await _back_to(shim.pid, idle["shim"], IDLE_WAIT_S)}
         lat = sorted(honest.latencies) or [0.0]
-        print(f"\n  never-read client: {sent} Version calls written; runtime RSS {idle['runtime']:.0f} MiB idle, "
+        print(f"\n  {client} client: {sent} Version calls written; runtime RSS {idle['runtime']:.0f} MiB idle, "
               f"+{growth['runtime']:.0f} MiB peak, {after['runtime']:.0f} MiB after; shim RSS {idle['shim']:.0f} MiB "
               f"idle, +{growth['shim']:.0f} MiB peak, {after['shim']:.0f} MiB after; honest Version: {len(lat)} calls, "
               f"{len(honest.failures)} failed, p50 {statistics.median(lat) * 1000:.0f} ms, max {lat[-1] * 1000:.0f} ms")
