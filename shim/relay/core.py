@@ -31,7 +31,9 @@ x/net/http2 framer) would:
 - At most ``max_concurrent_streams`` streams (relayed and intercepted) are open at once
   per connection, or fewer if the runtime advertises a lower
   SETTINGS_MAX_CONCURRENT_STREAMS; the SETTINGS the client gets say so, and a new stream
-  beyond it is refused (REFUSED_STREAM) and never relayed. A relayed stream counts until
+  beyond it is refused (REFUSED_STREAM) and never relayed (more than
+  REFUSED_STREAMS_BURST refusals at once or REFUSED_STREAMS_PER_SECOND a second: GOAWAY
+  ENHANCE_YOUR_CALM, the client ignores the limit). A relayed stream counts until
   the runtime's END_STREAM or RST_STREAM (or the client's RST_STREAM) passes the shim, so
   while the adapter holds the runtime's answers back for a client that does not read
   them, the calls the runtime holds answers for stay bounded too.
@@ -90,10 +92,33 @@ CLOSED_LOCAL_MEMORY = 1024  # ids of streams the shim closed, remembered to cons
 # few per five minutes without data in between, then GOAWAY too_many_pings).
 LOCAL_PINGS_BURST = 100
 LOCAL_PINGS_PER_SECOND = 10.0
+# New streams refused for being over the streams allowed at once: a burst (a client that
+# opened streams before it got the limit), then a rate; beyond, GOAWAY ENHANCE_YOUR_CALM
+# (a client that ignores the advertised limit costs the shim a header block per stream).
+REFUSED_STREAMS_BURST = 1000
+REFUSED_STREAMS_PER_SECOND = 100.0
 
 
 def frame_name(ftype: int) -> str:
     return _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"frame type {ftype}"
+
+
+class TokenBucket:
+    """``burst`` at once, then ``rate`` a second."""
+
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
+        self.burst, self.rate, self.clock = float(burst), rate, clock
+        self.tokens = self.burst
+        self.time = clock()
+
+    def take(self) -> bool:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.time) * self.rate)
+        self.time = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 class Budget:
@@ -262,10 +287,9 @@ class RelayCore:
         self._refund_conn = 0
         self._unacked_client_settings: deque[dict[int, int]] = deque()
         self.runtime_spoke = True  # see the module docstring (PING)
-        self._clock = clock
-        self._ping_tokens = float(LOCAL_PINGS_BURST)
+        self._pings = TokenBucket(LOCAL_PINGS_BURST, LOCAL_PINGS_PER_SECOND, clock)
         self._client_got_data = False  # HEADERS or DATA went to the client since its last PING
-        self._ping_time = clock()
+        self._refusals = TokenBucket(REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, clock)
 
     # ------------------------------------------------------------------ outputs
 
@@ -495,14 +519,7 @@ class RelayCore:
         if self._client_got_data:
             self._client_got_data = False
             return True
-        now = self._clock()
-        self._ping_tokens = min(float(LOCAL_PINGS_BURST),
-                                self._ping_tokens + (now - self._ping_time) * LOCAL_PINGS_PER_SECOND)
-        self._ping_time = now
-        if self._ping_tokens < 1:
-            return False
-        self._ping_tokens -= 1
-        return True
+        return self._pings.take()
 
     def _client_window_update(self, sid: int, raw: bytes, length: int, relay: bool) -> None:
         if length != 4:
@@ -660,8 +677,7 @@ class RelayCore:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.UNAVAILABLE, self.message, flags)
             return
         if len(self.relayed_open) + len(self.local) >= self.max_streams:
-            self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)  # the client retries it
-            self.events.append(StreamRefused(self.max_streams))
+            self._over_the_limit(sid, frames, inserted)
             return
         if path is None or not self.intercepts(path):
             self.relayed_open.add(sid)
@@ -692,6 +708,15 @@ class RelayCore:
         if flags & h2.END_STREAM:
             s.client_ended = True
             self._dispatch(s)
+
+    def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
+        """A new stream over the streams allowed at once: refused (the client retries it)."""
+        if not self._refusals.take():
+            raise H2Error(f"too many streams over SETTINGS_MAX_CONCURRENT_STREAMS {self.max_streams} "
+                          f"(server.max_concurrent_streams): more than {REFUSED_STREAMS_BURST} at once or "
+                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
+        self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
+        self.events.append(StreamRefused(self.max_streams))
 
     def _cancel_upstream(self, sid: int, frames: list[bytes]) -> None:
         """Give the runtime a header block it must decode, on a stream that ends at once."""

@@ -13,8 +13,10 @@ import grpc
 from hpack import Encoder
 
 from shim.relay import h2
-from shim.relay.core import Limits, Request, StreamRefused
-from tests.unit.test_relay_core import PULL, VERSION, Peers, data, grpc_status, headers, message, parse, rst
+from shim.relay.core import (REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, Limits, RelayCore, Request,
+                             StreamRefused)
+from tests.unit.test_relay_core import (INTERCEPTED, PULL, VERSION, Peers, closed_with, data, goaway_code,
+                                        grpc_status, headers, message, parse, rst)
 
 
 def advertised(frames: list) -> dict[int, int]:
@@ -148,3 +150,31 @@ def test_no_limit_applies_without_a_runtime() -> None:
     frames = p.client_got()
     assert [grpc_status(frames, s)[0] for s in (1, 3)] == [grpc.StatusCode.UNAVAILABLE.value[0]] * 2
     assert parse(p.core.take_runtime()) == []
+
+
+def test_a_client_that_keeps_opening_streams_over_the_limit_is_sent_away() -> None:
+    """Refusals come in a burst (streams opened before the client got the limit), then at a
+    rate; beyond, GOAWAY ENHANCE_YOUR_CALM: each refused stream still costs a header block."""
+    now = [0.0]
+    p = Peers.__new__(Peers)
+    p.core = RelayCore(Limits(max_concurrent_streams=1), INTERCEPTED.__contains__, clock=lambda: now[0])
+    p.from_client(h2.PREFACE)
+    p.events()
+    p.core.start_relay()
+    p.from_runtime(h2.settings_frame({}))
+    p.client_got()
+    p.from_client(version_call(1))  # stays open: the runtime never answers
+    sid = 3
+    for _ in range(REFUSED_STREAMS_BURST):
+        p.from_client(version_call(sid))
+        sid += 2
+    frames = p.client_got()
+    assert goaway_code(frames) is None and rst(frames, sid - 2) == h2.REFUSED_STREAM
+    now[0] += 1.0
+    for _ in range(int(REFUSED_STREAMS_PER_SECOND)):
+        p.from_client(version_call(sid))
+        sid += 2
+    assert goaway_code(p.client_got()) is None
+    assert opened(p.runtime_got()) == [1]
+    p.from_client(version_call(sid))
+    assert "server.max_concurrent_streams" in closed_with(p, h2.ENHANCE_YOUR_CALM)
