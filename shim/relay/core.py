@@ -80,6 +80,7 @@ import grpc
 
 from .. import logs
 from . import grpcwire, h2
+from .bucket import TokenBucket
 from .h2 import H2Error
 from .hpack_decoder import Decoder, HeaderListTooLarge
 
@@ -101,24 +102,6 @@ REFUSED_STREAMS_PER_SECOND = 100.0
 
 def frame_name(ftype: int) -> str:
     return _FRAME_NAMES[ftype] if ftype < len(_FRAME_NAMES) else f"frame type {ftype}"
-
-
-class TokenBucket:
-    """``burst`` at once, then ``rate`` a second."""
-
-    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
-        self.burst, self.rate, self.clock = float(burst), rate, clock
-        self.tokens = self.burst
-        self.time = clock()
-
-    def take(self) -> bool:
-        now = self.clock()
-        self.tokens = min(self.burst, self.tokens + (now - self.time) * self.rate)
-        self.time = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
 
 
 class Budget:
@@ -521,6 +504,15 @@ class RelayCore:
             return True
         return self._pings.take()
 
+    def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
+        """A new stream over the streams allowed at once: refused (the client retries it)."""
+        if not self._refusals.take():
+            raise H2Error(f"too many streams over SETTINGS_MAX_CONCURRENT_STREAMS {self.max_streams} "
+                          f"(server.max_concurrent_streams): more than {REFUSED_STREAMS_BURST} at once or "
+                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
+        self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
+        self.events.append(StreamRefused(self.max_streams))
+
     def _client_window_update(self, sid: int, raw: bytes, length: int, relay: bool) -> None:
         if length != 4:
             raise H2Error(f"WINDOW_UPDATE frame of {length} bytes", h2.FRAME_SIZE_ERROR)
@@ -708,15 +700,6 @@ class RelayCore:
         if flags & h2.END_STREAM:
             s.client_ended = True
             self._dispatch(s)
-
-    def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
-        """A new stream over the streams allowed at once: refused (the client retries it)."""
-        if not self._refusals.take():
-            raise H2Error(f"too many streams over SETTINGS_MAX_CONCURRENT_STREAMS {self.max_streams} "
-                          f"(server.max_concurrent_streams): more than {REFUSED_STREAMS_BURST} at once or "
-                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
-        self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
-        self.events.append(StreamRefused(self.max_streams))
 
     def _cancel_upstream(self, sid: int, frames: list[bytes]) -> None:
         """Give the runtime a header block it must decode, on a stream that ends at once."""

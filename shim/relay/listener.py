@@ -81,8 +81,8 @@ class Relay:
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
-                             max_intercepted_streams=s.max_intercepted_streams,
-                             max_concurrent_streams=s.max_concurrent_streams, path_cache_bytes=s.path_cache_bytes,
+                             max_concurrent_streams=s.max_concurrent_streams,
+                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
                              request_buffer=Budget(s.max_request_buffer_bytes))
         self.connections: set[ClientConnection] = set()
         self._server: asyncio.AbstractServer | None = None
