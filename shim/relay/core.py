@@ -80,8 +80,8 @@ import grpc
 
 from .. import logs
 from . import grpcwire, h2
-from .bucket import TokenBucket
 from .h2 import H2Error
+from .bucket import TokenBucket
 from .hpack_decoder import Decoder, HeaderListTooLarge
 
 _log = logs.get("relay")
