@@ -270,6 +270,7 @@ class RelayCore:
         self._refund_conn = 0
         self._unacked_client_settings: deque[dict[int, int]] = deque()
         self.runtime_spoke = True  # see the module docstring (PING)
+        self._clock = clock
         self._pings = TokenBucket(LOCAL_PINGS_BURST, LOCAL_PINGS_PER_SECOND, clock)
         self._client_got_data = False  # HEADERS or DATA went to the client since its last PING
         self._refusals = TokenBucket(REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, clock)
