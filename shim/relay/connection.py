@@ -12,7 +12,7 @@ client can make the shim hold bounded:
   the runtime is not left holding answers nobody drains (the core bounds the calls
   in flight, ``max_concurrent_streams``); below ``write_buffer_low`` all go on. A
   client that reads nothing for ``write_stall_seconds`` while over the mark is closed.
-  (Runtime frames held for the client's flow-control window stop only the runtime being
+  (Frames held for the client's flow-control window, next, stop only the runtime being
   read: the client's WINDOW_UPDATE, which releases them, must still be read; the stream
   limit bounds its calls meanwhile.)
   The same marks apply toward the runtime (a slow runtime stops the client being read)
