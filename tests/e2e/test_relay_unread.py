@@ -4,7 +4,7 @@ default config) in front of a private containerd 1.6 and 2.x, whose RSS is measu
 shim's, while an honest client calls ``Version`` every 50 ms (helpers from test_relay_abuse.py).
 
 - ``test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim``: 200,000 Version calls
-  on one connection whose answers are never read (about 40 s per runtime and client);
+  on one connection whose answers are never read (a few seconds each: the shim sends it away);
 - ``test_a_client_that_pauses_then_reads_gets_every_answer``.
 
 Each test prints its numbers (run with ``-s``).
