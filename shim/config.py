@@ -60,6 +60,7 @@ class ServerConfig:
     listen_backlog: int = 1024
     max_header_list_bytes: int = 64 * 1024
     max_intercepted_streams: int = 100
+    max_concurrent_streams: int = 100
     path_cache_bytes: int = 16 * 1024
     max_request_buffer_bytes: int = 64 * 1024 * 1024
     write_buffer_high_bytes: int = 64 * 1024
@@ -291,6 +292,8 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
                                     d.get("max_header_list_bytes", c.max_header_list_bytes), minimum=4096),
         max_intercepted_streams=_int("server.max_intercepted_streams",
                                      d.get("max_intercepted_streams", c.max_intercepted_streams), minimum=1),
+        max_concurrent_streams=_int("server.max_concurrent_streams",
+                                    d.get("max_concurrent_streams", c.max_concurrent_streams), minimum=1),
         path_cache_bytes=_size("server.path_cache_bytes", d.get("path_cache_bytes", c.path_cache_bytes)),
         max_request_buffer_bytes=_size("server.max_request_buffer_bytes",
                                        d.get("max_request_buffer_bytes", c.max_request_buffer_bytes),

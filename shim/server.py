@@ -66,6 +66,7 @@ def relay_settings(cfg: Config) -> RelaySettings:
     return RelaySettings(max_connections=s.max_connections, listen_backlog=s.listen_backlog,
                          write_buffer_high=s.write_buffer_high_bytes, write_buffer_low=s.write_buffer_low_bytes,
                          write_stall_seconds=s.write_stall_seconds, preface_timeout=s.preface_timeout_seconds,
+                         max_concurrent_streams=s.max_concurrent_streams,
                          max_header_list_bytes=s.max_header_list_bytes,
                          max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
                          max_request_buffer_bytes=s.max_request_buffer_bytes,

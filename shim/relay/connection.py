@@ -7,10 +7,14 @@ client can make the shim hold bounded:
 - The runtime connection is opened only after a valid client preface; a client that
   sends none within ``preface_timeout`` is closed.
 - Write buffers: above ``write_buffer_high`` bytes waiting for the client, the shim
-  stops reading the runtime for it and handlers stop sending; past four times the
-  mark it stops reading the client too (no more answers of its own to queue); below
-  ``write_buffer_low`` it goes on. A client that reads nothing for
-  ``write_stall_seconds`` while over the mark is closed.
+  stops reading the runtime for it, handlers stop sending, and it stops reading the
+  client too: a client that does not read its answers gets no new call relayed, so
+  the runtime is not left holding answers nobody drains (the core bounds the calls
+  in flight, ``max_concurrent_streams``); below ``write_buffer_low`` all go on. A
+  client that reads nothing for ``write_stall_seconds`` while over the mark is closed.
+  (Frames held for the client's flow-control window, next, stop only the runtime being
+  read: the client's WINDOW_UPDATE, which releases them, must still be read; the stream
+  limit bounds its calls meanwhile.)
   The same marks apply toward the runtime (a slow runtime stops the client being read)
   and to the runtime frames the core holds for the client's flow-control window.
 - Intercepted calls: a request whose body is not complete, or an answer that waits for
@@ -45,9 +49,6 @@ if TYPE_CHECKING:
 
 _log = logs.get("relay")
 FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
-# Bytes for a slow client past HARD_FACTOR x write_buffer_high (what the shim answers
-# itself: refusals, PING and SETTINGS answers) stop the client being read too.
-HARD_FACTOR = 4
 
 
 @dataclass
@@ -242,9 +243,6 @@ class ClientConnection(asyncio.Protocol):
                 # Never write to a closing transport: the peer may be gone before
                 # connection_lost has run, and uvloop raises there.
                 self.client.write(out)
-                if self._client_write_paused and "client-slow" not in self._paused["client"] \
-                        and self.client.get_write_buffer_size() > HARD_FACTOR * self.relay.settings.write_buffer_high:
-                    self.pause("client", "client-slow")
         if core.to_runtime:
             up = core.take_runtime()
             if self.upstream is not None and not self.upstream.is_closing():
@@ -268,6 +266,8 @@ class ClientConnection(asyncio.Protocol):
                 task = self.tasks.pop(ev.sid, None)
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
+            elif isinstance(ev, core_mod.StreamRefused):
+                self.relay.stream_refused(limit=ev.limit)
             elif isinstance(ev, core_mod.PrefaceReceived):
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()
@@ -325,9 +325,10 @@ class ClientConnection(asyncio.Protocol):
         if not reasons and transport is not None and not transport.is_closing():
             transport.resume_reading()
 
-    def pause_writing(self) -> None:  # the client is slow to read
+    def pause_writing(self) -> None:  # the client is slow to read: hold its answers, relay no new calls
         self._client_write_paused = True
         self.pause("upstream", "client-slow")
+        self.pause("client", "client-slow")
         if self._stall is None:
             self._stall = self.loop.call_later(self.relay.settings.write_stall_seconds, self._stalled)
 

@@ -28,6 +28,15 @@ x/net/http2 framer) would:
   what the shim sends itself); only increases wait for the runtime's ACK, since
   gRPC clients check DATA against the settings they know acknowledged.
 - After the shim's GOAWAY, a new stream is refused (REFUSED_STREAM) and never relayed.
+- At most ``max_concurrent_streams`` streams (relayed and intercepted) are open at once
+  per connection, or fewer if the runtime advertises a lower
+  SETTINGS_MAX_CONCURRENT_STREAMS; the SETTINGS the client gets say so, and a new stream
+  beyond it is refused (REFUSED_STREAM) and never relayed (more than
+  REFUSED_STREAMS_BURST refusals at once or REFUSED_STREAMS_PER_SECOND a second: GOAWAY
+  ENHANCE_YOUR_CALM, the client ignores the limit). A relayed stream counts until
+  the runtime's END_STREAM or RST_STREAM (or the client's RST_STREAM) passes the shim, so
+  while the adapter holds the runtime's answers back for a client that does not read
+  them, the calls the runtime holds answers for stay bounded too.
 - Streams the shim answers (intercepted calls) have their own state: receive window
   enforced (FLOW_CONTROL_ERROR), DATA refunded in batches, request at most
   its method's limit (memory.py: refused on the message's declared length); at most
@@ -74,6 +83,7 @@ import grpc
 from .. import logs
 from . import grpcwire, h2, memory
 from .h2 import H2Error
+from .bucket import TokenBucket
 from .hpack_decoder import Decoder, HeaderListTooLarge
 from .memory import Pool
 
@@ -86,6 +96,11 @@ CLOSED_LOCAL_MEMORY = 1024  # ids of streams the shim closed, remembered to cons
 # few per five minutes without data in between, then GOAWAY too_many_pings).
 LOCAL_PINGS_BURST = 100
 LOCAL_PINGS_PER_SECOND = 10.0
+# New streams refused for being over the streams allowed at once: a burst (a client that
+# opened streams before it got the limit), then a rate; beyond, GOAWAY ENHANCE_YOUR_CALM
+# (a client that ignores the advertised limit costs the shim a header block per stream).
+REFUSED_STREAMS_BURST = 1000
+REFUSED_STREAMS_PER_SECOND = 100.0
 
 
 def frame_name(ftype: int) -> str:
@@ -97,6 +112,7 @@ class Limits:
     max_message_bytes: int = 16 << 20
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
+    max_concurrent_streams: int = 100
     path_cache_bytes: int = 16 << 10
     request_buffer: Pool = field(default_factory=lambda: Pool(64 << 20))  # bytes, all connections
     calls: Pool = field(default_factory=lambda: Pool(1024))  # intercepted calls, all connections
@@ -154,6 +170,13 @@ class WindowOpened:
 
 
 @dataclass(frozen=True)
+class StreamRefused:
+    """A new stream was over the streams allowed at once (``limit``): refused, never relayed."""
+
+    limit: int
+
+
+@dataclass(frozen=True)
 class ConnectionClosed:
     """The connection ends: write what is pending, then close both sides."""
 
@@ -161,7 +184,7 @@ class ConnectionClosed:
     code: int
 
 
-Event = PrefaceReceived | Request | Cancelled | WindowOpened | ConnectionClosed
+Event = PrefaceReceived | Request | Cancelled | WindowOpened | StreamRefused | ConnectionClosed
 
 
 _REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":authority", b":path"))
@@ -230,6 +253,7 @@ class RelayCore:
         self._closed_order: deque[int] = deque()
         self.dropped_upstream: set[int] = set()  # streams whose runtime frames are discarded
         self.relayed_open: set[int] = set()
+        self.max_streams = limits.max_concurrent_streams  # lowered by the runtime's MAX_CONCURRENT_STREAMS
         self.responding: set[int] = set()  # relayed streams whose response headers went out
         self.going_away = False
         self.goaway_sid = 0
@@ -250,9 +274,9 @@ class RelayCore:
         self._unacked_client_settings: deque[dict[int, int]] = deque()
         self.runtime_spoke = True  # see the module docstring (PING)
         self._clock = clock
-        self._ping_tokens = float(LOCAL_PINGS_BURST)
+        self._pings = TokenBucket(LOCAL_PINGS_BURST, LOCAL_PINGS_PER_SECOND, clock)
         self._client_got_data = False  # HEADERS or DATA went to the client since its last PING
-        self._ping_time = clock()
+        self._refusals = TokenBucket(REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, clock)
 
     # ------------------------------------------------------------------ outputs
 
@@ -482,14 +506,16 @@ class RelayCore:
         if self._client_got_data:
             self._client_got_data = False
             return True
-        now = self._clock()
-        self._ping_tokens = min(float(LOCAL_PINGS_BURST),
-                                self._ping_tokens + (now - self._ping_time) * LOCAL_PINGS_PER_SECOND)
-        self._ping_time = now
-        if self._ping_tokens < 1:
-            return False
-        self._ping_tokens -= 1
-        return True
+        return self._pings.take()
+
+    def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
+        """A new stream over the streams allowed at once: refused (the client retries it)."""
+        if not self._refusals.take():
+            raise H2Error(f"too many streams over SETTINGS_MAX_CONCURRENT_STREAMS {self.max_streams} "
+                          f"(server.max_concurrent_streams): more than {REFUSED_STREAMS_BURST} at once or "
+                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
+        self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
+        self.events.append(StreamRefused(self.max_streams))
 
     def _client_window_update(self, sid: int, raw: bytes, length: int, relay: bool) -> None:
         if length != 4:
@@ -645,6 +671,9 @@ class RelayCore:
         path = path_b.decode("latin-1") if path_b is not None else None
         if not relay:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.UNAVAILABLE, self.message, flags)
+            return
+        if len(self.relayed_open) + len(self.local) >= self.max_streams:
+            self._over_the_limit(sid, frames, inserted)
             return
         if path is None or not self.intercepts(path):
             self.relayed_open.add(sid)
@@ -1005,7 +1034,10 @@ class RelayCore:
             self.runtime_initial_window = new
             for s in self.local.values():
                 s.recv_window += delta
-        return h2.frame(h2.SETTINGS, 0, 0, h2.with_table_size_zero(payload, self.limits.max_header_list_bytes))
+        if h2.SETTINGS_MAX_CONCURRENT_STREAMS in values:  # in force until the runtime changes it again
+            self.max_streams = min(self.limits.max_concurrent_streams, values[h2.SETTINGS_MAX_CONCURRENT_STREAMS])
+        payload = h2.with_table_size_zero(payload, self.limits.max_header_list_bytes)
+        return h2.frame(h2.SETTINGS, 0, 0, payload + h2.setting(h2.SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams))
 
     def _flush_held(self) -> None:
         out = self.to_client

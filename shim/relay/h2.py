@@ -67,6 +67,11 @@ def settings_frame(values: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in values.items()))
 
 
+def setting(key: int, value: int) -> bytes:
+    """One SETTINGS parameter; appended to a payload, it wins over an earlier value of ``key``."""
+    return struct.pack(">HI", key, value)
+
+
 def with_table_size_zero(payload: bytes, max_header_list: int | None = None) -> bytes:
     """A SETTINGS payload with HEADER_TABLE_SIZE forced to 0 (the last value of a setting wins),
     and MAX_HEADER_LIST_SIZE lowered to ``max_header_list`` if given."""

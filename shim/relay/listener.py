@@ -51,6 +51,7 @@ class RelaySettings:
     preface_timeout: float = 10.0
     max_header_list_bytes: int = 64 << 10
     max_intercepted_streams: int = 100
+    max_concurrent_streams: int = 100
     path_cache_bytes: int = 16 << 10
     max_request_buffer_bytes: int = 64 << 20
     max_intercepted_calls: int = 1024
@@ -89,6 +90,7 @@ class Relay:
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
+                             max_concurrent_streams=s.max_concurrent_streams,
                              max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
                              request_buffer=Pool(s.max_request_buffer_bytes), calls=Pool(s.max_intercepted_calls),
                              max_request_bytes=dict(s.max_request_bytes))
@@ -103,6 +105,8 @@ class Relay:
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")
+        self.stream_refused = _RateLimited("stream refused (REFUSED_STREAM, the client retries it): "
+                                           "server.max_concurrent_streams reached on its connection")
 
     @property
     def table(self) -> Mapping[str, Handler]:

@@ -23,7 +23,7 @@ import pytest
 
 from shim.proto.containerd.services.content.v1 import content_pb2
 from shim.status import fetch_status
-from tests.support import binaries, containerd2, cri, oci
+from tests.support import containerd2, cri, oci
 from tests.support.containerd import hosts_toml
 from tests.support.registry import free_port
 
@@ -50,13 +50,8 @@ def ctd_socket(request, containerd_factory, registry, tmp_path):
     if request.param == "containerd-1.6":
         yield containerd_factory().socket
         return
-    binary, why = containerd2.find()
-    if binary is None:
-        if binaries.in_ci():
-            pytest.fail(f"{why}; end-to-end tests are required in CI")
-        pytest.skip(why)
     cls = TransferContainerd2 if request.param.endswith("transfer") else containerd2.Containerd2
-    c = cls(binary, tmp_path / "c2", {})
+    c = cls(containerd2.require(), tmp_path / "c2", {})
     (c.dir / "certs.d" / registry.host).mkdir(parents=True)
     (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
     c.start()

@@ -19,7 +19,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from tests.support import cri
+import pytest
+
+from tests.support import binaries, cri
 
 INSTALL = ('GOBIN=/opt/containerd2/bin go install -tags "no_btrfs no_devmapper no_zfs" '
            "github.com/containerd/containerd/v2/cmd/containerd@v2.4.2")
@@ -41,6 +43,16 @@ def find() -> tuple[str | None, str]:
     return path, ""
 
 
+def require() -> str:
+    """The containerd 2.x binary; skip the test without one (fail under CI)."""
+    binary, why = find()
+    if binary is None:
+        if binaries.in_ci():
+            pytest.fail(f"{why}; end-to-end tests are required in CI")
+        pytest.skip(why)
+    return binary
+
+
 def _q(s: str | Path) -> str:
     return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -56,6 +68,10 @@ class Containerd2:
         self.socket = self.dir / "state" / "containerd.sock"
         self.log_path = self.dir / "containerd.log"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
 
     @property
     def endpoint(self) -> str:

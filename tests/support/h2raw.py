@@ -25,7 +25,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM = ACK = 0x1
 END_HEADERS = 0x4
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x3, 0x4
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, REFUSED_STREAM, ENHANCE_YOUR_CALM = 0x0, 0x1, 0x3, 0x7, 0xB
 _HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 
@@ -84,12 +84,26 @@ def grpc_message(body: bytes, compressed: bool = False) -> bytes:
     return bytes((1 if compressed else 0,)) + struct.pack(">I", len(body)) + body
 
 
+def unary_calls(path: str, body: bytes, first_sid: int, n: int) -> bytes:
+    """``n`` whole unary calls (HEADERS, then DATA with END_STREAM) on streams ``first_sid``, +2, ..."""
+    block = request_block(path)
+    message = grpc_message(body)
+    return b"".join(headers(sid, block, end_stream=False) + frame(DATA, END_STREAM, sid, message)
+                    for sid in range(first_sid, first_sid + 2 * n, 2))
+
+
 @dataclass(frozen=True)
 class Frame:
     type: int
     flags: int
     stream_id: int
     payload: bytes
+
+    @property
+    def settings(self) -> dict[int, int]:
+        """A SETTINGS frame's parameters (the last value of each wins)."""
+        p = self.payload
+        return {int.from_bytes(p[i:i + 2], "big"): int.from_bytes(p[i + 2:i + 6], "big") for i in range(0, len(p), 6)}
 
     @property
     def error_code(self) -> int | None:
@@ -161,6 +175,33 @@ class RawH2:
             if want(f):
                 return f, seen
         return None, seen
+
+    def open_windows(self, size: int = 1 << 30) -> None:
+        """Stream and connection flow-control windows of ``size``: only reading holds answers back."""
+        self.send(frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, size - 1))
+                  + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", size)))
+
+    def read_answers(self, n: int, timeout: float = 20.0) -> dict[int, tuple[int, bytes]]:
+        """Read until ``n`` streams ended: stream id -> (bytes of DATA, grpc-status). A stream the
+        server reset counts as ended, with status ``RST_STREAM <code>``. Fails if a read waits
+        ``timeout`` seconds for nothing."""
+        data: dict[int, int] = {}
+        ended: dict[int, tuple[int, bytes]] = {}
+        while len(ended) < n:
+            f = self.read_frame(timeout)
+            if f is None:
+                raise AssertionError(f"{len(ended)} of {n} answers, then nothing for {timeout} s")
+            if f.type == SETTINGS and not f.flags & ACK:
+                self.send(frame(SETTINGS, ACK, 0))
+            elif f.type == DATA:
+                data[f.stream_id] = data.get(f.stream_id, 0) + len(f.payload)
+            elif f.type == HEADERS:
+                fields = self.decode_headers(f)
+                if f.flags & END_STREAM:
+                    ended[f.stream_id] = (data.get(f.stream_id, 0), fields.get(b"grpc-status", b"?"))
+            elif f.type == RST_STREAM and f.stream_id not in ended:
+                ended[f.stream_id] = (data.get(f.stream_id, 0), f"RST_STREAM {f.error_code}".encode())
+        return ended
 
     def decode_headers(self, f: Frame) -> dict[bytes, bytes]:
         return {bytes(n): bytes(v) for n, v in self.decoder.decode(f.payload, raw=True)}

@@ -186,6 +186,7 @@ EXPLICIT = [
     (("server", "socket_group"), "no-such-group-cri-shim", "unknown-group"),
     (("server", "max_message_bytes"), "16 parsecs", "bad-unit"),
     (("server", "max_message_bytes"), 0, "zero"),
+    (("server", "max_concurrent_streams"), 0, "zero"),
     (("server", "shutdown_grace_seconds"), "10 fortnights", "bad-unit"),
     (("server", "engine"), "fast", "unknown"),
     (("server", "max_request_bytes", "PullImagee"), "1MiB", "unknown-method"),

@@ -263,7 +263,7 @@ def test_table_size_update_to_zero_is_fine() -> None:
 
 
 def test_path_cache_is_bounded_by_bytes() -> None:
-    p = Peers(Limits(path_cache_bytes=4096))
+    p = Peers(Limits(path_cache_bytes=4096, max_concurrent_streams=200))  # all 200 streams stay open
     for i in range(200):
         sid = 2 * i + 1
         p.from_client(headers(sid, f"/vendor.v1.Service/Method{i:04d}" + "x" * 100, end_stream=True))
