@@ -259,7 +259,11 @@ def main() -> None:
     finally:
         for proc in procs:
             proc.terminate()
-            proc.wait(10)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if env_ctx is not None:
             env_ctx.stop()
         shutil.rmtree(workdir, ignore_errors=True)
