@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# h2spec (HTTP/2 conformance suite) with gRPC request headers, and socat, for tests/e2e/test_h2spec.py.
+# h2spec (HTTP/2 conformance suite) with gRPC request headers, and socat, for tests/e2e/test_h2spec.py
+# (socat is also the plain-relay column of bench/passthrough.py).
 #
 # The Go module proxy serves github.com/summerwind/h2spec only as v1.5.0 and v2.2.1+incompatible
 # (no go.mod). We build v2.2.1 with a go.mod that pins every dependency, so the build is the same on

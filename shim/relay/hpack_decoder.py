@@ -63,6 +63,18 @@ def _integer(data: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
             raise H2Error("HPACK integer too large", COMPRESSION_ERROR)
 
 
+def _string(data: bytes, i: int, n: int) -> tuple[bytes, bool, int]:
+    """Decoder._raw with the common one-byte length inline (it runs for every literal field)."""
+    if i < n:
+        b = data[i]
+        length = b & 0x7F
+        if length != 0x7F:
+            end = i + 1 + length
+            if end <= n:
+                return data[i + 1:end], bool(b & 0x80), end
+    return Decoder._raw(data, i)
+
+
 class Decoder:
     """HPACK decoder that mirrors the peer's dynamic table.
 
@@ -191,11 +203,15 @@ class Decoder:
                 continue
             first = False
             indexing = bool(b & 0x40)
-            index, i = _integer(data, i, 6 if indexing else 4)
+            index = b & (0x3F if indexing else 0x0F)
+            if index == (0x3F if indexing else 0x0F):
+                index, i = _integer(data, i, 6 if indexing else 4)
+            else:
+                i += 1
             if index:
                 name = self._entry(index)[0]
             else:
-                raw, huffman, i = self._raw(data, i)
+                raw, huffman, i = _string(data, i, n)
                 if full or (indexing and self.max_size and not self._cannot_fit(0, raw, huffman)):
                     name = self._decoded(raw, huffman)
                 elif raw == _PATH or (huffman and raw == _PATH_HUFFMAN):
@@ -206,7 +222,7 @@ class Decoder:
                 value, i = self._path(data, i)
                 path = value
             else:
-                raw, huffman, i = self._raw(data, i)
+                raw, huffman, i = _string(data, i, n)
                 if full or (indexing and self.max_size and not self._cannot_fit(len(name), raw, huffman)):
                     value = self._decoded(raw, huffman)
                 else:
