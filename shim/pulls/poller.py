@@ -25,7 +25,10 @@ same to a pull that made no progress at all for that long, so that hung registri
 cannot hold every slot of the pull cap: while ``resolving``, no manifest or index of
 its repository changed and no ingest that is no known pull's moved; while
 ``downloading``, its bytes done did not grow. ``unpacking`` always counts as progress;
-a pull whose progress is ``unknown`` is not judged.
+a pull whose progress is ``unknown`` is not judged. A pull with no download of its own
+open may be waiting for the runtime (containerd 2.x's transfer service downloads at most
+``max_concurrent_downloads`` blobs node-wide): it is ended only once no ingest on the
+node has moved for the timeout either.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class ProgressPoller:
     no_api: str | None = None
     no_api_at: float = 0.0
     ticks: int = 0
+    node_ingests: frozenset[tuple[str, int]] = frozenset()  # every ingest (blob, offset) at the last poll
+    node_moved: float = 0.0  # monotonic: when that last changed
     autostart: bool = True  # tests drive tick() themselves
     _task: asyncio.Task[None] | None = None
     _closed: bool = False
@@ -247,10 +252,13 @@ class ProgressPoller:
         for t in active:
             self._observe(t, now, by_digest, committed)
         if self.cfg.no_progress_timeout_seconds > 0:
+            every = frozenset((d, i[0]) for d, i in by_digest.items())
+            if every != self.node_ingests:
+                self.node_ingests, self.node_moved = every, now
             known = {b.digest for t in self.running.values() if t.progress.manifest for b in t.progress.manifest.blobs}
-            orphans = frozenset((d, i[0]) for d, i in by_digest.items() if d not in known)
+            orphans = frozenset((d, off) for d, off in every if d not in known)
             for t in active:
-                self._watch(t, now, stored, orphans)
+                self._watch(t, now, stored, orphans, by_digest.keys())
         self._prune()
         self._publish_gauges()
 
@@ -344,7 +352,8 @@ class ProgressPoller:
             if stall is not None:
                 self._stalled(t, stall)
 
-    def _watch(self, t: Tracked, now: float, stored: list[Any], orphans: frozenset[tuple[str, int]]) -> None:
+    def _watch(self, t: Tracked, now: float, stored: list[Any], orphans: frozenset[tuple[str, int]],
+               ingesting: Any) -> None:
         """The no-progress guard for one pull (module doc): end it once nothing it could be
         doing has changed for ``pulls.no_progress_timeout_seconds``."""
         p = t.progress
@@ -365,6 +374,9 @@ class ProgressPoller:
         idle = now - t.last_progress
         if idle < self.cfg.no_progress_timeout_seconds:
             return
+        own_open = p.manifest is not None and any(b.digest in ingesting for b in p.manifest.blobs)
+        if not own_open and now - self.node_moved < self.cfg.no_progress_timeout_seconds:
+            return  # maybe waiting for the runtime's downloads of other pulls
         phase = "resolving" if p.manifest is None else p.phase
         message = no_progress_message(t.flight.key.image, self.cfg.no_progress_timeout_seconds, phase,
                                       t.domain, p.bytes_done, p.bytes_total)

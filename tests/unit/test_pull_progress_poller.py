@@ -363,3 +363,30 @@ async def test_no_progress_guard_is_on_by_default_and_off_at_0(env) -> None:
     assert not waiter.done()
     runner.gate.set_result(b"ok")
     await waiter
+
+
+async def test_a_pull_with_nothing_open_waits_while_other_downloads_move_an_open_stuck_one_does_not(env) -> None:
+    """containerd 2.x's transfer service downloads a few blobs node-wide: a pull may wait with
+    nothing of its own open while others download. It is ended only once the node is idle.
+    A pull whose own download is open and stuck is ended even while others move."""
+    store, scheduler, clock, metrics, make = env
+    poller = make(no_progress_timeout_seconds=20)
+    busy, (lb,) = store.add_image("team/busy", "b", [64 * MiB])
+    stuck, (ls,) = store.add_image("team/stuck", "c", [8 * MiB])
+    runners = {name: Runner() for name in ("waiting", "busy", "stuck")}
+    waiting = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/waiting:v1"), runners["waiting"]))
+    others = [asyncio.ensure_future(scheduler.pull(PullKey(f"reg.test/team/{n}:v1"), runners[n])) for n in ("busy", "stuck")]
+    await settle()
+
+    def move(t: float) -> None:
+        store.write(lb, min(int(t), 60) * MiB, 64 * MiB)  # moves until t=60
+        store.write(ls, MiB, 8 * MiB)  # open, never moves
+
+    await run_ticks(poller, clock, range(0, 60), move)
+    assert others[1].done() and "(downloading: 1 MiB of 8 MiB" in others[1].exception().details
+    assert not waiting.done() and not others[0].done()
+    await run_ticks(poller, clock, range(60, 79), move)
+    assert not waiting.done()
+    await run_ticks(poller, clock, range(79, 82), move)
+    assert waiting.done() and "(resolving the manifest" in waiting.exception().details
+    assert others[0].done() and "(downloading: 60 MiB of 64 MiB" in others[0].exception().details
