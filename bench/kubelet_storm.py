@@ -1,7 +1,7 @@
 """Pull storm from a real kubelet: the shim's cap against kubelet's own pull limits.
 
     python bench/kubelet_storm.py [--pods 24] [--images 3] [--image-mib 8] [--link-mibps 6]
-                                  [--runs a,b,c,d] [--json]
+                                  [--runs a,b,c,d] [--repeat 1] [--json]
 
 A standalone kubelet v1.35 (static pods, the node suite's tests/support/node.py) runs
 ``--pods`` pods, pod ``i`` using image ``i % images`` (busybox plus incompressible filler,
@@ -24,7 +24,8 @@ Reported per run: seconds from writing the manifests until each pod's container 
 blob bytes served, the most images with a registry request in flight at once (counting
 proxy); the PullImage calls kubelet made and those that reached containerd (containerd's
 ``PullImage "<ref>"`` log lines; through the shim, kubelet's calls are the shim's
-``cri_shim_pull_requests_total``).
+``cri_shim_pull_requests_total``). With ``--repeat N`` the runs are interleaved
+(a, b, c, d, a, b, ...) and the table shows each figure's range over the N rounds.
 """
 
 from __future__ import annotations
@@ -150,15 +151,27 @@ def one_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_
         shutil.rmtree(work, ignore_errors=True)
 
 
+def span(rows: list[dict[str, Any]], key: str, fmt: str = "{}") -> str:
+    lo, hi = (fmt.format(f(r[key] for r in rows)) for f in (min, max))
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | pods Running p50 / max | manifest resolves (all manifest requests) | blob bytes "
+    """One line per configuration; a figure that differs between rounds shows its range."""
+    head = ("| run | pods Running p50 | max | manifest resolves (all manifest requests) | blob bytes "
             "| most images downloading at once | PullImage calls kubelet made (reaching containerd) |\n"
-            "| --- | --- | --- | --- | --- | --- |")
+            "| --- | --- | --- | --- | --- | --- | --- |")
     lines = [head]
-    for r in rows:
-        lines.append(f"| ({r['run']}) {r['what']} | {r['p50_seconds']:.1f} s / {r['max_seconds']:.1f} s "
-                     f"| {r['manifest_resolves']} ({r['manifest_requests']}) | {r['blob_bytes'] / MiB:.1f} MiB "
-                     f"| {r['max_concurrent_images']} | {r['kubelet_pull_calls']} ({r['runtime_pull_calls']}) |")
+    for name in RUNS:
+        rs = [r for r in rows if r["run"] == name]
+        if not rs:
+            continue
+        mib = [{"blob_mib": r["blob_bytes"] / MiB} for r in rs]
+        lines.append(f"| ({name}) {rs[0]['what']} | {span(rs, 'p50_seconds', '{:.1f}')} s "
+                     f"| {span(rs, 'max_seconds', '{:.1f}')} s | {span(rs, 'manifest_resolves')} "
+                     f"({span(rs, 'manifest_requests')}) | {span(mib, 'blob_mib', '{:.1f}')} MiB "
+                     f"| {span(rs, 'max_concurrent_images')} | {span(rs, 'kubelet_pull_calls')} "
+                     f"({span(rs, 'runtime_pull_calls')}) |")
     return "\n".join(lines)
 
 
@@ -169,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-mib", type=float, default=8.0, help="each image's size on the wire (default 8)")
     ap.add_argument("--link-mibps", type=float, default=6.0, help="registry link shared by all blob bodies")
     ap.add_argument("--runs", default="a,b,c,d")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the runs, interleaved (default 1)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -185,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         images = push_images(reg, node.busybox_layer, args.images, int(args.image_mib * MiB))
         log(f"{args.pods} pods over {args.images} images of {images[0].image.size / MiB:.1f} MiB, "
             f"link {args.link_mibps:g} MiB/s")
-        for name in runs:
+        for name in [n for _ in range(max(1, args.repeat)) for n in runs]:
             log(f"run ({name}) {RUNS[name][0]} ...")
             rows.append(one_run(name, binaries, reg, node.pause.ref, images, args.pods,
                                 int(args.link_mibps * MiB), base, args.timeout))
