@@ -89,6 +89,7 @@ class PullsConfig:
     progress_log_after_seconds: float = 10.0  # 25/50/75/100 % steps of pulls running this long are logged at info
     stall_timeout_seconds: float = 0.0  # 0 = stall guard off
     stall_min_bytes_per_second: int = 65536
+    no_progress_timeout_seconds: float = 60.0  # a pull with no manifest and no byte this long is ended; 0 = off
 
 
 MIN_PROGRESS_INTERVAL = 0.1
@@ -385,6 +386,8 @@ def _pulls(d: Mapping[str, Any]) -> PullsConfig:
             "pulls.stall_timeout_seconds", d.get("stall_timeout_seconds", c.stall_timeout_seconds)),
         stall_min_bytes_per_second=_size(
             "pulls.stall_min_bytes_per_second", d.get("stall_min_bytes_per_second", c.stall_min_bytes_per_second)),
+        no_progress_timeout_seconds=_duration(
+            "pulls.no_progress_timeout_seconds", d.get("no_progress_timeout_seconds", c.no_progress_timeout_seconds)),
     )
     if 0 < cfg.progress_interval_seconds < MIN_PROGRESS_INTERVAL:
         raise ConfigError("pulls.progress_interval_seconds",
@@ -396,6 +399,10 @@ def _pulls(d: Mapping[str, Any]) -> PullsConfig:
         raise ConfigError("pulls.stall_timeout_seconds",
                           f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
                           f"({cfg.progress_interval_seconds:g}), got {cfg.stall_timeout_seconds!r}")
+    if 0 < cfg.no_progress_timeout_seconds < 2 * cfg.progress_interval_seconds:
+        raise ConfigError("pulls.no_progress_timeout_seconds",
+                          f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
+                          f"({cfg.progress_interval_seconds:g}), got {cfg.no_progress_timeout_seconds!r}")
     return cfg
 
 

@@ -60,6 +60,9 @@ class Metrics:
                                       "runtime's content API, by method.", ["method"], registry=r)
         self.pull_stalls = Counter("cri_shim_pull_stalls", "Upstream pulls cancelled by the stall guard "
                                    "(pulls.stall_timeout_seconds).", registry=r)
+        self.pull_no_progress = Counter("cri_shim_pull_no_progress", "Upstream pulls cancelled by the no-progress "
+                                        "guard (pulls.no_progress_timeout_seconds), by the phase they hung in "
+                                        "(resolving, downloading).", ["phase"], registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None

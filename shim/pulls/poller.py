@@ -19,6 +19,16 @@ pull's cannot be told for sure). Nothing is guessed.
 A pull whose download moves fewer than ``pulls.stall_min_bytes_per_second`` over the
 whole stall window is failed for every waiter with UNAVAILABLE and its upstream
 PullImage is cancelled; its ingests left in the runtime are then aborted.
+
+The no-progress guard (``pulls.no_progress_timeout_seconds``, on by default) does the
+same to a pull that made no progress at all for that long, so that hung registries
+cannot hold every slot of the pull cap: while ``resolving``, no manifest or index of
+its repository changed and no ingest that is no known pull's moved; while
+``downloading``, its bytes done did not grow. ``unpacking`` always counts as progress;
+a pull whose progress is ``unknown`` is not judged. A pull with no download of its own
+open may be waiting for the runtime (containerd 2.x's transfer service downloads at most
+``max_concurrent_downloads`` blobs node-wide): it is ended only once no ingest on the
+node has moved for the timeout either.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from ..metrics import Metrics
 from ..upstream import Upstream
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
 from .progress import RATE_WINDOW_SECONDS, FlightProgress, Manifest, StoredManifest, Unresolved, human_bytes, ingest_digest, \
-    parse_manifest, resolve, stall_message, stall_window
+    no_progress_message, parse_manifest, resolve, stall_message, stall_window
 from .scheduler import Flight, PullScheduler
 
 _log = logs.get("progress")
@@ -59,10 +69,13 @@ class Tracked:
     progress: FlightProgress
     started_wall: float
     host: str = ""
+    domain: str = ""  # the registry as the reference names it (with its port)
     repo: str = ""
     ref: str = ""
     digest: str | None = None
-    stalled: bool = False
+    stalled: bool = False  # ended by the stall guard or the no-progress guard
+    last_progress: float = 0.0  # monotonic: when the no-progress guard last saw it move
+    progress_token: object = None  # what it saw then
     ended_wall: float | None = None
     resolved_tick: int = -1  # the poll that found the manifest: its blobs are first looked up on the next one
 
@@ -90,6 +103,8 @@ class ProgressPoller:
     no_api: str | None = None
     no_api_at: float = 0.0
     ticks: int = 0
+    node_ingests: frozenset[tuple[str, int]] = frozenset()  # every ingest (blob, offset) at the last poll
+    node_moved: float = 0.0  # monotonic: when that last changed
     autostart: bool = True  # tests drive tick() themselves
     _task: asyncio.Task[None] | None = None
     _closed: bool = False
@@ -136,11 +151,11 @@ class ProgressPoller:
 
     def _started(self, flight: Flight) -> None:
         now = self.clock()
-        t = Tracked(flight, FlightProgress(flight.key.image, now), self.wall())
+        t = Tracked(flight, FlightProgress(flight.key.image, now), self.wall(), last_progress=now)
         t.progress.keep_seconds = self._keep_seconds()
         try:
             ref = reference.parse(flight.key.image)
-            t.host, t.repo, t.digest = _source_host(ref.domain), ref.path, ref.digest
+            t.host, t.domain, t.repo, t.digest = _source_host(ref.domain), ref.domain, ref.path, ref.digest
             t.ref = str(ref.with_default_tag())
         except reference.ReferenceError:
             t.progress.unknown = "not an image reference the runtime's records can be matched to"
@@ -236,6 +251,14 @@ class ProgressPoller:
         now = self.clock()
         for t in active:
             self._observe(t, now, by_digest, committed)
+        if self.cfg.no_progress_timeout_seconds > 0:
+            every = frozenset((d, i[0]) for d, i in by_digest.items())
+            if every != self.node_ingests:
+                self.node_ingests, self.node_moved = every, now
+            known = {b.digest for t in self.running.values() if t.progress.manifest for b in t.progress.manifest.blobs}
+            orphans = frozenset((d, off) for d, off in every if d not in known)
+            for t in active:
+                self._watch(t, now, stored, orphans, by_digest.keys())
         self._prune()
         self._publish_gauges()
 
@@ -328,6 +351,41 @@ class ProgressPoller:
             stall = p.stall(now, self.cfg.stall_timeout_seconds, self.cfg.stall_min_bytes_per_second)
             if stall is not None:
                 self._stalled(t, stall)
+
+    def _watch(self, t: Tracked, now: float, stored: list[Any], orphans: frozenset[tuple[str, int]],
+               ingesting: Any) -> None:
+        """The no-progress guard for one pull (module doc): end it once nothing it could be
+        doing has changed for ``pulls.no_progress_timeout_seconds``."""
+        p = t.progress
+        token: object
+        if p.unknown is not None or t.stalled:
+            return
+        if p.manifest is None:  # resolving: its repository's manifests, and ingests no known pull owns
+            mine = frozenset((b.digest, b.touched_wall) for b in stored if b.digest == t.digest
+                             or t.repo in StoredManifest.from_labels(b.digest, b.labels, 0.0, t.host).repos)
+            token = ("resolving", mine, orphans)
+        elif p.phase == "downloading":
+            token = ("downloading", p.bytes_done)
+        else:  # the tick that found the manifest, or unpacking: no bytes move, and that is no hang
+            token = (p.phase, now)
+        if token != t.progress_token:
+            t.progress_token, t.last_progress = token, now
+            return
+        idle = now - t.last_progress
+        if idle < self.cfg.no_progress_timeout_seconds:
+            return
+        own_open = p.manifest is not None and any(b.digest in ingesting for b in p.manifest.blobs)
+        if not own_open and now - self.node_moved < self.cfg.no_progress_timeout_seconds:
+            return  # maybe waiting for the runtime's downloads of other pulls
+        phase = "resolving" if p.manifest is None else p.phase
+        message = no_progress_message(t.flight.key.image, self.cfg.no_progress_timeout_seconds, phase,
+                                      t.domain, p.bytes_done, p.bytes_total)
+        t.stalled = True
+        if self.scheduler.fail_running(t.flight, RpcError(STALL_CODE, message)):
+            self.metrics.pull_no_progress.labels(phase).inc()
+            logs.log(_log, logging.WARNING, "pull made no progress; cancelled", image=t.flight.key.image,
+                     phase=phase, registry=t.domain, idle_seconds=round(idle, 1),
+                     bytes=f"{human_bytes(p.bytes_done)}/{human_bytes(p.bytes_total)}", waiters=t.flight.waiters)
 
     def _count_bytes(self, p: FlightProgress, only_seen: bool = False) -> None:
         """cri_shim_pull_bytes_total: each blob's growth counted once node-wide. ``only_seen``:

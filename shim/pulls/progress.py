@@ -378,3 +378,14 @@ def stall_message(image: str, stall: Stall, min_bps: int) -> str:
     """``cri-shim: pull of reg/app:v1 stalled: 9 KiB in the last 60 s (< 64 KiB/s); cancelled``."""
     return (f"cri-shim: pull of {image} stalled: {human_bytes(stall.moved)} in the last {stall.window:g} s "
             f"(< {human_bytes(min_bps)}/s); cancelled")
+
+
+def no_progress_message(image: str, seconds: float, phase: str, registry: str, done: int, total: int) -> str:
+    """What the callers of a pull ended by the no-progress guard are told, e.g. ``cri-shim: pull
+    of reg/app:v1 made no progress for 60 s (resolving the manifest from reg: no manifest, no
+    bytes); cancelled so that it does not hold a pull slot (pulls.no_progress_timeout_seconds),
+    retry later``."""
+    where = (f"resolving the manifest from {registry}: no manifest, no bytes" if phase == "resolving" else
+             f"downloading: {human_bytes(done)} of {human_bytes(total)}, no more bytes from {registry}")
+    return (f"cri-shim: pull of {image} made no progress for {seconds:g} s ({where}); "
+            f"cancelled so that it does not hold a pull slot (pulls.no_progress_timeout_seconds), retry later")

@@ -23,8 +23,7 @@ import pytest
 
 from shim.proto.containerd.services.content.v1 import content_pb2
 from shim.status import fetch_status
-from tests.support import containerd2, cri, oci
-from tests.support.containerd import hosts_toml
+from tests.support import cri, oci
 from tests.support.registry import free_port
 
 pytestmark = pytest.mark.e2e
@@ -32,31 +31,6 @@ PULL = "/runtime.v1.ImageService/PullImage"
 LIST_STATUSES = "/containerd.services.content.v1.Content/ListStatuses"
 NS = (("containerd-namespace", "k8s.io"),)
 MiB = 1 << 20
-
-
-class TransferContainerd2(containerd2.Containerd2):
-    """containerd 2.x pulling the way it does by default on a node: through its transfer
-    service (not the CRI plugin's local pull), into overlayfs."""
-
-    def _config(self) -> str:
-        return super()._config().replace("use_local_image_pull = true", "use_local_image_pull = false") \
-            .replace('snapshotter = "native"', 'snapshotter = "overlayfs"')
-
-
-@pytest.fixture(params=["containerd-1.6", "containerd-2.x", "containerd-2.x-transfer"])
-def ctd_socket(request, containerd_factory, registry, tmp_path):
-    """A fresh containerd of each generation and pull path (their ingest refs and content
-    labels are what progress reads)."""
-    if request.param == "containerd-1.6":
-        yield containerd_factory().socket
-        return
-    cls = TransferContainerd2 if request.param.endswith("transfer") else containerd2.Containerd2
-    c = cls(containerd2.require(), tmp_path / "c2", {})
-    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
-    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
-    c.start()
-    yield c.socket
-    c.stop()
 
 
 def metric(port: int, name: str) -> float:

@@ -3,8 +3,9 @@
 Session scoped: ``registry`` (docker-registry + counting proxy),
 ``auth_registry`` (same, with htpasswd basic auth), ``containerd`` (pulling
 through both proxies).  Function scoped: ``proxy`` (the registry proxy with
-counters reset), ``make_image``, ``containerd_factory``, ``shim_factory``,
-``crictl``, ``crictl_factory``.  ``cri_call`` lives in ``tests/conftest.py``.
+counters reset), ``make_image``, ``containerd_factory``, ``ctd_socket`` (a fresh
+containerd of each generation and pull path), ``shim_factory``, ``crictl``,
+``crictl_factory``.  ``cri_call`` lives in ``tests/conftest.py``.
 
 Any fixture value with a ``log_tails()`` method gets its logs attached to the
 report of a failing test (see ``tests/conftest.py``).
@@ -25,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from tests.support import binaries, oci
-from tests.support.containerd import Containerd
+from tests.support import binaries, containerd2, oci
+from tests.support.containerd import Containerd, hosts_toml
 from tests.support.crictl import Crictl
 from tests.support.oci import PushedImage
 from tests.support.proxy import CountingProxy
@@ -231,6 +232,32 @@ def containerd_factory(registry: RegistryWithProxy, tmp_path: Path) -> Iterator[
     factory = ContainerdFactory([registry.host], tmp_path)
     yield factory
     factory.close()
+
+
+class TransferContainerd2(containerd2.Containerd2):
+    """containerd 2.x pulling the way it does by default on a node: through its transfer
+    service (not the CRI plugin's local pull), into overlayfs."""
+
+    def _config(self) -> str:
+        return super()._config().replace("use_local_image_pull = true", "use_local_image_pull = false") \
+            .replace('snapshotter = "native"', 'snapshotter = "overlayfs"')
+
+
+@pytest.fixture(params=["containerd-1.6", "containerd-2.x", "containerd-2.x-transfer"])
+def ctd_socket(request: pytest.FixtureRequest, containerd_factory: ContainerdFactory,
+               registry: RegistryWithProxy, tmp_path: Path) -> Iterator[Path]:
+    """The socket of a fresh containerd of each generation and pull path (1.6; 2.x through
+    the CRI plugin's local pull; 2.x through its transfer service), pulling via ``registry``."""
+    if request.param == "containerd-1.6":
+        yield containerd_factory().socket
+        return
+    cls = TransferContainerd2 if request.param.endswith("transfer") else containerd2.Containerd2
+    c = cls(containerd2.require(), tmp_path / "c2", {})
+    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
+    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
+    c.start()
+    yield c.socket
+    c.stop()
 
 
 # --------------------------------------------------------------------------

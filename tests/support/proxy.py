@@ -15,7 +15,9 @@ of that repository seen, else to ``(repository, "?")``.
 
 Blob bodies can be throttled (bytes per second per connection, and/or a link
 rate shared by all blob bodies, like a node's network link), blob GETs can be
-held until released, and errors can be injected.
+held until released, a repository can be made to hang (its manifest requests
+never answered, or its blob bodies stopped mid-way, while the connection stays
+open), and errors can be injected.
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ class CountingProxy:
         self._link_free_at = 0.0
         #: Extra delay (seconds) before forwarding each manifest request.
         self.manifest_delay: float = 0.0
+        #: repository -> where it hangs: ("manifest", 0) or ("blob", bytes sent first).
+        self._hangs: dict[str, tuple[str, int]] = {}
+        self._unhung = threading.Event()
         self._server = _Server(("127.0.0.1", port), _Handler)
         self._server.proxy = self
         self._thread: threading.Thread | None = None
@@ -136,6 +141,7 @@ class CountingProxy:
 
     def stop(self) -> None:
         self.release_blobs()
+        self.unhang()
         self._server.shutdown()
         self._server.server_close()
         if self._thread:
@@ -195,6 +201,32 @@ class CountingProxy:
     def release_blobs(self) -> None:
         self._blob_gate.set()
 
+    def hang(self, repository: str, *, manifest: bool = False, blob_after: int | None = None) -> None:
+        """Make ``repository`` hang like a broken registry that keeps the connection open:
+        ``manifest``: its manifest requests (HEAD and GET) are never answered; ``blob_after``:
+        each blob body stops after that many bytes. Until :meth:`unhang` (or :meth:`stop`)."""
+        assert manifest != (blob_after is not None), "hang either the manifest or the blobs"
+        self._unhung.clear()
+        with self._lock:
+            self._hangs[repository] = ("manifest", 0) if manifest else ("blob", blob_after or 0)
+
+    def unhang(self) -> None:
+        """Every hanging request gives up (its connection is closed); nothing hangs any more."""
+        with self._lock:
+            self._hangs.clear()
+        self._unhung.set()
+
+    def _hang_for(self, kind: str, path: str) -> int | None:
+        """Bytes to send before hanging for this request, or None (no hang)."""
+        m = (_MANIFEST_RE if kind == "manifest" else _BLOB_RE).match(path)
+        with self._lock:
+            hang = self._hangs.get(m["repo"]) if m else None
+        return hang[1] if hang is not None and hang[0] == kind else None
+
+    def _hang_now(self) -> None:
+        self._unhung.wait(600)
+        raise ConnectionResetError("hang ended")
+
     def clear_faults(self) -> None:
         with self._lock:
             self._faults = {"manifest": [], "blob": []}
@@ -205,6 +237,7 @@ class CountingProxy:
         self.link_bps = None
         self.manifest_delay = 0.0
         self.release_blobs()
+        self.unhang()
         self.clear_faults()
 
     def fail_next(self, kind: str, count: int = 1, status: int = 503) -> None:
@@ -399,6 +432,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             if kind == "manifest" and proxy.manifest_delay:
                 time.sleep(proxy.manifest_delay)
+            if kind == "manifest" and proxy._hang_for(kind, path) is not None:
+                proxy._hang_now()
             if kind == "blob" and method == "GET":
                 proxy._blob_gate.wait(120)
             status, sent = self._forward(method, path, body, kind, image)
@@ -464,13 +499,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             sent = len(payload)
         else:
             throttle = kind == "blob" and method == "GET"
-            sent = self._stream(resp, throttle)
+            sent = self._stream(resp, throttle, proxy._hang_for(kind, path) if throttle else None)
         if resp.will_close:
             self._upstream.close()
             self._upstream = None
         return resp.status, sent
 
-    def _stream(self, resp: http.client.HTTPResponse, throttle: bool) -> int:
+    def _stream(self, resp: http.client.HTTPResponse, throttle: bool, hang_after: int | None = None) -> int:
         proxy = self.server.proxy
         sent = 0
         t0 = time.monotonic()
@@ -478,6 +513,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             bps = proxy.throttle_bps if throttle else None
             link = proxy.link_bps if throttle else None
             chunk_size = min([65536, *(max(1024, r // 20) for r in (bps, link) if r)])
+            if hang_after is not None:
+                chunk_size = min(chunk_size, hang_after - sent)
+                if chunk_size <= 0:
+                    self.wfile.flush()
+                    proxy._hang_now()
             chunk = resp.read(chunk_size)
             if not chunk:
                 break

@@ -283,6 +283,10 @@ def test_a_digest_pull_of_a_manifest_or_of_an_index() -> None:
      "at least twice pulls.progress_interval_seconds"),
     ({"stall_min_bytes_per_second": "fast"}, "pulls.stall_min_bytes_per_second", "expected a size in bytes"),
     ({"progress_log_after_seconds": True}, "pulls.progress_log_after_seconds", "expected a duration"),
+    ({"no_progress_timeout_seconds": "never"}, "pulls.no_progress_timeout_seconds", "expected a duration"),
+    ({"no_progress_timeout_seconds": -5}, "pulls.no_progress_timeout_seconds", "must be >= 0"),
+    ({"no_progress_timeout_seconds": 1, "progress_interval_seconds": 1}, "pulls.no_progress_timeout_seconds",
+     "at least twice pulls.progress_interval_seconds"),
 ])
 def test_bad_progress_settings_name_the_key(pulls: dict, key: str, says: str) -> None:
     from shim.config import ConfigError, from_dict
@@ -298,3 +302,6 @@ def test_progress_settings_take_units() -> None:
     p = from_dict({"pulls": {"stall_timeout_seconds": "1m", "stall_min_bytes_per_second": "64KiB",
                              "progress_interval_seconds": "500ms"}}).pulls
     assert (p.stall_timeout_seconds, p.stall_min_bytes_per_second, p.progress_interval_seconds) == (60, 65536, 0.5)
+    assert from_dict({"pulls": {"no_progress_timeout_seconds": "2m"}}).pulls.no_progress_timeout_seconds == 120
+    assert from_dict({}).pulls.no_progress_timeout_seconds == 60  # on by default
+    assert from_dict({"pulls": {"progress_interval_seconds": 0}}).pulls.progress_interval_seconds == 0  # both off

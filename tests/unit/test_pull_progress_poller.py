@@ -19,7 +19,7 @@ from shim.pulls.poller import ProgressPoller
 from shim.pulls.scheduler import PullKey, PullScheduler
 from shim.status import progress_line
 from shim.upstream import Upstream
-from tests.support.fake_content import SVC, START_WALL, MiB, Store
+from tests.support.fake_content import SVC, START_WALL, MiB, Store, dg
 
 class Clock:
     def __init__(self) -> None:
@@ -270,3 +270,123 @@ async def test_blobs_committed_since_the_pull_started_count_as_downloaded_older_
     runner.gate.set_result(b"ok")
     await waiter
     assert sample(metrics, "cri_shim_pull_bytes_total") == 5 * MiB
+
+
+# ---------------------------------------------------------------- the no-progress guard
+
+
+async def run_ticks(poller, clock, times, between=None) -> None:
+    for t in times:
+        clock.now = float(t)
+        if between is not None:
+            between(t)
+        await poller.tick()
+        await settle()
+
+
+async def test_a_pull_hung_resolving_is_ended_for_every_waiter_and_frees_its_slot(env) -> None:
+    """The registry never answers the manifest: nothing of the repository appears. After
+    no_progress_timeout_seconds every caller of that pull gets UNAVAILABLE naming the
+    phase and registry, its upstream call is cancelled, and the queued pull starts."""
+    store, scheduler, clock, metrics, make = env
+    scheduler.configure(1, 1, True)
+    poller = make(no_progress_timeout_seconds=60)
+    hung, healthy = Runner(), Runner()
+    waiters = [asyncio.ensure_future(scheduler.pull(PullKey("reg.test:5000/team/hung:v1"), hung)) for _ in range(2)]
+    queued = asyncio.ensure_future(scheduler.pull(PullKey("reg.test:5000/team/ok:v1"), healthy))
+    await settle()
+    await run_ticks(poller, clock, range(0, 60))
+    assert not any(w.done() for w in waiters) and healthy.calls == 0
+    await run_ticks(poller, clock, [60])
+    errors = [w.exception() for w in waiters]
+    assert all(isinstance(e, RpcError) and e.code is grpc.StatusCode.UNAVAILABLE for e in errors)
+    assert errors[0].details == (
+        "cri-shim: pull of reg.test:5000/team/hung:v1 made no progress for 60 s (resolving the manifest from "
+        "reg.test:5000: no manifest, no bytes); cancelled so that it does not hold a pull slot "
+        "(pulls.no_progress_timeout_seconds), retry later")
+    assert hung.cancelled and healthy.calls == 1
+    assert sample(metrics, "cri_shim_pull_no_progress_total", {"phase": "resolving"}) == 1
+    healthy.gate.set_result(b"ok")
+    assert (await queued).response == b"ok"
+
+
+async def test_a_resolving_pull_is_not_ended_while_an_unowned_download_moves(env) -> None:
+    """Before its manifest is known, bytes the runtime writes that no known pull owns may be
+    this pull's (e.g. its manifest or index being fetched): that counts as progress."""
+    store, scheduler, clock, metrics, make = env
+    poller = make(no_progress_timeout_seconds=20)
+    runner = Runner()
+    waiter = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/idx:v1"), runner))
+    await settle()
+    await run_ticks(poller, clock, range(0, 100, 5), lambda t: store.write(dg("d"), t * 1000, 10 ** 6))
+    assert not waiter.done()
+    await run_ticks(poller, clock, range(100, 125, 5))  # the ingest stops moving
+    assert isinstance(waiter.exception(), RpcError) and runner.cancelled
+    assert "(resolving the manifest from reg.test: no manifest, no bytes)" in waiter.exception().details
+
+
+async def test_a_slow_download_in_1_mib_steps_is_not_ended_a_stopped_one_is(env) -> None:
+    """100 KB/s: containerd moves the ingest's offset 1 MiB every ~10.5 s. A 15 s timeout
+    leaves it alone; once the bytes stop, the pull is ended 15 s after the last step."""
+    store, scheduler, clock, metrics, make = env
+    poller = make(no_progress_timeout_seconds=15)
+    m, (l0,) = store.add_image("team/app", "a", [8 * MiB])
+    runner = Runner()
+    waiter = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/app:v1"), runner))
+    await settle()
+
+    def trickle(t: float) -> None:
+        store.write(l0, min(t * 100_000, 5 * MiB) // MiB * MiB, 8 * MiB)
+
+    await run_ticks(poller, clock, range(0, 60), trickle)
+    assert not waiter.done()
+    last_step = 5 * MiB / 100_000  # 52.4 s: the offset reaches 5 MiB and stays there
+    await run_ticks(poller, clock, range(60, 68), trickle)
+    assert not waiter.done() and clock.now < last_step + 15
+    await run_ticks(poller, clock, range(68, 70), trickle)
+    error = waiter.exception()
+    assert isinstance(error, RpcError) and error.code is grpc.StatusCode.UNAVAILABLE
+    assert "made no progress for 15 s (downloading: 5 MiB of 8 MiB, no more bytes from reg.test)" in error.details
+    assert sample(metrics, "cri_shim_pull_no_progress_total", {"phase": "downloading"}) == 1
+    await poller.tick()
+    assert store.aborted == [f"layer-{l0}"]  # its leftover ingest is aborted, as after a stall
+
+
+async def test_no_progress_guard_is_on_by_default_and_off_at_0(env) -> None:
+    store, scheduler, clock, metrics, make = env
+    assert PullsConfig().no_progress_timeout_seconds == 60
+    poller = make(no_progress_timeout_seconds=0)
+    runner = Runner()
+    waiter = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/hung:v1"), runner))
+    await settle()
+    await run_ticks(poller, clock, range(0, 600, 10))
+    assert not waiter.done()
+    runner.gate.set_result(b"ok")
+    await waiter
+
+
+async def test_a_pull_with_nothing_open_waits_while_other_downloads_move_an_open_stuck_one_does_not(env) -> None:
+    """containerd 2.x's transfer service downloads a few blobs node-wide: a pull may wait with
+    nothing of its own open while others download. It is ended only once the node is idle.
+    A pull whose own download is open and stuck is ended even while others move."""
+    store, scheduler, clock, metrics, make = env
+    poller = make(no_progress_timeout_seconds=20)
+    busy, (lb,) = store.add_image("team/busy", "b", [64 * MiB])
+    stuck, (ls,) = store.add_image("team/stuck", "c", [8 * MiB])
+    runners = {name: Runner() for name in ("waiting", "busy", "stuck")}
+    waiting = asyncio.ensure_future(scheduler.pull(PullKey("reg.test/team/waiting:v1"), runners["waiting"]))
+    others = [asyncio.ensure_future(scheduler.pull(PullKey(f"reg.test/team/{n}:v1"), runners[n])) for n in ("busy", "stuck")]
+    await settle()
+
+    def move(t: float) -> None:
+        store.write(lb, min(int(t), 60) * MiB, 64 * MiB)  # moves until t=60
+        store.write(ls, MiB, 8 * MiB)  # open, never moves
+
+    await run_ticks(poller, clock, range(0, 60), move)
+    assert others[1].done() and "(downloading: 1 MiB of 8 MiB" in others[1].exception().details
+    assert not waiting.done() and not others[0].done()
+    await run_ticks(poller, clock, range(60, 79), move)
+    assert not waiting.done()
+    await run_ticks(poller, clock, range(79, 82), move)
+    assert waiting.done() and "(resolving the manifest" in waiting.exception().details
+    assert others[0].done() and "(downloading: 60 MiB of 64 MiB" in others[0].exception().details

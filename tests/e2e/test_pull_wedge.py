@@ -1,0 +1,111 @@
+"""A pull cap that hung registries cannot wedge (real containerd, a registry that hangs on demand).
+
+kubelet sets no deadline on PullImage. With ``pulls.max_parallel: 2``, one pull whose
+registry never answers the manifest and one whose blob stops mid-way hold both slots;
+the no-progress guard (``pulls.no_progress_timeout_seconds``) must end them, answer their
+callers (collapsed ones too) with UNAVAILABLE naming what happened, and let a healthy
+pull queued behind them start within the timeout and succeed. A healthy pull at 100 KB/s
+(containerd moves an ingest's offset in 1 MiB steps, every ~10 s at that rate) is never
+ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import grpc
+import pytest
+
+from shim.status import fetch_status
+from tests.support import cri, oci
+
+pytestmark = pytest.mark.e2e
+PULL = "/runtime.v1.ImageService/PullImage"
+MiB = 1 << 20
+NO_PROGRESS = 6.0  # seconds; the default is 60 (README "Pull progress and the stall guard")
+NO_DEADLINE = 600.0  # like kubelet: the call waits as long as it takes
+
+
+def in_flight(shim) -> list[dict]:
+    return fetch_status(str(shim.workdir / "admin.sock"))["pulls"]["in_flight"]
+
+
+async def until(predicate, what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.2)
+
+
+async def test_hung_pulls_cannot_hold_every_slot(ctd_socket, make_image, proxy, shim_factory) -> None:
+    manifest_hang = make_image()
+    blob_hang = make_image(layers=[oci.make_layer({"big.bin": os.urandom(4 * MiB)})])
+    healthy = make_image(layers=[oci.make_layer({"ok.bin": os.urandom(MiB)})])
+    proxy.hang(manifest_hang.repository, manifest=True)
+    proxy.hang(blob_hang.repository, blob_after=MiB + MiB // 2)  # containerd shows the first MiB, then nothing
+    shim = shim_factory({"pulls": {"max_parallel": 2, "progress_interval_seconds": 0.5,
+                                   "no_progress_timeout_seconds": NO_PROGRESS}}, upstream=ctd_socket)
+    async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+        pull = ch.unary_unary(PULL)
+
+        async def timed(ref: str) -> tuple[float, object]:
+            try:
+                answer: object = await pull(cri.pull_image_request(ref), timeout=NO_DEADLINE)
+            except grpc.aio.AioRpcError as e:
+                answer = e
+            return time.monotonic(), answer
+
+        t0 = time.monotonic()
+        hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
+        await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
+        await until(lambda: any(r["image"] == blob_hang.ref and r.get("progress", {}).get("bytes_done", 0) >= MiB
+                                for r in in_flight(shim)), "the blob hangs mid-way (status shows its first MiB)")
+        assert proxy.stats().manifest_requests_for(healthy.repository, "v1") == 0
+        queued_at = time.monotonic()
+        healthy_call = asyncio.ensure_future(timed(healthy.ref))
+        await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
+                    "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
+        started_after = time.monotonic() - queued_at
+        done_at, result = await asyncio.wait_for(healthy_call, 60)
+        answers = [await asyncio.wait_for(h, 30) for h in hung]
+    print(f"\n{ctd_socket}: healthy pull queued behind 2 hung ones started after {started_after:.1f} s, "
+          f"done after {done_at - queued_at:.1f} s (no-progress timeout {NO_PROGRESS:g} s)")
+    for at, e in answers:
+        print(f"  hung caller answered after {at - t0:.1f} s: "
+              f"{e.code().name if isinstance(e, grpc.aio.AioRpcError) else e}: "
+              f"{e.details() if isinstance(e, grpc.aio.AioRpcError) else ''}")
+    assert not isinstance(result, grpc.aio.AioRpcError), result
+    assert cri.decode_pull_image_response(result)
+    assert started_after < NO_PROGRESS + 15
+    for at, e in answers:
+        assert isinstance(e, grpc.aio.AioRpcError), e
+        assert e.code() is grpc.StatusCode.UNAVAILABLE
+        assert at - t0 < NO_PROGRESS * 2 + 20
+    host = manifest_hang.host
+    for _, e in answers[:2]:  # the two collapsed callers of the manifest hang get the same answer
+        assert e.details().startswith(f"cri-shim: pull of {manifest_hang.ref} made no progress for {NO_PROGRESS:g} s "
+                                      f"(resolving the manifest from {host}"), e.details()
+    assert answers[2][1].details().startswith(
+        f"cri-shim: pull of {blob_hang.ref} made no progress for {NO_PROGRESS:g} s (downloading: "), answers[2][1].details()
+    assert "retry later" in answers[2][1].details()
+
+
+async def test_a_slow_healthy_pull_is_not_ended(containerd_factory, make_image, proxy, shim_factory) -> None:
+    """100 KB/s: the ingest's offset moves only every ~10.5 s (1 MiB steps); a 15 s
+    no-progress timeout must leave the pull alone (it takes about 30 s)."""
+    ctd = containerd_factory()
+    image = make_image(layers=[oci.make_layer({"slow.bin": os.urandom(3 * MiB)})])
+    shim = shim_factory({"pulls": {"progress_interval_seconds": 0.5, "no_progress_timeout_seconds": 15}},
+                        upstream=ctd.socket)
+    proxy.set_link_throttle(100_000)
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+        result = await ch.unary_unary(PULL)(cri.pull_image_request(image.ref), timeout=NO_DEADLINE)
+    took = time.monotonic() - t0
+    print(f"\n3 MiB at 100 KB/s with a 15 s no-progress timeout: pulled in {took:.1f} s")
+    assert cri.decode_pull_image_response(result)
+    assert took > 25  # it really was that slow
+    assert "made no progress" not in shim.log_text()
