@@ -44,7 +44,8 @@ class App:
         self.image_sets: ImageSets | None = None
         self.status_sources["image_sets"] = self.image_sets_status
         self._configure(cfg)
-        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing)
+        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing,
+                           allowed_services=cfg.server.allowed_services)
         self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
@@ -119,6 +120,7 @@ class App:
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)
         self.proxy.set_table(self.table())
+        self.proxy.set_allowed_services(cfg.server.allowed_services)
         await self._apply_image_sets(cfg)
 
     def begin_shutdown(self) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from .routing import check_allowed_services
+
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
 DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
@@ -53,6 +55,12 @@ class ServerConfig:
     write_buffer_low_bytes: int = 16 * 1024
     write_stall_seconds: float = 30.0
     preface_timeout_seconds: float = 10.0
+    # non-CRI services let through (reloadable); anything else but runtime.v1 and health is refused
+    allowed_services: tuple[str, ...] = ()
+
+
+# server.* keys a reload applies (every other server.* key needs a restart)
+RELOADABLE_SERVER_KEYS = frozenset({"allowed_services"})
 
 
 @dataclass(frozen=True)
@@ -285,6 +293,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
                                       d.get("write_stall_seconds", c.write_stall_seconds)),
         preface_timeout_seconds=_duration("server.preface_timeout_seconds",
                                           d.get("preface_timeout_seconds", c.preface_timeout_seconds)),
+        allowed_services=_allowed_services(d.get("allowed_services", list(c.allowed_services))),
     )
     if cfg.write_buffer_low_bytes >= cfg.write_buffer_high_bytes:
         raise ConfigError("server.write_buffer_low_bytes",
@@ -294,6 +303,16 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"server.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
     return cfg
+
+
+def _allowed_services(v: Any) -> tuple[str, ...]:
+    key = "server.allowed_services"
+    try:
+        return check_allowed_services(_str_list(key, v))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(key, str(e)) from None
 
 
 def _group(key: str, v: Any) -> str:

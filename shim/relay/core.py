@@ -70,6 +70,7 @@ from typing import Callable
 import grpc
 
 from .. import logs
+from ..routing import Refusal
 from . import grpcwire, h2
 from .h2 import H2Error
 from .hpack_decoder import Decoder, HeaderListTooLarge
@@ -114,7 +115,7 @@ class LocalStream:
     """A stream the shim answers itself."""
 
     sid: int
-    path: str
+    path: str  # the method in canonical form (methods.canonical); headers hold the client's :path
     headers: list[tuple[bytes, bytes]]
     recv_window: int
     send_window: int
@@ -202,10 +203,10 @@ def malformed(fields: list[tuple[bytes, bytes]], trailers: bool = False) -> str:
 class RelayCore:
     PREFACE, WAITING, RELAY, LOCAL, CLOSED = "preface", "waiting", "relay", "local", "closed"
 
-    def __init__(self, limits: Limits, intercepts: Callable[[str], bool],
+    def __init__(self, limits: Limits, route: Callable[[str], str | Refusal | None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self.intercepts = intercepts
+        self.route = route  # :path -> canonical method to answer locally, a refusal, or None: relay
         self.phase = self.PREFACE
         self.message = ""  # why new streams are answered UNAVAILABLE (LOCAL phase)
         self.to_client: list[bytes] = []
@@ -643,7 +644,11 @@ class RelayCore:
         if not relay:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.UNAVAILABLE, self.message, flags)
             return
-        if path is None or not self.intercepts(path):
+        route = self.route(path) if path is not None else None
+        if isinstance(route, Refusal):
+            self._answer_only(sid, frames, inserted, route.code, route.message, flags)
+            return
+        if route is None:
             self.relayed_open.add(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
                 logs.log(_log, logging.DEBUG, "relayed", method=path or "")
@@ -666,7 +671,7 @@ class RelayCore:
             return
         if inserted:
             self._cancel_upstream(sid, frames)
-        s = LocalStream(sid, path, headers, recv_window=self.runtime_initial_window,
+        s = LocalStream(sid, route, headers, recv_window=self.runtime_initial_window,
                         send_window=self.client_initial_window)
         self.local[sid] = s
         if flags & h2.END_STREAM:

@@ -12,6 +12,7 @@ import pytest
 from hpack import Encoder
 
 from shim.relay import h2
+from shim.routing import Router
 from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
                              Request)
 
@@ -19,6 +20,7 @@ PULL = "/runtime.v1.ImageService/PullImage"
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
 VERSION = "/runtime.v1.RuntimeService/Version"
 INTERCEPTED = {PULL, REMOVE}
+ROUTE = Router(dict.fromkeys(INTERCEPTED, "handler"), ("vendor.*",)).relay_route
 
 Frame = tuple[int, int, int, bytes]
 
@@ -57,7 +59,7 @@ class Peers:
     """A RelayCore with a client and a runtime attached, past both prefaces."""
 
     def __init__(self, limits: Limits = Limits(), relay: bool = True) -> None:
-        self.core = RelayCore(limits, INTERCEPTED.__contains__)
+        self.core = RelayCore(limits, ROUTE)
         self.core.receive_client(h2.PREFACE)
         assert self.core.take_events() == [PrefaceReceived()]
         assert self.core.take_runtime() == b""  # nothing for the runtime before we know where calls go
@@ -116,7 +118,7 @@ def closed_with(p: Peers, code: int) -> str:
 
 
 def test_runtime_is_not_involved_before_a_valid_preface() -> None:
-    core = RelayCore(Limits(), INTERCEPTED.__contains__)
+    core = RelayCore(Limits(), ROUTE)
     core.receive_client(h2.PREFACE[:10])
     assert core.take_events() == [] and core.take_client() == b""
     core.receive_client(h2.PREFACE[10:] + h2.settings_frame({}))
@@ -127,7 +129,7 @@ def test_runtime_is_not_involved_before_a_valid_preface() -> None:
 
 
 def test_garbage_instead_of_a_preface_closes_without_a_runtime() -> None:
-    core = RelayCore(Limits(), INTERCEPTED.__contains__)
+    core = RelayCore(Limits(), ROUTE)
     core.receive_client(b"GET / HTTP/1.1\r\n")
     [ev] = core.take_events()
     assert isinstance(ev, ConnectionClosed) and ev.code == h2.PROTOCOL_ERROR
@@ -568,7 +570,7 @@ def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed()
 
 def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not() -> None:
     now = [0.0]
-    core = RelayCore(Limits(), INTERCEPTED.__contains__, clock=lambda: now[0])
+    core = RelayCore(Limits(), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
     core.receive_client(h2.PREFACE)
