@@ -99,6 +99,7 @@ class ImageSetsConfig:
     retry_initial_seconds: float = 5.0
     retry_max_seconds: float = 300.0
     runtime_timeout_seconds: float = 30.0  # deadline of the reconciler's own ListImages / ImageFsInfo
+    pins_wait_seconds: float = 10.0  # RemoveImage waits this long for the first read of dir, then UNAVAILABLE
     docker_config: tuple[str, ...] = ("/var/lib/kubelet/config.json",)  # registry credentials for prefetch
     credential_provider_config: str = ""  # kubelet CredentialProviderConfig file; empty: no plugins
     credential_provider_bin_dir: str = ""  # where its plugins are
@@ -394,6 +395,7 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
         runtime_timeout_seconds=_duration(
             "image_sets.runtime_timeout_seconds", d.get("runtime_timeout_seconds", c.runtime_timeout_seconds)),
+        pins_wait_seconds=_duration("image_sets.pins_wait_seconds", d.get("pins_wait_seconds", c.pins_wait_seconds)),
         docker_config=_str_list("image_sets.docker_config", d.get("docker_config", list(c.docker_config)) or []),
         credential_provider_config=_str("image_sets.credential_provider_config",
                                         d.get("credential_provider_config", c.credential_provider_config)),
@@ -410,8 +412,9 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
             load_config(cfg.credential_provider_config)
         except ProviderConfigError as e:
             raise ConfigError("image_sets.credential_provider_config", str(e)) from None
-    if cfg.runtime_timeout_seconds <= 0:
-        raise ConfigError("image_sets.runtime_timeout_seconds", f"must be > 0, got {cfg.runtime_timeout_seconds!r}")
+    for key in ("runtime_timeout_seconds", "pins_wait_seconds"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"image_sets.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
                           f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")

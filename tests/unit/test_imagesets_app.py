@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import yaml
 
 from shim import config as config_mod
 from shim.proto.runtime.v1 import api_pb2
@@ -121,5 +122,102 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
             assert app.image_sets_status() == {"enabled": False}
             assert not app.images.pins  # nothing pinned any more
             assert store.has("registry.local/a:1") and store.has("registry.local/b:1")
+    finally:
+        await rt.stop()
+
+
+class HeldScans:
+    """SetDirectory.scan held until released: the shim serves before its first scan ends."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        from shim.imagesets.loader import SetDirectory
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = SetDirectory.scan
+
+        def held(directory):
+            self.entered.set()
+            self.release.wait(30)
+            return real(directory)
+        monkeypatch.setattr(SetDirectory, "scan", held)
+
+
+async def removal(ch: grpc.aio.Channel, name: str) -> grpc.StatusCode:
+    rm = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=name)).SerializeToString()
+    try:
+        await ch.unary_unary(REMOVE)(rm, timeout=20)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+
+
+async def test_pins_are_enforced_from_the_first_call(tmp_path: Path, monkeypatch) -> None:
+    """A RemoveImage that arrives before the first scan of image_sets.dir waits for it."""
+    rt, store = await start_runtime(tmp_path)
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    store.add("registry.local/a:1")
+    write(sets / "p.yaml", pinned("release", ["registry.local/a:1"]))
+    scans = HeldScans(monkeypatch)
+    try:
+        async with running_shim(rt.endpoint, settings(sets)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                assert await asyncio.to_thread(scans.entered.wait, 10)
+                early = asyncio.ensure_future(removal(ch, "registry.local/a:1"))
+                await eventually(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
+                assert not early.done() and not rt.calls("ImageStatus")  # the call is in the shim, waiting
+                scans.release.set()
+                assert await early is grpc.StatusCode.FAILED_PRECONDITION
+                assert store.has("registry.local/a:1") and not rt.calls("RemoveImage")
+    finally:
+        scans.release.set()
+        await rt.stop()
+
+
+async def test_removal_is_unavailable_after_image_sets_pins_wait_seconds(tmp_path: Path, monkeypatch) -> None:
+    rt, store = await start_runtime(tmp_path)
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    store.add("registry.local/a:1")
+    scans = HeldScans(monkeypatch)
+    try:
+        async with running_shim(rt.endpoint, settings(sets, pins_wait_seconds=0.2)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                rm = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image="registry.local/a:1"))
+                try:
+                    await ch.unary_unary(REMOVE)(rm.SerializeToString(), timeout=20)
+                    raise AssertionError("removed before the image sets were read")
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() is grpc.StatusCode.UNAVAILABLE and "image_sets.pins_wait_seconds" in e.details()
+                assert store.has("registry.local/a:1") and not rt.calls("RemoveImage")
+    finally:
+        scans.release.set()
+        await rt.stop()
+
+
+async def test_a_new_image_sets_dir_keeps_the_old_pins_until_it_is_read(tmp_path: Path, monkeypatch) -> None:
+    rt, store = await start_runtime(tmp_path)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    store.add("registry.local/a:1", "registry.local/b:1")
+    write(old / "p.yaml", pinned("old", ["registry.local/a:1"]))
+    write(new / "p.yaml", pinned("new", ["registry.local/b:1"]))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(settings(old)))
+    try:
+        async with running_shim(rt.endpoint, settings(old), config_path=str(cfg)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                await eventually(lambda: shim.app.images.declared_pins == (("registry.local/a:1", "old"),))
+                scans = HeldScans(monkeypatch)
+                cfg.write_text(yaml.safe_dump(settings(new)))
+                await shim.server.reload(shim.app, "SIGHUP")
+                assert await asyncio.to_thread(scans.entered.wait, 10)
+                assert shim.app.images.declared_pins == (("registry.local/a:1", "old"),)  # still in force
+                early = asyncio.ensure_future(removal(ch, "registry.local/b:1"))
+                scans.release.set()
+                assert await early is grpc.StatusCode.FAILED_PRECONDITION  # pinned by the new dir
+                assert await removal(ch, "registry.local/a:1") is grpc.StatusCode.OK
     finally:
         await rt.stop()

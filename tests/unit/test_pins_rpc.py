@@ -113,17 +113,37 @@ async def test_pin_patterns_protect(serve, runtime, store, pattern, victim) -> N
     assert runtime.calls("RemoveImage") == []
 
 
-async def test_unpinned_image_is_removed_with_request_bytes_unchanged(serve, runtime, store) -> None:
+async def test_unpinned_image_is_removed_by_its_id_other_bytes_unchanged(serve, runtime, store) -> None:
     request = remove_request("quay.io/org/app:v1", runtime_handler="kata") + UNKNOWN_FIELD
     async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "registry.k8s.io/*"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(SVC + "RemoveImage")(request, timeout=5)
         assert denied(shim) == 0
-    assert [r.request for r in runtime.calls("RemoveImage")] == [request]
+    by_id = remove_request(image_id(2), runtime_handler="kata") + UNKNOWN_FIELD
+    assert [r.request for r in runtime.calls("RemoveImage")] == [by_id]
     # the lookup asked about the same ImageSpec, runtime handler included
     lookup = api_pb2.ImageStatusRequest.FromString(runtime.calls("ImageStatus")[0].request)
     assert (lookup.image.image, lookup.image.runtime_handler, lookup.verbose) == ("quay.io/org/app:v1", "kata", False)
     assert store.resolve("quay.io/org/app:v1") is None
+
+
+async def test_a_name_repointed_after_the_check_cannot_remove_a_pinned_image(serve, runtime, store) -> None:
+    """A pull moves quay.io/org/app:v1 to the pinned nginx image right after the shim looked it up."""
+    status = runtime.unary[SVC + "ImageStatus"]
+
+    async def status_then_repoint(request: bytes, context) -> bytes:
+        answer = await status(request, context)
+        app_image, nginx_image = store.resolve("quay.io/org/app:v1"), store.resolve("nginx")
+        app_image.tags.remove("quay.io/org/app:v1")
+        nginx_image.tags.append("quay.io/org/app:v1")
+        return answer
+
+    runtime.unary[SVC + "ImageStatus"] = status_then_repoint
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx:latest"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await remove(ch, "quay.io/org/app:v1")
+    assert store.resolve(image_id(1)) is not None  # nginx, pinned, is still there
+    assert store.resolve(image_id(2)) is None  # the image the shim checked is gone
 
 
 async def test_unknown_image_reaches_the_runtime(serve, runtime, store) -> None:
