@@ -11,6 +11,7 @@ from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     containerd_factory,
     crictl,
     crictl_factory,
+    ctrd2,
     fast_tmp,
     make_image,
     proxy,

@@ -21,27 +21,11 @@ import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2 as pb
-from tests.support import binaries, containerd2
-from tests.support.containerd import hosts_toml
+from tests.support import containerd2
 
 pytestmark = pytest.mark.e2e
 
 PULL = "/runtime.v1.ImageService/PullImage"
-
-
-@pytest.fixture
-def ctrd2(tmp_path, registry):
-    binary, why = containerd2.find()
-    if binary is None:
-        if binaries.in_ci():
-            pytest.fail(f"{why}; end-to-end tests are required in CI")
-        pytest.skip(why)
-    c = containerd2.Containerd2(binary, tmp_path / "c2", {"fast": "overlayfs"})
-    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
-    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
-    c.start()
-    yield c
-    c.stop()
 
 
 def request(image: str, namespace: str | None, handler: str = "") -> pb.PullImageRequest:

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.support import binaries, oci
-from tests.support.containerd import Containerd
+from tests.support import binaries, containerd2, oci
+from tests.support.containerd import Containerd, hosts_toml
 from tests.support.crictl import Crictl
 from tests.support.oci import PushedImage
 from tests.support.proxy import CountingProxy
@@ -333,3 +333,20 @@ def shim_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Shi
     yield factory
     for problem in factory.close():
         warnings.warn(problem, stacklevel=1)
+
+
+@pytest.fixture
+def ctrd2(tmp_path: Path, registry: RegistryWithProxy) -> Iterator[containerd2.Containerd2]:
+    """containerd 2.x pulling from the session registry; runtime ``fast`` unpacks with overlayfs
+    (its default snapshotter is native). Skipped without a binary, failed under CI."""
+    binary, why = containerd2.find()
+    if binary is None:
+        if binaries.in_ci():
+            pytest.fail(f"{why}; end-to-end tests are required in CI")
+        pytest.skip(why)
+    c = containerd2.Containerd2(binary, tmp_path / "c2", {"fast": "overlayfs"})
+    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
+    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
+    c.start()
+    yield c
+    c.stop()

@@ -1,0 +1,65 @@
+"""Every spelling of a CRI method that containerd routes is enforced through the shim, and
+the shim serves CRI only (tests/support/routing_table.py has the table and what it asserts).
+
+containerd 1.6 (Debian's, grpc-go 1.4x) routes ``runtime.v1.ImageService/RemoveImage``
+without the leading ``/`` and serves runtime.v1alpha2; containerd 2.4 (grpc-go 1.83) answers
+both UNIMPLEMENTED. ``ctr`` pointed at the shim's socket is refused: containerd's own API
+(namespaces, images, content, ...) does not pass by default.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.support import cri, routing_table
+from tests.support.containerd import Containerd
+from tests.support.prom import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=["containerd-1.6", "containerd-2"])
+def runtime_socket(request: pytest.FixtureRequest) -> str:
+    fixture = {"containerd-1.6": "containerd", "containerd-2": "ctrd2"}[request.param]
+    return str(request.getfixturevalue(fixture).socket)
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+def test_remove_pinned_image_under_every_spelling(runtime_socket, make_image, shim_factory, engine) -> None:
+    pinned = make_image()
+    assert routing_table.pull(runtime_socket, pinned).ok
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine}, "pins": {"images": [pinned.ref]}},
+                        upstream=runtime_socket)
+    rows = [routing_table.remove_row(runtime_socket, shim.socket, pinned, make_image(), s)
+            for s in routing_table.SPELLINGS]
+    print("\nRemoveImage of a pinned image, " + engine + ":\n" + "\n".join(map(str, rows)))
+    assert rows[0].runtime_routes  # the canonical spelling works directly
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+def test_pull_under_every_spelling_goes_through_the_scheduler(runtime_socket, make_image, shim_factory,
+                                                              engine) -> None:
+    port = free_port()
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine},
+                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=runtime_socket)
+    rows = [routing_table.pull_row(runtime_socket, shim.socket, port, make_image(), s)
+            for s in routing_table.SPELLINGS]
+    print("\nPullImage, " + engine + ":\n" + "\n".join(map(str, rows)))
+    assert rows[0].runtime_routes
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+def test_ctr_images_rm_through_the_shim_is_refused(containerd: Containerd, make_image, shim_factory,
+                                                   engine) -> None:
+    img = make_image()
+    assert routing_table.pull(containerd.socket, img).ok
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine}})
+    out = subprocess.run(["ctr", "--address", str(shim.socket), "-n", "k8s.io", "images", "rm", img.ref],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, out
+    assert "is not a CRI service" in out.stderr and "server.allowed_services" in out.stderr, out.stderr
+    assert routing_table.present(containerd.socket, img)
+    # CRI itself is served on the same socket
+    assert cri.call(shim.socket, "ImageStatus", cri.image_status_request(img.ref), 10).ok
