@@ -15,7 +15,6 @@ import pytest
 
 from tests.support import cri, routing_table
 from tests.support.containerd import Containerd
-from tests.support.prom import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -28,26 +27,13 @@ def runtime_socket(request: pytest.FixtureRequest) -> str:
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
 def test_remove_pinned_image_under_every_spelling(runtime_socket, make_image, shim_factory, engine) -> None:
-    pinned = make_image()
-    assert routing_table.pull(runtime_socket, pinned).ok
-    shim = shim_factory({"server": {"admin_socket": "", "engine": engine}, "pins": {"images": [pinned.ref]}},
-                        upstream=runtime_socket)
-    rows = [routing_table.remove_row(runtime_socket, shim.socket, pinned, make_image(), s)
-            for s in routing_table.SPELLINGS]
-    print("\nRemoveImage of a pinned image, " + engine + ":\n" + "\n".join(map(str, rows)))
-    assert rows[0].runtime_routes  # the canonical spelling works directly
+    routing_table.remove_pinned_table(runtime_socket, shim_factory, make_image, engine)
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
 def test_pull_under_every_spelling_goes_through_the_scheduler(runtime_socket, make_image, shim_factory,
                                                               engine) -> None:
-    port = free_port()
-    shim = shim_factory({"server": {"admin_socket": "", "engine": engine},
-                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=runtime_socket)
-    rows = [routing_table.pull_row(runtime_socket, shim.socket, port, make_image(), s)
-            for s in routing_table.SPELLINGS]
-    print("\nPullImage, " + engine + ":\n" + "\n".join(map(str, rows)))
-    assert rows[0].runtime_routes
+    routing_table.pull_table(runtime_socket, shim_factory, make_image, engine)
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])

@@ -17,13 +17,16 @@ For RemoveImage of a pinned image and PullImage each row asks the runtime itself
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from tests.support import cri
 from tests.support.image_fleet import metric
 from tests.support.oci import PushedImage
+from tests.support.prom import free_port
 
 SPELLINGS: dict[str, str] = {
     "canonical": "/runtime.v1.ImageService/{}",
@@ -99,3 +102,28 @@ def pull_row(runtime: str | os.PathLike[str], shim: str | os.PathLike[str], metr
         assert counted == 1, f"the pull bypassed the shim's scheduler: {row}"
         assert via.code == direct.code, row  # the runtime's own answer to this spelling
     return row
+
+
+def remove_pinned_table(runtime: str, shim_factory: Callable[..., Any], make_image: Callable[..., PushedImage],
+                        engine: str) -> list[Row]:
+    """Every row of RemoveImage of a pinned image, through a shim with ``engine`` in front of ``runtime``."""
+    pinned = make_image()
+    assert pull(runtime, pinned).ok
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine}, "pins": {"images": [pinned.ref]}},
+                        upstream=runtime)
+    rows = [remove_row(runtime, shim.socket, pinned, make_image(), s) for s in SPELLINGS]
+    print(f"\nRemoveImage of a pinned image, {engine}:\n" + "\n".join(map(str, rows)))
+    assert rows[0].runtime_routes  # the canonical spelling works directly
+    return rows
+
+
+def pull_table(runtime: str, shim_factory: Callable[..., Any], make_image: Callable[..., PushedImage],
+               engine: str) -> list[Row]:
+    """Every row of PullImage, through a shim with ``engine`` in front of ``runtime``."""
+    port = free_port()
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine},
+                         "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=runtime)
+    rows = [pull_row(runtime, shim.socket, port, make_image(), s) for s in SPELLINGS]
+    print(f"\nPullImage, {engine}:\n" + "\n".join(map(str, rows)))
+    assert rows[0].runtime_routes
+    return rows
