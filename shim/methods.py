@@ -13,7 +13,8 @@ from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
 
 from shim.proto.runtime.v1 import api_pb2
 
-__all__ = ["CRI_PACKAGE", "Cardinality", "KNOWN_METHODS", "canonical", "cardinality", "method_path", "service_of"]
+__all__ = ["CRI_PACKAGE", "Cardinality", "KNOWN_METHODS", "canonical", "cardinality", "cri_method", "method_path",
+           "service_of"]
 
 
 class Cardinality(enum.Enum):
@@ -41,6 +42,14 @@ class Cardinality(enum.Enum):
 def method_path(method: MethodDescriptor) -> str:
     """gRPC path of a method: ``/<package>.<Service>/<Method>``."""
     return f"/{method.containing_service.full_name}/{method.name}"
+
+
+def cri_method(service: str, name: str) -> str:
+    """The path of a method of our CRI proto, e.g. ``cri_method("ImageService", "PullImage")``.
+
+    KeyError if the proto has no such method: every method name the shim uses is checked here.
+    """
+    return method_path(api_pb2.DESCRIPTOR.services_by_name[service].methods_by_name[name])
 
 
 def canonical(path: str) -> str | None:

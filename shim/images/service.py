@@ -14,18 +14,19 @@ from google.protobuf.message import DecodeError, Message
 
 from .. import logs
 from ..errors import RpcError, invalid_request
+from ..methods import cri_method
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
 from ..tracing import Tracing
 from ..upstream import Upstream
 
-PULL_IMAGE = "/runtime.v1.ImageService/PullImage"
-IMAGE_STATUS = "/runtime.v1.ImageService/ImageStatus"
-LIST_IMAGES = "/runtime.v1.ImageService/ListImages"
-STREAM_IMAGES = "/runtime.v1.ImageService/StreamImages"
-REMOVE_IMAGE = "/runtime.v1.ImageService/RemoveImage"
-IMAGE_FS_INFO = "/runtime.v1.ImageService/ImageFsInfo"
+PULL_IMAGE = cri_method("ImageService", "PullImage")
+IMAGE_STATUS = cri_method("ImageService", "ImageStatus")
+LIST_IMAGES = cri_method("ImageService", "ListImages")
+STREAM_IMAGES = cri_method("ImageService", "StreamImages")
+REMOVE_IMAGE = cri_method("ImageService", "RemoveImage")
+IMAGE_FS_INFO = cri_method("ImageService", "ImageFsInfo")
 
 M = TypeVar("M", bound=Message)
 _log = logs.get("pins")
