@@ -645,9 +645,6 @@ class RelayCore:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.UNAVAILABLE, self.message, flags)
             return
         route = self.route(path) if path is not None else None
-        if isinstance(route, Refusal):
-            self._answer_only(sid, frames, inserted, route.code, route.message, flags)
-            return
         if route is None:
             self.relayed_open.add(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
@@ -663,6 +660,9 @@ class RelayCore:
         problem = malformed(headers)
         if problem:  # RFC 9113 8.1.1: a malformed request is a stream error
             self._refuse(sid, frames, inserted, h2.PROTOCOL_ERROR)
+            return
+        if isinstance(route, Refusal):  # a service the shim does not serve (shim/routing.py)
+            self._answer_only(sid, frames, inserted, route.code, route.message, flags)
             return
         if len(self.local) >= self.limits.max_intercepted_streams:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -605,3 +605,16 @@ def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() 
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
     p.core.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 1) == (0, "")
+
+
+def test_a_refused_service_is_answered_with_its_status_and_never_relayed() -> None:
+    p = Peers(Limits())
+    p.from_client(headers(1, "/containerd.services.images.v1.Images/Delete", end_stream=True))
+    p.from_client(headers(3, "/runtime.v1alpha2.ImageService/RemoveImage", end_stream=True))
+    p.from_client(h2.headers_frames(5, request_block("/containerd.services.images.v1.Images/Delete")
+                                    + request_block("/x"), True, h2.DEFAULT_MAX_FRAME))  # malformed: judged first
+    assert p.runtime_got() == []
+    got = p.client_got()
+    assert grpc_status(got, 1)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert grpc_status(got, 3) == (grpc.StatusCode.UNIMPLEMENTED.value[0], "unknown service runtime.v1alpha2.ImageService")
+    assert rst(got, 5) == h2.PROTOCOL_ERROR and grpc_status(got, 5) is None
