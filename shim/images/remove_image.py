@@ -64,8 +64,8 @@ async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageR
     return resp.image if resp.HasField("image") else None
 
 
-def removal_request(req: api_pb2.RemoveImageRequest, image: api_pb2.Image) -> bytes:
-    """``req`` naming ``image`` by its ID (other fields, unknown ones too, kept).
+def removal_request(request: bytes, req: api_pb2.RemoveImageRequest, image: api_pb2.Image) -> bytes:
+    """``request`` (parsed: ``req``) naming ``image`` by its ID (other fields, unknown ones too, kept).
 
     containerd removes an image with all its names whichever name it is given, so the ID
     removes exactly what the name would. CRI-O removes only the given tag of an image that
@@ -75,7 +75,7 @@ def removal_request(req: api_pb2.RemoveImageRequest, image: api_pb2.Image) -> by
     crio_untag = (not image.id.startswith("sha256:") and len(image.repo_tags) > 1
                   and reference.normalize_image_id(name) is None and "@" not in name)
     if crio_untag or name == image.id:
-        return req.SerializeToString()
+        return request
     req.image.image = image.id
     return req.SerializeToString()
 
@@ -101,6 +101,6 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
             logs.log(_log, logging.INFO, "removing a pinned image (pins.mode is mark-only)", image=name,
                      id=image.id, tags=tags, pin=pins.describe(pin))
         if image is not None:
-            request = removal_request(req, image)
+            request = removal_request(request, req, image)
     with counting_upstream_errors(svc, "RemoveImage"):
         return await call.forward(request)

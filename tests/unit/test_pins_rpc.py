@@ -345,3 +345,17 @@ async def test_request_with_a_group_field_is_still_checked(serve, runtime, store
                 await ch.unary_unary(REMOVE)(request, timeout=5)
     assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert runtime.calls("RemoveImage") == []
+
+
+@pytest.mark.parametrize(("image_id_", "tags", "name", "sent"), [
+    (image_id(1), ["a:1", "a:2"], "a:1", image_id(1)),  # containerd removes every name anyway: by ID
+    ("1" * 64, ["a:1"], "a:1", "1" * 64),  # CRI-O, the image's only tag: by ID
+    ("1" * 64, ["a:1", "a:2"], "a:1", "a:1"),  # CRI-O untags one tag of several: the name stays
+    ("1" * 64, ["a:1", "a:2"], f"a@{D_APP}", "1" * 64),  # a digest names the whole image
+])
+def test_removal_names_the_checked_image_as_the_runtime_would_remove_it(image_id_, tags, name, sent) -> None:
+    from shim.images.remove_image import removal_request
+    request = remove_request(name, runtime_handler="kata") + UNKNOWN_FIELD
+    out = removal_request(request, api_pb2.RemoveImageRequest.FromString(request),
+                          api_pb2.Image(id=image_id_, repo_tags=tags))
+    assert out == (request if sent == name else remove_request(sent, runtime_handler="kata") + UNKNOWN_FIELD)
