@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from shim import wire
+from shim.images.remove_image import removal_request
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime
@@ -354,7 +355,6 @@ async def test_request_with_a_group_field_is_still_checked(serve, runtime, store
     ("1" * 64, ["a:1", "a:2"], f"a@{D_APP}", "1" * 64),  # a digest names the whole image
 ])
 def test_removal_names_the_checked_image_as_the_runtime_would_remove_it(image_id_, tags, name, sent) -> None:
-    from shim.images.remove_image import removal_request
     request = remove_request(name, runtime_handler="kata") + UNKNOWN_FIELD
     out = removal_request(request, api_pb2.RemoveImageRequest.FromString(request),
                           api_pb2.Image(id=image_id_, repo_tags=tags))
