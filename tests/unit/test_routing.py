@@ -115,6 +115,15 @@ async def test_pinned_image_refused_under_every_spelling(serve, runtime, store) 
     assert store.resolve(image_id(1)) is not None
 
 
+async def test_an_intercepted_call_reaches_the_runtime_under_the_clients_spelling(serve, runtime, store) -> None:
+    """Checked under the routed name, sent on as spelled: the runtime answers the spelling as it would."""
+    async with serve(runtime.endpoint, {"pins": {"images": ["quay.io/*"]}}) as shim:
+        assert (await cri.acall(shim.path, PULL[1:], cri.pull_image_request("nginx"), timeout=5)).ok
+        assert (await cri.acall(shim.path, REMOVE[1:], remove_request("nginx"), timeout=5)).ok
+    assert [c.method for c in runtime.received if "ImageService" in c.method and "ImageStatus" not in c.method] \
+        == [PULL[1:], REMOVE[1:]]
+
+
 async def test_other_services_refused_until_allowed_by_reload(serve, runtime, tmp_path: Path) -> None:
     runtime.unary[CTR_DELETE] = b""
     cfg = tmp_path / "config.yaml"
