@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.support import cri, routing_table
+from tests.support import cri, h2raw, routing_table
 from tests.support.containerd import Containerd
 
 pytestmark = pytest.mark.e2e
@@ -49,3 +49,27 @@ def test_ctr_images_rm_through_the_shim_is_refused(containerd: Containerd, make_
     assert routing_table.present(containerd.socket, img)
     # CRI itself is served on the same socket
     assert cri.call(shim.socket, "ImageStatus", cri.image_status_request(img.ref), 10).ok
+
+
+@pytest.mark.parametrize("header", [(b"x-trace-bin", b"!!not base64!!"), (b"grpc-timeout", b"5x")],
+                         ids=["bad-bin", "bad-timeout"])
+def test_malformed_headers_answered_as_current_grpc_go_answers_them(runtime_socket, shim_factory, header) -> None:
+    """A call the shim answers itself (PullImage) with a header grpc-go cannot parse gets INTERNAL
+    "malformed ...", as containerd 2.4 answers it (measured: containerd 1.6 ignores a bad -bin value
+    and serves the call, and resets the stream on a bad grpc-timeout)."""
+    body = h2raw.grpc_message(cri.pull_image_request("registry.invalid/x:1"))
+
+    def answer(path: str) -> list[tuple[int, int, dict[bytes, bytes] | bytes]]:
+        with h2raw.RawH2(path) as c:
+            c.send(h2raw.headers(1, h2raw.request_block("/runtime.v1.ImageService/PullImage", [header]),
+                                 end_stream=False) + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, body))
+            _, frames = c.read_until(lambda f: f.stream_id == 1 and (f.flags & h2raw.END_STREAM
+                                                                       or f.type == h2raw.RST_STREAM), timeout=10)
+            return [(f.type, f.flags, c.decode_headers(f) if f.type == h2raw.HEADERS else f.payload)
+                    for f in frames if f.stream_id == 1]
+
+    shim = shim_factory({"server": {"admin_socket": ""}}, upstream=runtime_socket)
+    direct, via = answer(runtime_socket), answer(str(shim.socket))
+    print(f"\n{header}: direct {direct}\n  via {via}")
+    status = via[-1][2]
+    assert isinstance(status, dict) and status[b"grpc-status"] == b"13" and status[b"grpc-message"].startswith(b"malformed ")
