@@ -20,3 +20,9 @@ def test_remove_pinned_image_under_every_spelling(crio: Crio, make_image, shim_f
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
 def test_pull_under_every_spelling_goes_through_the_scheduler(crio: Crio, make_image, shim_factory, engine) -> None:
     routing_table.pull_table(str(crio.socket), shim_factory, make_image, engine)
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+def test_removal_by_one_tag_leaves_what_crio_leaves(crio: Crio, make_image, registry, shim_factory, engine) -> None:
+    assert routing_table.assert_removal_by_tag_as_the_runtime_does(
+        str(crio.socket), shim_factory, make_image, registry, engine) == ["v2"]  # CRI-O untags only

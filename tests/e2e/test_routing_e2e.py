@@ -37,6 +37,13 @@ def test_pull_under_every_spelling_goes_through_the_scheduler(runtime_socket, ma
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
+def test_removal_by_one_tag_leaves_what_containerd_leaves(runtime_socket, make_image, registry, shim_factory,
+                                                          engine) -> None:
+    assert routing_table.assert_removal_by_tag_as_the_runtime_does(
+        runtime_socket, shim_factory, make_image, registry, engine) == []  # containerd removes every tag
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
 def test_ctr_images_rm_through_the_shim_is_refused(containerd: Containerd, make_image, shim_factory,
                                                    engine) -> None:
     img = make_image()

@@ -127,3 +127,29 @@ def pull_table(runtime: str, shim_factory: Callable[..., Any], make_image: Calla
     print(f"\nPullImage, {engine}:\n" + "\n".join(map(str, rows)))
     assert rows[0].runtime_routes
     return rows
+
+
+def remaining_after_removing_one_tag(runtime: str, shim: str | None, make_image: Callable[..., PushedImage],
+                                     registry: Any) -> list[str]:
+    """Pull one image under two tags, remove it by the first (through ``shim``, or directly when
+    None); the tags the runtime still has for it."""
+    first = make_image()
+    second = registry.push(first.image, first.repository, "v2")
+    assert pull(runtime, first).ok and pull(runtime, second).ok
+    assert cri.call(shim or runtime, "RemoveImage", cri.remove_image_request(first.ref), 10).ok
+    res = cri.call(runtime, "ImageStatus", cri.image_status_request(second.ref), 10)
+    info = cri.decode_image_status_response(res.unwrap())
+    return [] if info is None else [t.rpartition(":")[2] for t in info.repo_tags]
+
+
+def assert_removal_by_tag_as_the_runtime_does(runtime: str, shim_factory: Callable[..., Any],
+                                              make_image: Callable[..., PushedImage], registry: Any,
+                                              engine: str) -> list[str]:
+    """The shim names the image it checked by ID (shim/images/remove_image.py): a removal by one of
+    an image's tags must still leave what the runtime itself leaves."""
+    direct = remaining_after_removing_one_tag(runtime, None, make_image, registry)
+    shim = shim_factory({"server": {"admin_socket": "", "engine": engine},
+                         "pins": {"images": ["nothing.invalid/*"]}}, upstream=runtime)  # pins: RemoveImage intercepted
+    via = remaining_after_removing_one_tag(runtime, shim.socket, make_image, registry)
+    assert via == direct, (direct, via)
+    return direct
