@@ -44,7 +44,8 @@ class App:
         self.image_sets: ImageSets | None = None
         self.status_sources["image_sets"] = self.image_sets_status
         self._configure(cfg)
-        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing)
+        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing,
+                           allowed_services=cfg.server.allowed_services)
         self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
@@ -58,6 +59,7 @@ class App:
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
+        self.images.pins_wait_seconds = cfg.image_sets.pins_wait_seconds
         self.progress.configure(cfg.pulls)
 
     def table(self) -> dict[str, Handler]:
@@ -71,7 +73,8 @@ class App:
                 LIST_IMAGES: partial(list_images.list_images, svc),
                 STREAM_IMAGES: partial(list_images.stream_images, svc),
             }
-        if svc.pins or self.handlers.applies_to_images:  # pins, or a rule may add a runtime handler
+        # pins, image sets (which may pin, from their first scan on), or a rule may add a runtime handler
+        if svc.pins or self.cfg.image_sets.dir or self.handlers.applies_to_images:
             table |= {
                 REMOVE_IMAGE: partial(remove_image.remove_image, svc),
                 IMAGE_STATUS: partial(image_status.image_status, svc),
@@ -89,9 +92,11 @@ class App:
             return
         if current is not None:
             self.image_sets = None
-            await current.stop()
-            self.images.set_declared_pins([])
+            await current.stop()  # its declared pins stay in force until the new directory is read
+            if not cfg.image_sets.dir:
+                self.images.set_declared_pins([])
         if cfg.image_sets.dir:
+            self.images.expect_declared_pins()  # its first scan sets the declared pins (and opens the gate)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
                                         on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins,
                                         handler_for=self.handlers.for_prefetch)
@@ -119,6 +124,7 @@ class App:
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)
         self.proxy.set_table(self.table())
+        self.proxy.set_allowed_services(cfg.server.allowed_services)
         await self._apply_image_sets(cfg)
 
     def begin_shutdown(self) -> None:

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from .routing import check_allowed_services
+
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
 DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
@@ -72,6 +74,12 @@ class ServerConfig:
     stream_stall_seconds: float = 30.0  # incomplete request / answer waiting for the client's window
     trusted_uids: tuple[int, ...] = (0,)  # never closed to make room; the full request pools
     max_connections_per_uid: int = 64  # for a uid outside trusted_uids
+    # non-CRI services let through (reloadable); anything else but runtime.v1 and health is refused
+    allowed_services: tuple[str, ...] = ()
+
+
+# server.* keys a reload applies (every other server.* key needs a restart)
+RELOADABLE_SERVER_KEYS = frozenset({"allowed_services"})
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ class ImageSetsConfig:
     retry_initial_seconds: float = 5.0
     retry_max_seconds: float = 300.0
     runtime_timeout_seconds: float = 30.0  # deadline of the reconciler's own ListImages / ImageFsInfo
+    pins_wait_seconds: float = 10.0  # RemoveImage waits this long for the first read of dir, then UNAVAILABLE
     docker_config: tuple[str, ...] = ("/var/lib/kubelet/config.json",)  # registry credentials for prefetch
     credential_provider_config: str = ""  # kubelet CredentialProviderConfig file; empty: no plugins
     credential_provider_bin_dir: str = ""  # where its plugins are
@@ -315,6 +324,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
         trusted_uids=_uids("server.trusted_uids", d.get("trusted_uids", list(c.trusted_uids))),
         max_connections_per_uid=_int("server.max_connections_per_uid",
                                      d.get("max_connections_per_uid", c.max_connections_per_uid), minimum=1),
+        allowed_services=_allowed_services(d.get("allowed_services", list(c.allowed_services))),
     )
     if cfg.write_buffer_low_bytes >= cfg.write_buffer_high_bytes:
         raise ConfigError("server.write_buffer_low_bytes",
@@ -347,6 +357,16 @@ def _uids(key: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list):
         raise ConfigError(key, f"expected a list of numeric uids, got {v!r}")
     return tuple(_int(f"{key}[{i}]", uid) for i, uid in enumerate(v))
+
+
+def _allowed_services(v: Any) -> tuple[str, ...]:
+    key = "server.allowed_services"
+    try:
+        return check_allowed_services(_str_list(key, v))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(key, str(e)) from None
 
 
 def _group(key: str, v: Any) -> str:
@@ -434,6 +454,7 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         retry_max_seconds=_duration("image_sets.retry_max_seconds", d.get("retry_max_seconds", c.retry_max_seconds)),
         runtime_timeout_seconds=_duration(
             "image_sets.runtime_timeout_seconds", d.get("runtime_timeout_seconds", c.runtime_timeout_seconds)),
+        pins_wait_seconds=_duration("image_sets.pins_wait_seconds", d.get("pins_wait_seconds", c.pins_wait_seconds)),
         docker_config=_str_list("image_sets.docker_config", d.get("docker_config", list(c.docker_config)) or []),
         credential_provider_config=_str("image_sets.credential_provider_config",
                                         d.get("credential_provider_config", c.credential_provider_config)),
@@ -450,8 +471,9 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
             load_config(cfg.credential_provider_config)
         except ProviderConfigError as e:
             raise ConfigError("image_sets.credential_provider_config", str(e)) from None
-    if cfg.runtime_timeout_seconds <= 0:
-        raise ConfigError("image_sets.runtime_timeout_seconds", f"must be > 0, got {cfg.runtime_timeout_seconds!r}")
+    for key in ("runtime_timeout_seconds", "pins_wait_seconds"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"image_sets.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
                           f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")

@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from . import logs, pins, reference, wire
 from .config import ConfigError, HandlerRule, RuntimeHandlersConfig
 from .errors import Metadata, RpcError
+from .methods import cri_method
 from .proto.runtime.v1 import api_pb2
 from .upstream import Upstream
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 
 _log = logs.get("handlers")
 
-LIST_POD_SANDBOX = "/runtime.v1.RuntimeService/ListPodSandbox"
+LIST_POD_SANDBOX = cri_method("RuntimeService", "ListPodSandbox")
 IMAGE_FIELD = 1  # ImageStatusRequest.image, RemoveImageRequest.image, PullImageRequest.image
 RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
 LOOKUP_TIMEOUT_SECONDS = 2.0

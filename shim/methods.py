@@ -13,7 +13,8 @@ from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
 
 from shim.proto.runtime.v1 import api_pb2
 
-__all__ = ["Cardinality", "KNOWN_METHODS", "cardinality", "method_path"]
+__all__ = ["CRI_PACKAGE", "Cardinality", "KNOWN_METHODS", "canonical", "cardinality", "cri_method", "method_path",
+           "service_of"]
 
 
 class Cardinality(enum.Enum):
@@ -43,6 +44,35 @@ def method_path(method: MethodDescriptor) -> str:
     return f"/{method.containing_service.full_name}/{method.name}"
 
 
+def cri_method(service: str, name: str) -> str:
+    """The path of a method of our CRI proto, e.g. ``cri_method("ImageService", "PullImage")``.
+
+    KeyError if the proto has no such method: every method name the shim uses is checked here.
+    """
+    return method_path(api_pb2.DESCRIPTOR.services_by_name[service].methods_by_name[name])
+
+
+def canonical(path: str) -> str | None:
+    """The method a gRPC server written in Go routes ``path`` to, as ``/<service>/<method>``.
+
+    grpc-go's ``Server.handleStream`` takes ``:path`` as it is (no unescaping), drops one
+    leading ``/`` and splits what is left at its LAST ``/`` into service and method. Up to
+    grpc-go 1.80 (containerd 1.6/1.7, CRI-O) the leading ``/`` is optional; 1.81 and later
+    (containerd 2.4) answer UNIMPLEMENTED "malformed method name" without it. So
+    ``runtime.v1.ImageService/RemoveImage`` may reach RemoveImage too: every check keyed
+    on a method name compares this form. ``None``: no runtime routes ``path`` anywhere
+    (no ``/`` left after the leading one).
+    """
+    rest = path[1:] if path.startswith("/") else path
+    service, sep, name = rest.rpartition("/")
+    return f"/{service}/{name}" if sep else None
+
+
+def service_of(method: str) -> str:
+    """The service of a method in canonical form: ``/runtime.v1.ImageService/PullImage`` -> ``runtime.v1.ImageService``."""
+    return method[1:].rpartition("/")[0]
+
+
 def _build(file: FileDescriptor) -> dict[str, Cardinality]:
     table: dict[str, Cardinality] = {}
     for service in file.services_by_name.values():
@@ -50,6 +80,9 @@ def _build(file: FileDescriptor) -> dict[str, Cardinality]:
             table[method_path(method)] = Cardinality.of(method)
     return table
 
+
+CRI_PACKAGE: str = api_pb2.DESCRIPTOR.package
+"""``runtime.v1``: the protobuf package of the CRI services."""
 
 KNOWN_METHODS: dict[str, Cardinality] = _build(api_pb2.DESCRIPTOR)
 """Every rpc declared in our runtime.v1 proto. Treat as read-only."""
@@ -61,4 +94,5 @@ def cardinality(method: str) -> Cardinality | None:
     Callers should proxy unknown methods as bidirectional streams, which is
     correct for any cardinality.
     """
-    return KNOWN_METHODS.get(method)
+    routed = canonical(method)
+    return KNOWN_METHODS.get(routed) if routed is not None else None

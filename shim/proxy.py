@@ -11,7 +11,9 @@ exactly the plain ones; with tracing on, unary and server-streaming passthrough 
 that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
 too; others pass as they are (the shim never starts a trace for kubelet's polling).
 
-Intercepted methods are looked up in ``table``: method name -> Handler. A unary
+Every call is routed by ``router`` (shim/routing.py: the runtime's spelling rules, the
+interception table, the allowed services). Intercepted methods are looked up in its
+``table``: canonical method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
 one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 """
@@ -29,6 +31,7 @@ import grpc
 from . import logs
 from .errors import Metadata, RpcError
 from .methods import Cardinality, cardinality
+from .routing import Intercept, Refusal, Router
 from .tracing import NOOP_SPAN, Span, Tracing
 from .upstream import Upstream
 
@@ -49,14 +52,19 @@ class Call:
     context: grpc.aio.ServicerContext
     upstream: Upstream
     span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
+    sent_as: str = ""  # :path as the client spelled it, if not ``method``
 
     async def forward(self, request: bytes, method: str | None = None) -> bytes:
-        """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline."""
-        return await self.upstream.unary(method or self.method, request, metadata=self.metadata,
+        """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline.
+
+        The call itself goes under the client's spelling of its method: the runtime routes it
+        (or refuses a spelling it does not route) as it would have without the shim.
+        """
+        return await self.upstream.unary(method or self.sent_as or self.method, request, metadata=self.metadata,
                                          timeout=self.context.time_remaining())
 
     def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
-        return self.upstream.server_stream(self.method, request, metadata=self.metadata,
+        return self.upstream.server_stream(self.sent_as or self.method, request, metadata=self.metadata,
                                            timeout=self.context.time_remaining())
 
 
@@ -131,19 +139,36 @@ async def _fail(context: grpc.aio.ServicerContext, e: RpcError) -> None:
     await context.abort(e.code, e.details, e.trailing_metadata)
 
 
+def _refuse(refusal: Refusal) -> Callable[[Any, Any], AsyncIterator[bytes]]:
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        await context.abort(refusal.code, refusal.message)
+        yield b""  # never reached: makes this an async generator, as stream_stream handlers are
+
+    return refuse
+
+
 class Proxy(grpc.GenericRpcHandler):
     """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
 
     def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
-                 on_call: CallObserver | None = None, tracing: Tracing | None = None) -> None:
+                 on_call: CallObserver | None = None, tracing: Tracing | None = None,
+                 allowed_services: tuple[str, ...] = ()) -> None:
         self.upstream = upstream
-        self.table: Mapping[str, Handler] = dict(table or {})
+        self.router: Router[Handler] = Router(table, allowed_services)
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
         self._on_call = on_call
         self.tracing = tracing if tracing is not None and tracing.enabled else None
 
+    @property
+    def table(self) -> Mapping[str, Handler]:
+        return self.router.table
+
     def set_table(self, table: Mapping[str, Handler]) -> None:
-        self.table = dict(table)
+        self.router.set_table(table)
+        self._cache.clear()
+
+    def set_allowed_services(self, entries: tuple[str, ...]) -> None:
+        self.router.set_allowed_services(entries)
         self._cache.clear()
 
     # grpc.GenericRpcHandler
@@ -157,17 +182,23 @@ class Proxy(grpc.GenericRpcHandler):
         return h
 
     def _build(self, method: str) -> grpc.RpcMethodHandler:
+        route = self.router.route(method)
+        if isinstance(route, Refusal):
+            return grpc.stream_stream_rpc_method_handler(_refuse(route))
         card = cardinality(method)
-        handler = self.table.get(method)
+        if isinstance(route, Intercept):
+            sent_as = "" if route.method == method else method
+            if card is Cardinality.UNARY:
+                return grpc.unary_unary_rpc_method_handler(
+                    self._intercepted_unary(route.method, route.handler, sent_as))
+            if card is Cardinality.SERVER_STREAM:
+                return grpc.unary_stream_rpc_method_handler(
+                    self._intercepted_stream(route.method, route.handler, sent_as))
         if card is Cardinality.UNARY:
-            if handler is not None:
-                return grpc.unary_unary_rpc_method_handler(self._intercepted_unary(method, handler))
             if self.tracing is not None:
                 return grpc.unary_unary_rpc_method_handler(self._traced_passthrough_unary(method))
             return grpc.unary_unary_rpc_method_handler(self._passthrough_unary(method))
         if card is Cardinality.SERVER_STREAM:
-            if handler is not None:
-                return grpc.unary_stream_rpc_method_handler(self._intercepted_stream(method, handler))
             if self.tracing is not None:
                 return grpc.unary_stream_rpc_method_handler(self._traced_passthrough_server_stream(method))
             return grpc.unary_stream_rpc_method_handler(self._passthrough_server_stream(method))
@@ -351,15 +382,17 @@ class Proxy(grpc.GenericRpcHandler):
             if tracing is not None:
                 tracing.end(call.span, code, details)
 
-    def _call(self, method: str, context: grpc.aio.ServicerContext) -> Call:
-        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream)
+    def _call(self, method: str, context: grpc.aio.ServicerContext, sent_as: str) -> Call:
+        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream,
+                    sent_as=sent_as)
 
-    def _intercepted_unary(self, method: str, handler: Handler) -> Callable[[bytes, Any], Awaitable[bytes]]:
+    def _intercepted_unary(self, method: str, handler: Handler,
+                           sent_as: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         h: UnaryHandler = handler  # type: ignore[assignment]
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                with self.observe(self._call(method, context)) as call:
+                with self.observe(self._call(method, context, sent_as)) as call:
                     return await h(request, call)
             except RpcError as e:
                 await _fail(context, e)
@@ -371,12 +404,13 @@ class Proxy(grpc.GenericRpcHandler):
 
         return unary
 
-    def _intercepted_stream(self, method: str, handler: Handler) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
+    def _intercepted_stream(self, method: str, handler: Handler,
+                            sent_as: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
         h: StreamHandler = handler  # type: ignore[assignment]
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             try:
-                with self.observe(self._call(method, context)) as call:
+                with self.observe(self._call(method, context, sent_as)) as call:
                     async for msg in h(request, call):
                         yield msg
             except RpcError as e:

@@ -13,13 +13,14 @@ from google.protobuf.message import DecodeError
 
 from . import logs
 from .handlers import HandlerResolver
+from .methods import cri_method
 from .proto.runtime.v1 import api_pb2
 from .proxy import Call
 
 _log = logs.get("handlers")
 
-RUN_POD_SANDBOX = "/runtime.v1.RuntimeService/RunPodSandbox"
-REMOVE_POD_SANDBOX = "/runtime.v1.RuntimeService/RemovePodSandbox"
+RUN_POD_SANDBOX = cri_method("RuntimeService", "RunPodSandbox")
+REMOVE_POD_SANDBOX = cri_method("RuntimeService", "RemovePodSandbox")
 
 
 async def run_pod_sandbox(resolver: HandlerResolver, request: bytes, call: Call) -> bytes:

@@ -83,7 +83,7 @@ def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, A
             changes.append((key, getattr(running, key), getattr(new, key)))
     for f in dataclasses.fields(running.server):
         old, cur = getattr(running.server, f.name), getattr(new.server, f.name)
-        if old != cur:
+        if old != cur and f.name not in config_mod.RELOADABLE_SERVER_KEYS:
             changes.append((f"server.{f.name}", old, cur))
     if new.metrics.address != running.metrics.address:
         changes.append(("metrics.address", running.metrics.address, new.metrics.address))
@@ -92,7 +92,8 @@ def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, A
 
 def keep_restart_only(running: Config, new: Config) -> Config:
     """``new`` with every restart-only key set back to its running value."""
-    return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=running.server,
+    server = dataclasses.replace(running.server, **{k: getattr(new.server, k) for k in config_mod.RELOADABLE_SERVER_KEYS})
+    return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=server,
                                metrics=dataclasses.replace(new.metrics, address=running.metrics.address))
 
 
@@ -140,7 +141,7 @@ class ShimServer:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
-                                       lambda: app.proxy.table, self.cfg.server.max_message_bytes,
+                                       app.proxy.router, self.cfg.server.max_message_bytes,
                                        observe=app.proxy.observe, settings=relay_settings(self.cfg))
                     await self.relay.start(self.path)
                     app.status_sources["relay"] = self.relay.status

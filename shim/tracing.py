@@ -46,6 +46,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from . import logs
 from .errors import Metadata, RpcError
+from .methods import canonical
 
 _log = logs.get("tracing")
 
@@ -86,12 +87,14 @@ def _sampled_flag(traceparent: str | bytes) -> bool | None:
 
 
 def rpc_attributes(method: str) -> dict[str, str]:
-    service, _, name = method.lstrip("/").rpartition("/")
+    """Service and method as the runtime routes ``method`` (methods.canonical)."""
+    service, _, name = span_name(method).rpartition("/")
     return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
 
 def span_name(method: str) -> str:
-    return method.lstrip("/")
+    routed = canonical(method)
+    return routed[1:] if routed is not None else method
 
 
 def redact_url(url: str) -> str:

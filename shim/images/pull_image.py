@@ -61,7 +61,8 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
     # Collapsed under the normalized name (nginx = docker.io/library/nginx:latest); the
     # runtime still gets the request as the client sent it.
-    key = PullKey(image=reference.pull_name(image), handler=handler, auth=auth_key(req.auth), namespace=namespace)
+    key = PullKey(image=reference.pull_name(image), handler=handler, auth=auth_key(req.auth), namespace=namespace,
+                  sent_as=call.sent_as)
     svc.metrics.pull_requests_total.labels("foreground").inc()
     span = call.span
     if span.is_recording():
@@ -73,7 +74,7 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
             span.add_event("pull slot acquired")
         with svc.tracing.client_span(PULL_IMAGE, span, call.metadata) as metadata:
             try:
-                return await svc.upstream.unary(PULL_IMAGE, request, metadata=metadata)
+                return await svc.upstream.unary(call.sent_as or PULL_IMAGE, request, metadata=metadata)
             except RpcError as e:
                 svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
                 raise

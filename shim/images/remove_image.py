@@ -11,6 +11,12 @@ With ``pins.mode: mark-only`` the removal goes ahead (and is logged). An image t
 runtime does not know, and every call made while there are no pins, reaches the
 runtime as the client sent it. If the lookup itself fails, that error is returned and
 nothing is removed: a pin is never bypassed because the runtime could not be asked.
+
+The removal names the image the shim checked by its ID (``removal_request``), so a pull
+that re-points the name between the check and the removal cannot make the runtime
+remove another image. While image sets are configured but their directory is not read
+yet (start, or a reload to a new ``image_sets.dir``), every call first waits for it,
+up to ``image_sets.pins_wait_seconds`` (then UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from .. import logs, wire
+from .. import logs, reference, wire
 from ..errors import RpcError
 from ..handlers import IMAGE_FIELD, inject_image_handler
 from ..proto.runtime.v1 import api_pb2
@@ -58,8 +64,25 @@ async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageR
     return resp.image if resp.HasField("image") else None
 
 
+def removal_request(request: bytes, req: api_pb2.RemoveImageRequest, image: api_pb2.Image) -> bytes:
+    """``request`` (parsed: ``req``) naming ``image`` by its ID (other fields, unknown ones too, kept).
+
+    containerd removes an image with all its names whichever name it is given, so the ID
+    removes exactly what the name would. CRI-O removes only the given tag of an image that
+    has several: such a request keeps its name (the runtime's own semantics win).
+    """
+    name = req.image.image
+    crio_untag = (not image.id.startswith("sha256:") and len(image.repo_tags) > 1
+                  and reference.normalize_image_id(name) is None and "@" not in name)
+    if crio_untag or name == image.id:
+        return request
+    req.image.image = image.id
+    return req.SerializeToString()
+
+
 async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     request = inject_image_handler(svc, request)  # a runtime_handlers rule's handler, for the lookup too
+    await svc.wait_declared_pins()
     pins = svc.pins
     if pins:
         req = decode(api_pb2.RemoveImageRequest, request)
@@ -77,5 +100,7 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
                                f"{pins.describe(pin)}; not removing it")
             logs.log(_log, logging.INFO, "removing a pinned image (pins.mode is mark-only)", image=name,
                      id=image.id, tags=tags, pin=pins.describe(pin))
+        if image is not None:
+            request = removal_request(request, req, image)
     with counting_upstream_errors(svc, "RemoveImage"):
         return await call.forward(request)

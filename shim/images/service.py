@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, TypeVar
 
+import grpc
 from google.protobuf.message import DecodeError, Message
 
 from .. import logs
 from ..errors import RpcError, invalid_request
+from ..methods import cri_method
 from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
 from ..tracing import Tracing
 from ..upstream import Upstream
 
-PULL_IMAGE = "/runtime.v1.ImageService/PullImage"
-IMAGE_STATUS = "/runtime.v1.ImageService/ImageStatus"
-LIST_IMAGES = "/runtime.v1.ImageService/ListImages"
-STREAM_IMAGES = "/runtime.v1.ImageService/StreamImages"
-REMOVE_IMAGE = "/runtime.v1.ImageService/RemoveImage"
-IMAGE_FS_INFO = "/runtime.v1.ImageService/ImageFsInfo"
+PULL_IMAGE = cri_method("ImageService", "PullImage")
+IMAGE_STATUS = cri_method("ImageService", "ImageStatus")
+LIST_IMAGES = cri_method("ImageService", "ListImages")
+STREAM_IMAGES = cri_method("ImageService", "StreamImages")
+REMOVE_IMAGE = cri_method("ImageService", "RemoveImage")
+IMAGE_FS_INFO = cri_method("ImageService", "ImageFsInfo")
 
 M = TypeVar("M", bound=Message)
 _log = logs.get("pins")
@@ -42,6 +45,12 @@ class ImageService:
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
     on_pins_changed: Callable[[], None] | None = None  # App: re-evaluate the interception table
+    # set while declared_pins are those of the configured image_sets.dir (or image sets are off)
+    declared_read: asyncio.Event = field(default_factory=asyncio.Event)
+    pins_wait_seconds: float = 10.0  # image_sets.pins_wait_seconds
+
+    def __post_init__(self) -> None:
+        self.declared_read.set()
 
     def set_pins(self, patterns: Iterable[str], *, enforce: bool) -> None:
         """Apply pins.images and pins.mode. Raises ValueError (nothing changed) on a bad pattern."""
@@ -61,8 +70,25 @@ class ImageService:
         declared = tuple(declared)
         self.pins = PinSet.build(self.pin_patterns, declared)
         self.declared_pins = declared
+        self.declared_read.set()
         if self.on_pins_changed is not None:
             self.on_pins_changed()
+
+    def expect_declared_pins(self) -> None:
+        """An image-set directory is about to be read: removals wait for it (the pins in force stay)."""
+        self.declared_read.clear()
+
+    async def wait_declared_pins(self) -> None:
+        """Return once the declared pins are read; UNAVAILABLE after image_sets.pins_wait_seconds."""
+        if self.declared_read.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.declared_read.wait(), self.pins_wait_seconds)
+        except asyncio.TimeoutError:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE,
+                           f"cri-shim: the image sets in image_sets.dir are not read yet (waited "
+                           f"{self.pins_wait_seconds:g}s, image_sets.pins_wait_seconds); not removing an image "
+                           "they may pin, retry") from None
 
 
 def decode(cls: type[M], data: bytes) -> M:

@@ -55,6 +55,7 @@ class PullKey:
     handler: str = ""
     auth: str = ""
     namespace: str = ""
+    sent_as: str = ""  # the client's :path if not the canonical one: its flight goes upstream under it
 
 
 @dataclass(slots=True)

@@ -87,7 +87,7 @@ class ClientConnection(asyncio.Protocol):
     def __init__(self, relay: "Relay") -> None:
         self.relay = relay
         self.loop = asyncio.get_running_loop()
-        self.core = RelayCore(relay.limits, relay.intercepts)
+        self.core = RelayCore(relay.limits, relay.router.relay_route)
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -379,10 +379,11 @@ class ClientConnection(asyncio.Protocol):
     async def _serve_local(self, s: LocalStream, handler: Any) -> None:
         core = self.core
         hdr = dict(s.headers)
-        timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
-        deadline = None if timeout is None else self.loop.time() + timeout
-        ctx = LocalContext(deadline, grpcwire.metadata(s.headers), self.loop)
-        try:
+        try:  # everything read from the client is parsed inside: the stream is answered whatever it holds
+            timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
+            deadline = None if timeout is None else self.loop.time() + timeout
+            ctx = LocalContext(deadline, grpcwire.metadata(s.headers), self.loop)
+            sent_as = hdr[b":path"].decode("latin-1")
             body, s.body = bytes(s.body), bytearray()
             messages = grpcwire.unframe_messages(body, hdr.get(b"grpc-encoding"), s.limit)
             inflated = sum(map(len, messages)) - len(body)  # decompressed: the handler holds more than arrived
@@ -393,7 +394,8 @@ class ClientConnection(asyncio.Protocol):
             if len(messages) != 1:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cri-shim: {s.path} expects one request message, got {len(messages)}")
-            coro = self.relay.serve(s.path, handler, messages[0], ctx, self._sender(s))
+            coro = self.relay.serve(s.path, handler, messages[0], ctx, self._sender(s),
+                                    sent_as="" if sent_as == s.path else sent_as)
             del messages
             if timeout is None:
                 await coro
@@ -404,6 +406,8 @@ class ClientConnection(asyncio.Protocol):
             core.answer_error(s, e.code, e.details, e.trailing_metadata)
         except grpcwire.MessageTooLarge as e:
             core.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} ({s.limit_key})")
+        except grpcwire.HeaderError as e:  # as grpc-go answers it
+            core.answer_error(s, grpc.StatusCode.INTERNAL, str(e))
         except grpcwire.MessageError as e:
             core.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
         except asyncio.TimeoutError:

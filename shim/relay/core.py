@@ -81,6 +81,7 @@ from typing import Callable, Mapping
 import grpc
 
 from .. import logs
+from ..routing import Refusal
 from . import grpcwire, h2, memory
 from .h2 import H2Error
 from .bucket import TokenBucket
@@ -127,7 +128,7 @@ class LocalStream:
     """A stream the shim answers itself."""
 
     sid: int
-    path: str
+    path: str  # the method in canonical form (methods.canonical); headers hold the client's :path
     headers: list[tuple[bytes, bytes]]
     recv_window: int
     send_window: int
@@ -227,11 +228,11 @@ def malformed(fields: list[tuple[bytes, bytes]], trailers: bool = False) -> str:
 class RelayCore:
     PREFACE, WAITING, RELAY, LOCAL, CLOSED = "preface", "waiting", "relay", "local", "closed"
 
-    def __init__(self, limits: Limits, intercepts: Callable[[str], bool],
+    def __init__(self, limits: Limits, route: Callable[[str], str | Refusal | None],
                  clock: Callable[[], float] = time.monotonic, trusted: bool = True) -> None:
         self.limits = limits
         self.trusted = trusted  # the client's uid is in server.trusted_uids (see memory.py)
-        self.intercepts = intercepts
+        self.route = route  # :path -> canonical method to answer locally, a refusal, or None: relay
         self.phase = self.PREFACE
         self.message = ""  # why new streams are answered UNAVAILABLE (LOCAL phase)
         self.to_client: list[bytes] = []
@@ -675,7 +676,8 @@ class RelayCore:
         if len(self.relayed_open) + len(self.local) >= self.max_streams:
             self._over_the_limit(sid, frames, inserted)
             return
-        if path is None or not self.intercepts(path):
+        route = self.route(path) if path is not None else None
+        if route is None:
             self.relayed_open.add(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
                 logs.log(_log, logging.DEBUG, "relayed", method=path or "")
@@ -691,6 +693,9 @@ class RelayCore:
         if problem:  # RFC 9113 8.1.1: a malformed request is a stream error
             self._refuse(sid, frames, inserted, h2.PROTOCOL_ERROR)
             return
+        if isinstance(route, Refusal):  # a service the shim does not serve (shim/routing.py)
+            self._answer_only(sid, frames, inserted, route.code, route.message, flags)
+            return
         if len(self.local) >= self.limits.max_intercepted_streams:
             self._answer_only(sid, frames, inserted, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"cri-shim: more than {self.limits.max_intercepted_streams} intercepted calls at once "
@@ -702,8 +707,8 @@ class RelayCore:
             return
         if inserted:
             self._cancel_upstream(sid, frames)
-        limit, key = memory.request_limit(self.limits.max_request_bytes, self.limits.max_message_bytes, path)
-        s = LocalStream(sid, path, headers, recv_window=self.runtime_initial_window,
+        limit, key = memory.request_limit(self.limits.max_request_bytes, self.limits.max_message_bytes, route)
+        s = LocalStream(sid, route, headers, recv_window=self.runtime_initial_window,
                         send_window=self.client_initial_window, limit=limit, limit_key=key,
                         opened=self._clock(), trusted=self.trusted,
                         budgeted=memory.header_bytes(headers), counted=True)

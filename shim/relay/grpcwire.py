@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import zlib
 from typing import Iterable
 from urllib.parse import quote
@@ -22,6 +23,14 @@ class MessageError(ValueError):
 
 class MessageTooLarge(MessageError):
     pass
+
+
+class HeaderError(ValueError):
+    """A request header grpc-go refuses (it answers INTERNAL, before the handler runs)."""
+
+
+def _quoted(value: bytes) -> str:
+    return repr(value[:40]) + ("..." if len(value) > 40 else "")
 
 
 _WBITS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
@@ -53,15 +62,28 @@ def decompress(body: bytes, encoding: bytes | None, max_bytes: int) -> bytes:
     return b"".join(out)
 
 
-def parse_timeout(value: bytes) -> float | None:
+def parse_timeout(value: bytes) -> float:
+    """A ``grpc-timeout`` value in seconds, read as grpc-go reads it: 1 to 8 digits and a unit."""
+    digits, unit = value[:-1], _UNITS.get(value[-1:])
+    if unit is None or not 1 <= len(digits) <= 8 or not digits.isdigit():
+        raise HeaderError(f"malformed grpc-timeout: {_quoted(value)}")
+    return int(digits) * unit
+
+
+def _bin_value(name: bytes, value: bytes) -> bytes:
+    """A ``-bin`` metadata value decoded as grpc-go does: padded base64, or unpadded if not a multiple of 4."""
     try:
-        return int(value[:-1]) * _UNITS[value[-1:]]
-    except (ValueError, KeyError):
-        return None
+        if len(value) % 4 == 0:
+            return base64.b64decode(value, validate=True)
+        if b"=" not in value:
+            return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
+    except binascii.Error:
+        pass
+    raise HeaderError(f"malformed binary metadata {_quoted(value)} in header {_quoted(name)}")
 
 
 def metadata(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str | bytes], ...]:
-    """Call metadata as grpc-python wants it (``-bin`` values decoded to bytes)."""
+    """Call metadata as grpc-python wants it (``-bin`` values decoded to bytes). HeaderError if one is not base64."""
     out: list[tuple[str, str | bytes]] = []
     for name, value in headers:
         if name[:1] == b":" or name in _NOT_METADATA:
@@ -71,7 +93,7 @@ def metadata(headers: Iterable[tuple[bytes, bytes]]) -> tuple[tuple[str, str | b
             if value[:1] == b"\x00":  # grpc-core's true-binary form (when the runtime allows it)
                 out.append((key, value[1:]))
             else:
-                out.append((key, base64.b64decode(value + b"=" * (-len(value) % 4))))
+                out.append((key, _bin_value(name, value)))
         else:
             out.append((key, value.decode("latin-1")))
     return tuple(out)

@@ -25,6 +25,7 @@ from ..config import DEFAULT_MAX_REQUEST_BYTES
 from .. import logs
 from ..methods import Cardinality, cardinality
 from ..proxy import Call, Handler
+from ..routing import Router
 from ..upstream import Upstream
 from .admission import Admission
 from .connection import FD_ERRNOS, ClientConnection, LocalContext
@@ -80,12 +81,12 @@ class _RateLimited:
 class Relay:
     """Accepts CRI clients on a unix socket; one runtime connection per client connection."""
 
-    def __init__(self, upstream_path: str, upstream: Upstream, table: Callable[[], Mapping[str, Handler]],
+    def __init__(self, upstream_path: str, upstream: Upstream, router: Router[Handler],
                  max_message_bytes: int, observe: Callable[[Call], ContextManager[Call]] | None = None,
                  settings: RelaySettings | None = None) -> None:
         self.upstream_path = upstream_path
         self.upstream = upstream  # grpc channel for the handlers' own calls
-        self._table = table
+        self.router = router
         self._observe = observe or contextlib.nullcontext  # span and rpc duration (Proxy.observe)
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
@@ -110,10 +111,7 @@ class Relay:
 
     @property
     def table(self) -> Mapping[str, Handler]:
-        return self._table()
-
-    def intercepts(self, path: str) -> bool:
-        return path in self._table()
+        return self.router.table
 
     async def start(self, path: str) -> None:
         self._raise_fd_limit()
@@ -169,8 +167,10 @@ class Relay:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
-    async def serve(self, method: str, handler: Any, request: bytes, ctx: LocalContext, send: Send) -> None:
-        call = Call(method, ctx.md, ctx.time_remaining(), ctx, self.upstream)  # type: ignore[arg-type]
+    async def serve(self, method: str, handler: Any, request: bytes, ctx: LocalContext, send: Send,
+                    sent_as: str = "") -> None:
+        call = Call(method, ctx.md, ctx.time_remaining(), ctx, self.upstream,  # type: ignore[arg-type]
+                    sent_as=sent_as)
         with self._observe(call):
             if cardinality(method) is Cardinality.SERVER_STREAM:
                 async for msg in handler(request, call):

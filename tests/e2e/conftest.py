@@ -12,6 +12,7 @@ from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     crictl,
     crictl_factory,
     ctd_socket,
+    ctrd2,
     fast_tmp,
     make_image,
     proxy,

@@ -22,21 +22,10 @@ import pytest
 
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.support import containerd2
-from tests.support.containerd import hosts_toml
 
 pytestmark = pytest.mark.e2e
 
 PULL = "/runtime.v1.ImageService/PullImage"
-
-
-@pytest.fixture
-def ctrd2(tmp_path, registry):
-    c = containerd2.Containerd2(containerd2.require(), tmp_path / "c2", {"fast": "overlayfs"})
-    (c.dir / "certs.d" / registry.host).mkdir(parents=True)
-    (c.dir / "certs.d" / registry.host / "hosts.toml").write_text(hosts_toml(registry.host))
-    c.start()
-    yield c
-    c.stop()
 
 
 def request(image: str, namespace: str | None, handler: str = "") -> pb.PullImageRequest:

@@ -32,8 +32,8 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 
 
 def method_path(method: str) -> str:
-    """``PullImage`` -> ``/runtime.v1.ImageService/PullImage``; full paths pass through."""
-    if method.startswith("/"):
+    """``PullImage`` -> ``/runtime.v1.ImageService/PullImage``; a path (anything with a ``/``) is sent as it is."""
+    if "/" in method:
         return method
     service = IMAGE_SERVICE if method in IMAGE_METHODS else RUNTIME_SERVICE
     return f"/{service}/{method}"

@@ -24,6 +24,9 @@ class Received:
     deadline: float | None
 
 
+FAKE_BIDI = "/runtime.v1.FakeBidi/"  # any method: a bidi echo (a CRI service from the future)
+
+
 @dataclass
 class FakeRuntime:
     path: str
@@ -69,7 +72,7 @@ class _Handler(grpc.GenericRpcHandler):
                     yield msg
 
             return grpc.unary_stream_rpc_method_handler(stream)
-        if method.startswith("/fake.Bidi/"):
+        if method.startswith(FAKE_BIDI):
             async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
                 async for r in requests:
                     rt.received.append(Received(method, r, dict(context.invocation_metadata()), None))

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shim.proto.runtime.v1 import api_pb2
+from tests.support import h2raw
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -328,3 +329,33 @@ async def test_huge_image_list_is_marked(tmp_path, engine: str) -> None:
                       f"{len(huge_pins())} pins: {len(pinned)} marked, {took:.2f}s")
     finally:
         await rt.stop()
+
+
+# --------------------------------------------------------------------------- malformed request headers
+
+
+async def test_malformed_headers_free_the_stream_and_its_slot(runtime: FakeRuntime) -> None:
+    """A bad ``-bin`` value or ``grpc-timeout`` on an intercepted call is answered as grpc-go
+    answers it (INTERNAL "malformed ..."), and the call's slot is freed: 150 such calls on one
+    connection (server.max_intercepted_streams is 100), then a good one is served."""
+    pull = h2raw.grpc_message(api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="nginx")).SerializeToString())
+    bad = [(b"x-trace-bin", b"!!not base64!!"), (b"x-trace-bin", b"QQ="), (b"grpc-timeout", b"5x"),
+           (b"grpc-timeout", b"123456789S"), (b"grpc-timeout", b"+5S")]
+
+    def call(c: h2raw.RawH2, sid: int, extra: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+        c.send(h2raw.headers(sid, h2raw.request_block(SVC + "PullImage", extra), end_stream=False)
+               + h2raw.frame(h2raw.DATA, h2raw.END_STREAM, sid, pull))
+        f, _ = c.read_until(lambda f: f.type == h2raw.HEADERS and f.stream_id == sid and f.flags & h2raw.END_STREAM)
+        assert f is not None, sid
+        return c.decode_headers(f)
+
+    async with running_shim(runtime.endpoint) as shim:
+        with h2raw.RawH2(shim.path) as c:
+            refused = [await asyncio.to_thread(call, c, 2 * i + 1, [bad[i % len(bad)]]) for i in range(150)]
+            good = await asyncio.to_thread(call, c, 301, [(b"x-trace-bin", b"QUJD")])
+            slots = [len(conn.core.local) for conn in shim.server.relay.connections]
+    assert {a[b"grpc-status"] for a in refused} == {b"13"}, refused[:3]
+    assert all(a[b"grpc-message"].startswith(b"malformed ") for a in refused)
+    assert good[b"grpc-status"] == b"0", good
+    assert slots == [0], slots
+    assert len(runtime.calls("PullImage")) == 1

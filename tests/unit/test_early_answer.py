@@ -18,9 +18,9 @@ from shim.relay import grpcwire, h2
 from tests.support.fake_runtime import socket_in
 from tests.support.inproc import running_shim
 
-UNKNOWN = "/vendor.v9.Mystery/Ask"
+UNKNOWN = "/runtime.v1.RuntimeService/FutureAsk"
 STATUS = grpc.StatusCode.UNIMPLEMENTED
-DETAILS = "unknown service vendor.v9.Mystery"
+DETAILS = "unknown method FutureAsk for service runtime.v1.RuntimeService"
 
 
 class EarlyAnswerRuntime:

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import pytest
 
 from shim import config as config_mod
 from shim.proto.runtime.v1 import api_pb2
@@ -92,7 +93,7 @@ async def test_kubelet_pulls_are_served_while_a_reconcile_waits_on_the_runtime(t
         await rt.stop()
 
 
-async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path) -> None:
+async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path, monkeypatch) -> None:
     rt, store = await start_runtime(tmp_path)
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
@@ -111,8 +112,17 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
             assert app.scheduler.background_max_parallel == 3
             assert app.image_sets is not None and app.image_sets.reconciler.cfg.cooldown_seconds == 0.5
 
+            # a new dir: the old declared pins stay until it is read, and removals wait for it
+            scans = HeldScans(monkeypatch)
             await app.reload(config_mod.from_dict({**settings(second), "listen": shim.endpoint,
                                                    "upstream": rt.endpoint}))
+            assert await asyncio.to_thread(scans.entered.wait, 10)
+            assert app.images.pins.match(["registry.local/a:1"]) is not None
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                early = asyncio.ensure_future(removal(ch, "registry.local/b:1"))
+                await eventually(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
+                scans.release.set()
+                assert (await early)[0] is grpc.StatusCode.FAILED_PRECONDITION  # pinned by the new dir
             await eventually(lambda: "two" in app.image_sets_status().get("sets", {}))
             assert app.images.pins.match(["registry.local/a:1"]) is None
             assert app.images.pins.match(["registry.local/b:1"]) is not None
@@ -122,4 +132,60 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
             assert not app.images.pins  # nothing pinned any more
             assert store.has("registry.local/a:1") and store.has("registry.local/b:1")
     finally:
+        await rt.stop()
+
+
+class HeldScans:
+    """SetDirectory.scan held until released: the shim serves before its first scan ends."""
+
+    def __init__(self, monkeypatch) -> None:
+        import threading
+
+        from shim.imagesets.loader import SetDirectory
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = SetDirectory.scan
+
+        def held(directory):
+            self.entered.set()
+            self.release.wait(30)
+            return real(directory)
+        monkeypatch.setattr(SetDirectory, "scan", held)
+
+
+async def removal(ch: grpc.aio.Channel, name: str) -> tuple[grpc.StatusCode, str]:
+    rm = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image=name)).SerializeToString()
+    try:
+        await ch.unary_unary(REMOVE)(rm, timeout=20)
+        return grpc.StatusCode.OK, ""
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+
+
+@pytest.mark.parametrize("scan_ends", [True, False], ids=["scan-ends", "scan-hangs"])
+async def test_pins_are_enforced_from_the_first_call(tmp_path: Path, monkeypatch, scan_ends: bool) -> None:
+    """A RemoveImage that arrives before the first scan of image_sets.dir waits for it: refused
+    once the pinning set is read, UNAVAILABLE after image_sets.pins_wait_seconds if never."""
+    rt, store = await start_runtime(tmp_path)
+    sets = tmp_path / "sets"
+    sets.mkdir()
+    store.add("registry.local/a:1")
+    write(sets / "p.yaml", pinned("release", ["registry.local/a:1"]))
+    scans = HeldScans(monkeypatch)
+    try:
+        async with running_shim(rt.endpoint, settings(sets, pins_wait_seconds=30 if scan_ends else 0.2)) as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                assert await asyncio.to_thread(scans.entered.wait, 10)
+                early = asyncio.ensure_future(removal(ch, "registry.local/a:1"))
+                if scan_ends:
+                    await eventually(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
+                    assert not early.done() and not rt.calls("ImageStatus")  # the call is in the shim, waiting
+                    scans.release.set()
+                code, details = await early
+                if scan_ends:
+                    assert code is grpc.StatusCode.FAILED_PRECONDITION and "image set 'release'" in details
+                else:
+                    assert code is grpc.StatusCode.UNAVAILABLE and "image_sets.pins_wait_seconds" in details
+                assert store.has("registry.local/a:1") and not rt.calls("RemoveImage")
+    finally:
+        scans.release.set()
         await rt.stop()

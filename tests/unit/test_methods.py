@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from shim.methods import KNOWN_METHODS, Cardinality, cardinality
+import pytest
+
+from shim.methods import KNOWN_METHODS, Cardinality, canonical, cardinality
 from shim.proto.runtime.v1 import api_pb2
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "runtime" / "v1" / "api.proto"
@@ -22,7 +24,33 @@ def test_known_cardinalities() -> None:
 def test_unknown_method_is_none() -> None:
     assert cardinality("/runtime.v1.RuntimeService/NoSuchThing") is None
     assert cardinality("/runtime.v1alpha2.RuntimeService/Version") is None
-    assert cardinality("runtime.v1.RuntimeService/Version") is None  # no leading slash
+    assert cardinality("//runtime.v1.RuntimeService/Version") is None  # service "/runtime.v1.RuntimeService"
+
+
+def test_cardinality_of_a_spelling_grpc_go_routes_to_the_method() -> None:
+    assert cardinality("runtime.v1.ImageService/StreamImages") is Cardinality.SERVER_STREAM
+
+
+# grpc-go Server.handleStream: drop one leading "/", split the rest at its LAST "/".
+@pytest.mark.parametrize("path, routed", [
+    ("/runtime.v1.ImageService/RemoveImage", "/runtime.v1.ImageService/RemoveImage"),
+    ("runtime.v1.ImageService/RemoveImage", "/runtime.v1.ImageService/RemoveImage"),
+    ("//runtime.v1.ImageService/RemoveImage", "//runtime.v1.ImageService/RemoveImage"),  # service "/runtime.v1..."
+    ("/a/runtime.v1.ImageService/RemoveImage", "/a/runtime.v1.ImageService/RemoveImage"),  # service "a/runtime..."
+    ("/runtime.v1.ImageService/RemoveImage/", "/runtime.v1.ImageService/RemoveImage/"),  # method ""
+    ("/runtime.v1.ImageService/RemoveImage?x=1", "/runtime.v1.ImageService/RemoveImage?x=1"),  # no query part
+    ("/runtime.v1.ImageService/Remove%49mage", "/runtime.v1.ImageService/Remove%49mage"),  # no unescaping
+    ("/runtime.v1.ImageService", None),
+    ("runtime.v1.ImageService", None),
+    ("/", None),
+    ("", None),
+])
+def test_canonical_is_grpc_go_routing(path: str, routed: str | None) -> None:
+    assert canonical(path) == routed
+
+
+def test_every_known_method_is_canonical() -> None:
+    assert all(canonical(m) == m and canonical(m[1:]) == m for m in KNOWN_METHODS)
 
 
 def test_count_matches_rpcs_in_our_proto() -> None:

@@ -10,7 +10,7 @@ import stat
 import grpc
 import pytest
 
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FAKE_BIDI, FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 
 VERSION = "/runtime.v1.RuntimeService/Version"
@@ -77,11 +77,15 @@ async def test_stream_cancel_reaches_runtime(runtime: FakeRuntime, engine: str) 
 
 
 async def test_unknown_method_passes_through_as_stream(runtime: FakeRuntime, engine: str) -> None:
+    """CRI methods from the future (unknown to the shim, any shape) pass, as do allowed services."""
     runtime.unary["/vendor.v9.Mystery/Ask"] = b"answer"
-    async with running_shim(runtime.endpoint, engine=engine) as shim:
+    runtime.unary["/runtime.v1.RuntimeService/FutureAsk"] = b"future"
+    async with running_shim(runtime.endpoint, {"server": {"allowed_services": ["vendor.v9.Mystery"]}},
+                            engine=engine) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary("/vendor.v9.Mystery/Ask")(b"q", timeout=5) == b"answer"
-            bidi = ch.stream_stream("/fake.Bidi/Chat")(timeout=5)
+            assert await ch.unary_unary("/runtime.v1.RuntimeService/FutureAsk")(b"q", timeout=5) == b"future"
+            bidi = ch.stream_stream(FAKE_BIDI + "Chat")(timeout=5)
             await bidi.write(b"1")
             assert await bidi.read() == b"echo:1"
             await bidi.write(b"2")

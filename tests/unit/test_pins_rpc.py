@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from shim import wire
+from shim.images.remove_image import removal_request
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime
@@ -113,17 +114,37 @@ async def test_pin_patterns_protect(serve, runtime, store, pattern, victim) -> N
     assert runtime.calls("RemoveImage") == []
 
 
-async def test_unpinned_image_is_removed_with_request_bytes_unchanged(serve, runtime, store) -> None:
+async def test_unpinned_image_is_removed_by_its_id_other_bytes_unchanged(serve, runtime, store) -> None:
     request = remove_request("quay.io/org/app:v1", runtime_handler="kata") + UNKNOWN_FIELD
     async with serve(runtime.endpoint, {"pins": {"images": ["nginx", "registry.k8s.io/*"]}}) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await ch.unary_unary(SVC + "RemoveImage")(request, timeout=5)
         assert denied(shim) == 0
-    assert [r.request for r in runtime.calls("RemoveImage")] == [request]
+    by_id = remove_request(image_id(2), runtime_handler="kata") + UNKNOWN_FIELD
+    assert [r.request for r in runtime.calls("RemoveImage")] == [by_id]
     # the lookup asked about the same ImageSpec, runtime handler included
     lookup = api_pb2.ImageStatusRequest.FromString(runtime.calls("ImageStatus")[0].request)
     assert (lookup.image.image, lookup.image.runtime_handler, lookup.verbose) == ("quay.io/org/app:v1", "kata", False)
     assert store.resolve("quay.io/org/app:v1") is None
+
+
+async def test_a_name_repointed_after_the_check_cannot_remove_a_pinned_image(serve, runtime, store) -> None:
+    """A pull moves quay.io/org/app:v1 to the pinned nginx image right after the shim looked it up."""
+    status = runtime.unary[SVC + "ImageStatus"]
+
+    async def status_then_repoint(request: bytes, context) -> bytes:
+        answer = await status(request, context)
+        app_image, nginx_image = store.resolve("quay.io/org/app:v1"), store.resolve("nginx")
+        app_image.tags.remove("quay.io/org/app:v1")
+        nginx_image.tags.append("quay.io/org/app:v1")
+        return answer
+
+    runtime.unary[SVC + "ImageStatus"] = status_then_repoint
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx:latest"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            await remove(ch, "quay.io/org/app:v1")
+    assert store.resolve(image_id(1)) is not None  # nginx, pinned, is still there
+    assert store.resolve(image_id(2)) is None  # the image the shim checked is gone
 
 
 async def test_unknown_image_reaches_the_runtime(serve, runtime, store) -> None:
@@ -325,3 +346,16 @@ async def test_request_with_a_group_field_is_still_checked(serve, runtime, store
                 await ch.unary_unary(REMOVE)(request, timeout=5)
     assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert runtime.calls("RemoveImage") == []
+
+
+@pytest.mark.parametrize(("image_id_", "tags", "name", "sent"), [
+    (image_id(1), ["a:1", "a:2"], "a:1", image_id(1)),  # containerd removes every name anyway: by ID
+    ("1" * 64, ["a:1"], "a:1", "1" * 64),  # CRI-O, the image's only tag: by ID
+    ("1" * 64, ["a:1", "a:2"], "a:1", "a:1"),  # CRI-O untags one tag of several: the name stays
+    ("1" * 64, ["a:1", "a:2"], f"a@{D_APP}", "1" * 64),  # a digest names the whole image
+])
+def test_removal_names_the_checked_image_as_the_runtime_would_remove_it(image_id_, tags, name, sent) -> None:
+    request = remove_request(name, runtime_handler="kata") + UNKNOWN_FIELD
+    out = removal_request(request, api_pb2.RemoveImageRequest.FromString(request),
+                          api_pb2.Image(id=image_id_, repo_tags=tags))
+    assert out == (request if sent == name else remove_request(sent, runtime_handler="kata") + UNKNOWN_FIELD)

@@ -12,6 +12,7 @@ from hpack import Encoder
 
 from shim.errors import RpcError
 from shim.relay import h2
+from shim.routing import Router
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 
@@ -208,7 +209,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
 
         up, listen = str(tmp_path / "runtime.sock"), str(tmp_path / "shim.sock")
         server = await asyncio.start_unix_server(runtime, up)
-        relay = Relay(up, None, lambda: {}, 1 << 20)  # type: ignore[arg-type]
+        relay = Relay(up, None, Router(), 1 << 20)  # type: ignore[arg-type]
         await relay.start(listen)
         for _ in range(20):
             _, writer = await asyncio.open_unix_connection(listen)

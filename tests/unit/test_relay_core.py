@@ -12,6 +12,7 @@ import pytest
 from hpack import Encoder
 
 from shim.relay import h2
+from shim.routing import Router
 from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
                              Request)
 from shim.relay.memory import Pool
@@ -20,6 +21,7 @@ PULL = "/runtime.v1.ImageService/PullImage"
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
 VERSION = "/runtime.v1.RuntimeService/Version"
 INTERCEPTED = {PULL, REMOVE}
+ROUTE = Router(dict.fromkeys(INTERCEPTED, "handler"), ("vendor.*",)).relay_route
 
 Frame = tuple[int, int, int, bytes]
 
@@ -58,7 +60,7 @@ class Peers:
     """A RelayCore with a client and a runtime attached, past both prefaces."""
 
     def __init__(self, limits: Limits = Limits(), relay: bool = True) -> None:
-        self.core = RelayCore(limits, INTERCEPTED.__contains__)
+        self.core = RelayCore(limits, ROUTE)
         self.core.receive_client(h2.PREFACE)
         assert self.core.take_events() == [PrefaceReceived()]
         assert self.core.take_runtime() == b""  # nothing for the runtime before we know where calls go
@@ -117,7 +119,7 @@ def closed_with(p: Peers, code: int) -> str:
 
 
 def test_runtime_is_not_involved_before_a_valid_preface() -> None:
-    core = RelayCore(Limits(), INTERCEPTED.__contains__)
+    core = RelayCore(Limits(), ROUTE)
     core.receive_client(h2.PREFACE[:10])
     assert core.take_events() == [] and core.take_client() == b""
     core.receive_client(h2.PREFACE[10:] + h2.settings_frame({}))
@@ -128,7 +130,7 @@ def test_runtime_is_not_involved_before_a_valid_preface() -> None:
 
 
 def test_garbage_instead_of_a_preface_closes_without_a_runtime() -> None:
-    core = RelayCore(Limits(), INTERCEPTED.__contains__)
+    core = RelayCore(Limits(), ROUTE)
     core.receive_client(b"GET / HTTP/1.1\r\n")
     [ev] = core.take_events()
     assert isinstance(ev, ConnectionClosed) and ev.code == h2.PROTOCOL_ERROR
@@ -607,7 +609,7 @@ def test_intercepted_calls_at_once_are_capped_over_all_connections_with_room_kep
 def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout() -> None:
     now = [100.0]
     budget = Pool(1 << 20)
-    core = RelayCore(Limits(request_buffer=budget), INTERCEPTED.__contains__, clock=lambda: now[0])
+    core = RelayCore(Limits(request_buffer=budget), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
     core.receive_client(h2.PREFACE)
@@ -637,7 +639,7 @@ def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed()
 
 def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not() -> None:
     now = [0.0]
-    core = RelayCore(Limits(), INTERCEPTED.__contains__, clock=lambda: now[0])
+    core = RelayCore(Limits(), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
     core.receive_client(h2.PREFACE)
@@ -672,3 +674,16 @@ def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() 
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
     p.core.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 1) == (0, "")
+
+
+def test_a_refused_service_is_answered_with_its_status_and_never_relayed() -> None:
+    p = Peers(Limits())
+    p.from_client(headers(1, "/containerd.services.images.v1.Images/Delete", end_stream=True))
+    p.from_client(headers(3, "/runtime.v1alpha2.ImageService/RemoveImage", end_stream=True))
+    p.from_client(h2.headers_frames(5, request_block("/containerd.services.images.v1.Images/Delete")
+                                    + request_block("/x"), True, h2.DEFAULT_MAX_FRAME))  # malformed: judged first
+    assert p.runtime_got() == []
+    got = p.client_got()
+    assert grpc_status(got, 1)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert grpc_status(got, 3) == (grpc.StatusCode.UNIMPLEMENTED.value[0], "unknown service runtime.v1alpha2.ImageService")
+    assert rst(got, 5) == h2.PROTOCOL_ERROR and grpc_status(got, 5) is None

@@ -15,7 +15,7 @@ from hpack import Encoder
 from shim.relay import h2
 from shim.relay.core import (REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, Limits, RelayCore, Request,
                              StreamRefused)
-from tests.unit.test_relay_core import (INTERCEPTED, PULL, VERSION, Peers, closed_with, data, goaway_code,
+from tests.unit.test_relay_core import (PULL, ROUTE, VERSION, Peers, closed_with, data, goaway_code,
                                         grpc_status, headers, message, parse, rst)
 
 
@@ -157,7 +157,7 @@ def test_a_client_that_keeps_opening_streams_over_the_limit_is_sent_away() -> No
     rate; beyond, GOAWAY ENHANCE_YOUR_CALM: each refused stream still costs a header block."""
     now = [0.0]
     p = Peers.__new__(Peers)
-    p.core = RelayCore(Limits(max_concurrent_streams=1), INTERCEPTED.__contains__, clock=lambda: now[0])
+    p.core = RelayCore(Limits(max_concurrent_streams=1), ROUTE, clock=lambda: now[0])
     p.from_client(h2.PREFACE)
     p.events()
     p.core.start_relay()

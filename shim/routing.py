@@ -1,0 +1,108 @@
+"""Which calls the shim answers, relays or refuses: one decision for both engines.
+
+Every ``:path`` is first put in the form the runtime routes it by (``methods.canonical``),
+then:
+
+- a method in the interception table is answered by its handler;
+- ``runtime.v1alpha2`` is refused with UNIMPLEMENTED, as containerd 2.x answers it (the
+  shim does not check pins or the pull cap on it, so it must not reach containerd 1.6/1.7);
+- CRI (``runtime.v1.*``, any method) and ``grpc.health.v1.Health`` are relayed;
+- any other service (containerd's own API, introspection, ...) is refused with
+  PERMISSION_DENIED unless ``server.allowed_services`` lets it through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Iterable, Mapping, TypeVar
+
+import grpc
+
+from .methods import CRI_PACKAGE, canonical, service_of
+
+H = TypeVar("H")
+
+HEALTH_SERVICE = "grpc.health.v1.Health"
+V1ALPHA2_PACKAGE = "runtime.v1alpha2"
+ALLOWED_SERVICES_KEY = "server.allowed_services"
+_QUOTE_MAX = 120  # characters of a client's :path quoted in a refusal
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Answer the call with this status at once; the runtime never sees it."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True)
+class Intercept(Generic[H]):
+    """Answer the call with ``handler``; ``method`` is the canonical method name."""
+
+    method: str
+    handler: H
+
+
+def _quote(path: str) -> str:
+    return repr(path[:_QUOTE_MAX] + ("..." if len(path) > _QUOTE_MAX else ""))
+
+
+def _in_package(service: str, package: str) -> bool:
+    return service.startswith(package + ".")
+
+
+def check_allowed_services(entries: Iterable[str]) -> tuple[str, ...]:
+    """Validate ``server.allowed_services``: full service names, or ``<prefix>.*``. Raises ValueError."""
+    out = []
+    for entry in entries:
+        name = entry[:-2] if entry.endswith(".*") else entry
+        if not name or "/" in name or "*" in name or any(c.isspace() for c in name):
+            raise ValueError(f"{entry[:80]!r} is not a service name (e.g. containerd.services.version.v1.Version) "
+                             "or a prefix ending in .* (e.g. containerd.services.*)")
+        if V1ALPHA2_PACKAGE == name or _in_package(name, V1ALPHA2_PACKAGE) or _in_package(V1ALPHA2_PACKAGE, name):
+            raise ValueError(f"{entry!r} would let {V1ALPHA2_PACKAGE} through, where the shim checks neither pins "
+                             "nor the pull cap")
+        out.append(entry)
+    return tuple(out)
+
+
+class Router(Generic[H]):
+    """The routing decision for a ``:path``: Intercept, Refusal, or None (relay it as it is)."""
+
+    def __init__(self, table: Mapping[str, H] | None = None, allowed_services: Iterable[str] = ()) -> None:
+        self.table: Mapping[str, H] = dict(table or {})
+        self.set_allowed_services(allowed_services)
+
+    def set_table(self, table: Mapping[str, H]) -> None:
+        self.table = dict(table)
+
+    def set_allowed_services(self, entries: Iterable[str]) -> None:
+        entries = tuple(entries)
+        self._exact = frozenset(e for e in entries if not e.endswith(".*"))
+        self._prefixes = tuple(e[:-1] for e in entries if e.endswith(".*"))  # keep the dot
+
+    def allowed(self, service: str) -> bool:
+        return (_in_package(service, CRI_PACKAGE) or service == HEALTH_SERVICE or service in self._exact
+                or service.startswith(self._prefixes))
+
+    def route(self, path: str) -> Intercept[H] | Refusal | None:
+        method = canonical(path)
+        if method is None:  # grpc-go's own answer
+            return Refusal(grpc.StatusCode.UNIMPLEMENTED, f"malformed method name: {_quote(path)}")
+        handler = self.table.get(method)
+        if handler is not None:
+            return Intercept(method, handler)
+        service = service_of(method)
+        if _in_package(service, V1ALPHA2_PACKAGE):
+            return Refusal(grpc.StatusCode.UNIMPLEMENTED, f"unknown service {service}")
+        if self.allowed(service):
+            return None
+        return Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                       f"cri-shim: {_quote(service)} is not a CRI service; this socket serves runtime.v1 and "
+                       f"{HEALTH_SERVICE} only (add the service to {ALLOWED_SERVICES_KEY} to let it through)")
+
+    def relay_route(self, path: str) -> str | Refusal | None:
+        """``route`` as the relay core takes it: the canonical method if the shim answers ``path``."""
+        r = self.route(path)
+        return r.method if isinstance(r, Intercept) else r
