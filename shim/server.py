@@ -4,7 +4,7 @@
   socket left by a crash is replaced, but a live one (another shim running) is not.
 - SIGHUP, or a change of the config file, reloads; a bad new config is logged and the
   old one stays in force. Keys that need a restart (listen, upstream, server.*,
-  metrics.address) keep their running value, and the log says so.
+  metrics.*) keep their running value, and the log says so.
 - SIGTERM/SIGINT: stop accepting, cancel queued pulls with UNAVAILABLE (kubelet
   retries), give in-flight calls the grace period, remove the socket, exit 0.
 - Under systemd (Type=notify) READY=1 is sent once the socket accepts calls.
@@ -50,7 +50,7 @@ def _gid(group: str) -> int:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        raise StartupError(f"server.socket_group: no such group {group!r}") from None
+        raise StartupError(f"server.socket_group: no such group {logs.shown(group)}") from None
 
 
 def server_options(cfg: Config) -> list[tuple[str, int]]:
@@ -77,19 +77,18 @@ def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, A
     for key in ("listen", "upstream"):
         if getattr(new, key) != getattr(running, key):
             changes.append((key, getattr(running, key), getattr(new, key)))
-    for f in dataclasses.fields(running.server):
-        old, cur = getattr(running.server, f.name), getattr(new.server, f.name)
-        if old != cur:
-            changes.append((f"server.{f.name}", old, cur))
-    if new.metrics.address != running.metrics.address:
-        changes.append(("metrics.address", running.metrics.address, new.metrics.address))
+    for section in ("server", "metrics"):
+        for f in dataclasses.fields(getattr(running, section)):
+            old, cur = getattr(getattr(running, section), f.name), getattr(getattr(new, section), f.name)
+            if old != cur:
+                changes.append((f"{section}.{f.name}", old, cur))
     return changes
 
 
 def keep_restart_only(running: Config, new: Config) -> Config:
     """``new`` with every restart-only key set back to its running value."""
     return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=running.server,
-                               metrics=dataclasses.replace(new.metrics, address=running.metrics.address))
+                               metrics=running.metrics)
 
 
 class ShimServer:
