@@ -488,6 +488,11 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     _check_keys("", data, {"listen", "upstream", *_SECTIONS})
     c = Config()
     sections = {name: parse(_mapping(name, data.get(name))) for name, parse in _SECTIONS.items()}
+    pulls, image_sets = sections["pulls"], sections["image_sets"]
+    if image_sets.dir and pulls.max_parallel and image_sets.max_parallel >= pulls.max_parallel:
+        raise ConfigError("image_sets.max_parallel",
+                          f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
+                          f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")
     return Config(
         listen=_endpoint("listen", data.get("listen", c.listen)),
         upstream=_endpoint("upstream", data.get("upstream", c.upstream)),
