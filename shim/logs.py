@@ -97,7 +97,8 @@ class RateLimit(logging.Filter):
     """Lines at info and above: at most ``max_repeats`` of one kind (same logger and message)
     per ``window`` seconds; the rest are dropped and counted, and the next line of that kind
     that is written carries ``suppressed=<count>``. Debug lines are not limited.
-    ``max_repeats`` 0: no limit."""
+    ``max_repeats`` 0: no limit. (The relay's listener also keeps its own one-line-per-10-s
+    warnings, ``_RateLimited`` in shim/relay/listener.py, which this filter then sees rarely.)"""
 
     def __init__(self, max_repeats: int = DEFAULT_MAX_REPEATS, window: float = DEFAULT_REPEAT_WINDOW_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
