@@ -281,6 +281,6 @@ class ShimServer:
                        extra={"fields": {"reason": why}}, exc_info=True)
             return
         self.cfg = new
-        logs.setup(new.log.level, new.log.format)
+        logs.setup(new.log.level, new.log.format, new.log.max_repeats, new.log.repeat_window_seconds)
         logs.log(_log, logging.INFO, "config reloaded", reason=why, max_parallel_pulls=new.pulls.max_parallel,
                  pins=len(new.pins.images), handler_rules=len(new.runtime_handlers.rules))

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from shim import logs, reference
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process
+from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.slow_pulls import PULL, VERSION, pull_request
 
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
@@ -111,3 +113,35 @@ async def test_overlong_image_names_are_refused_and_leave_the_log_small(runtime:
         print(f"\nlog bytes after 202 refused calls with {length}-character names: {grown}", file=sys.stderr)
         assert grown < 64 * 1024, shim.logs()[-3000:]
         assert shim.proc.poll() is None
+
+
+async def test_repeated_lines_are_rate_limited_with_a_count(runtime: FakeRuntime, tmp_path) -> None:
+    """90 RemoveImage calls for a pinned image, each refused with an info line: 20 lines per
+    window are written; the first line of the next window says how many were dropped."""
+    FakeImageStore([StoredImage(image_id(1), ["docker.io/library/nginx:latest"], [])]).install(runtime)
+    window = 3.0
+    settings = {"server": {"admin_socket": ""}, "pins": {"images": ["nginx"]},
+                "log": {"max_repeats": 20, "repeat_window_seconds": window}}
+    remove = api_pb2.RemoveImageRequest(image=api_pb2.ImageSpec(image="nginx")).SerializeToString()
+    async with shim_process(runtime.endpoint, tmp_path, settings) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            call = ch.unary_unary(REMOVE)
+            t = time.monotonic()
+            for _ in range(90):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(remove, timeout=10)
+                assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            took = time.monotonic() - t
+            end = await shim.wait_log("remove refused")
+            await asyncio.sleep(window)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call(remove, timeout=10)
+            await shim.wait_log("suppressed=", after=end)
+        lines = [ln for ln in shim.logs().splitlines() if "remove refused" in ln]
+        windows = int(took // window) + 1  # windows the 90 calls took
+        assert 21 <= len(lines) <= 20 * windows + 1, (len(lines), took)
+        dropped = int(lines[-1].split("suppressed=")[1].split()[0])
+        counted = sum(int(ln.split("suppressed=")[1].split()[0]) for ln in lines if "suppressed=" in ln)
+        assert len(lines) + counted == 91, (len(lines), counted)  # every refusal written or counted
+        print(f"\n90 refusals in {took:.1f} s: {len(lines) - 1} lines written, then suppressed={dropped}",
+              file=sys.stderr)
