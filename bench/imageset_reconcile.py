@@ -63,6 +63,7 @@ def run(images: int, add: int, rounds: int, max_parallel: int) -> dict[str, obje
         port = free_port()
         shim = ShimProcess(Path(workdir) / "shim", upstream=containerd.socket, log_level="info",
                            config={"image_sets": {"dir": str(sets), "max_parallel": max_parallel},
+                                   "pulls": {"max_parallel": max_parallel + 1},  # one slot stays kubelet's
                                    "metrics": {"address": f"127.0.0.1:{port}"}})
         t = time.monotonic()
         shim.start(timeout=30)

@@ -111,7 +111,8 @@ class App:
     async def start(self) -> None:
         self.upstream.start_watch()
         if self.cfg.metrics.address:
-            self.metrics.serve(self.cfg.metrics.address)  # OSError: ShimServer.start reports it
+            m = self.cfg.metrics  # OSError: ShimServer.start reports it
+            await self.metrics.serve(m.address, m.max_connections, m.timeout_seconds)
         if self.cfg.server.admin_socket:
             self.admin = AdminServer(self.cfg.server.admin_socket, self.status)
             await self.admin.start()

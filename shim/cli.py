@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"cri-shim: bad config {args.config}: {e}", file=sys.stderr)
         return 2
-    logs.setup(cfg.log.level, cfg.log.format)
+    logs.setup(cfg.log.level, cfg.log.format, cfg.log.max_repeats, cfg.log.repeat_window_seconds)
     if not os.path.exists(args.config):
         logs.log(logs.get("cli"), logging.WARNING, "config file not found; using defaults", config=args.config)
     if cfg.server.uvloop:

@@ -17,7 +17,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from . import safeyaml
+from .logs import DEFAULT_MAX_REPEATS, DEFAULT_REPEAT_WINDOW_SECONDS, QUOTE_MAX_CHARS, cut, shown
 from .routing import check_allowed_services
+from .safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
 
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
@@ -86,6 +89,8 @@ RELOADABLE_SERVER_KEYS = frozenset({"allowed_services"})
 class LogConfig:
     level: str = "info"
     format: str = "text"  # text (key=value) or json
+    max_repeats: int = DEFAULT_MAX_REPEATS  # lines of one kind per repeat window (info and above); 0 = no limit
+    repeat_window_seconds: float = DEFAULT_REPEAT_WINDOW_SECONDS
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class PinsConfig:
 class ImageSetsConfig:
     dir: str = ""  # empty: image sets off
     max_parallel: int = 2
+    max_file_bytes: int = 1 << 20  # a bigger set file is rejected (not read)
     cooldown_seconds: float = 0.0
     min_free_bytes: int = 0
     debounce_seconds: float = 0.2
@@ -144,6 +150,8 @@ class RuntimeHandlersConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     address: str = ""  # host:port; empty: no metrics endpoint
+    max_connections: int = 16  # open at once; one more is closed unanswered
+    timeout_seconds: float = 10.0  # to send the request and read the answer
 
 
 @dataclass(frozen=True)
@@ -170,42 +178,42 @@ _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 def _int(key: str, v: Any, minimum: int | None = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(key, f"expected an integer, got {v!r}")
+        raise ConfigError(key, f"expected an integer, got {shown(v)}")
     if minimum is not None and v < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {v!r}")
+        raise ConfigError(key, f"must be >= {minimum}, got {shown(v)}")
     return v
 
 
 def _bool(key: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ConfigError(key, f"expected true or false, got {v!r}")
+        raise ConfigError(key, f"expected true or false, got {shown(v)}")
     return v
 
 
 def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
     if not isinstance(v, str):
-        raise ConfigError(key, f"expected a string, got {v!r}")
+        raise ConfigError(key, f"expected a string, got {shown(v)}")
     if "\x00" in v:
-        raise ConfigError(key, f"must not contain a NUL byte, got {v!r}")
+        raise ConfigError(key, f"must not contain a NUL byte, got {shown(v)}")
     if choices is not None and v not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}")
+        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {shown(v)}")
     return v
 
 
 def _duration(key: str, v: Any) -> float:
     """Seconds as a number, or a string like ``500ms``, ``2s``, ``1m``."""
     if isinstance(v, bool):
-        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {v!r}")
+        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {shown(v)}")
     if isinstance(v, (int, float)):
         seconds = float(v)
     elif isinstance(v, str) and (m := _DURATION.match(v)):
         seconds = float(m.group(1)) * _UNITS[m.group(2)]
     else:
-        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {v!r}")
+        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {shown(v)}")
     if not math.isfinite(seconds):
-        raise ConfigError(key, f"must be a finite number of seconds, got {v!r}")
+        raise ConfigError(key, f"must be a finite number of seconds, got {shown(v)}")
     if seconds < 0:
-        raise ConfigError(key, f"must be >= 0, got {v!r}")
+        raise ConfigError(key, f"must be >= 0, got {shown(v)}")
     return seconds
 
 
@@ -216,25 +224,25 @@ def _size(key: str, v: Any, minimum: int = 0) -> int:
     elif isinstance(v, str) and (m := _SIZE.match(v)):
         n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
     else:
-        raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {v!r}")
+        raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {shown(v)}")
     if n < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {v!r}")
+        raise ConfigError(key, f"must be >= {minimum}, got {shown(v)}")
     return n
 
 
 def _str_list(key: str, v: Any) -> tuple[str, ...]:
     if not isinstance(v, list):
-        raise ConfigError(key, f"expected a list of strings, got {v!r}")
+        raise ConfigError(key, f"expected a list of strings, got {shown(v)}")
     return tuple(_str(f"{key}[{i}]", item) for i, item in enumerate(v))
 
 
 def _str_map(key: str, v: Any) -> tuple[tuple[str, str], ...]:
     if not isinstance(v, dict):
-        raise ConfigError(key, f"expected a map of strings, got {v!r}")
+        raise ConfigError(key, f"expected a map of strings, got {shown(v)}")
     out = []
     for k, val in v.items():
         _str(f"{key}", k)
-        out.append((k, _str(f"{key}.{k}", val)))
+        out.append((k, _str(f"{key}.{cut(k, QUOTE_MAX_CHARS)}", val)))
     return tuple(sorted(out))
 
 
@@ -242,23 +250,24 @@ def _mapping(key: str, v: Any) -> Mapping[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise ConfigError(key, f"expected a map, got {v!r}")
+        raise ConfigError(key, f"expected a map, got {shown(v)}")
     return v
 
 
 def _check_keys(prefix: str, data: Mapping[str, Any], allowed: set[str]) -> None:
     for k in data:
         if k not in allowed:
-            path = f"{prefix}.{k}" if prefix else str(k)
+            k = cut(k, QUOTE_MAX_CHARS)
+            path = f"{prefix}.{k}" if prefix else k
             raise ConfigError(path, f"unknown key (known: {', '.join(sorted(allowed))})")
 
 
 def _endpoint(key: str, v: Any) -> str:
     s = _str(key, v)
     if not s.startswith("unix://") or len(s) <= len("unix://"):
-        raise ConfigError(key, f"expected a unix socket endpoint like unix:///run/x.sock, got {v!r}")
+        raise ConfigError(key, f"expected a unix socket endpoint like unix:///run/x.sock, got {shown(v)}")
     if len(socket_path(s).encode()) > UNIX_PATH_MAX:
-        raise ConfigError(key, f"a unix socket path has at most {UNIX_PATH_MAX} bytes, got {v!r}")
+        raise ConfigError(key, f"a unix socket path has at most {UNIX_PATH_MAX} bytes, got {shown(v)}")
     return s
 
 
@@ -267,7 +276,7 @@ def _socket_mode(key: str, v: Any) -> int:
         return int(v, 8)
     if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0o777:
         return v
-    raise ConfigError(key, f"expected an octal mode string like '0660', got {v!r}")
+    raise ConfigError(key, f"expected an octal mode string like '0660', got {shown(v)}")
 
 
 def _host_port(key: str, v: Any) -> str:
@@ -276,7 +285,7 @@ def _host_port(key: str, v: Any) -> str:
         return s
     host, sep, port = s.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, f"expected host:port like 127.0.0.1:9464, got {v!r}")
+        raise ConfigError(key, f"expected host:port like 127.0.0.1:9464, got {shown(v)}")
     return s
 
 
@@ -332,7 +341,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
                           f"got {cfg.write_buffer_low_bytes}")
     for key in ("write_stall_seconds", "preface_timeout_seconds", "stream_stall_seconds"):
         if getattr(cfg, key) <= 0:
-            raise ConfigError(f"server.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
+            raise ConfigError(f"server.{key}", f"must be > 0, got {shown(getattr(cfg, key))}")
     return cfg
 
 
@@ -378,17 +387,23 @@ def _group(key: str, v: Any) -> str:
         try:
             grp.getgrnam(s)
         except KeyError:
-            raise ConfigError(key, f"no such group {s!r}") from None
+            raise ConfigError(key, f"no such group {shown(s)}") from None
     return s
 
 
 def _log(d: Mapping[str, Any]) -> LogConfig:
-    _check_keys("log", d, {"level", "format"})
+    _check_keys("log", d, {f.name for f in dataclasses.fields(LogConfig)})
     c = LogConfig()
-    return LogConfig(
+    cfg = LogConfig(
         level=_str("log.level", d.get("level", c.level), ("debug", "info", "warning", "error")),
         format=_str("log.format", d.get("format", c.format), ("text", "json")),
+        max_repeats=_int("log.max_repeats", d.get("max_repeats", c.max_repeats)),
+        repeat_window_seconds=_duration("log.repeat_window_seconds",
+                                        d.get("repeat_window_seconds", c.repeat_window_seconds)),
     )
+    if cfg.max_repeats and cfg.repeat_window_seconds <= 0:
+        raise ConfigError("log.repeat_window_seconds", f"must be > 0, got {shown(cfg.repeat_window_seconds)}")
+    return cfg
 
 
 def _pulls(d: Mapping[str, Any]) -> PullsConfig:
@@ -411,18 +426,18 @@ def _pulls(d: Mapping[str, Any]) -> PullsConfig:
     )
     if 0 < cfg.progress_interval_seconds < MIN_PROGRESS_INTERVAL:
         raise ConfigError("pulls.progress_interval_seconds",
-                          f"must be 0 (off) or >= {MIN_PROGRESS_INTERVAL}, got {cfg.progress_interval_seconds!r}")
+                          f"must be 0 (off) or >= {MIN_PROGRESS_INTERVAL}, got {shown(cfg.progress_interval_seconds)}")
     if cfg.stall_timeout_seconds > 0 and cfg.progress_interval_seconds == 0:
         raise ConfigError("pulls.stall_timeout_seconds",
                           "needs pull progress: pulls.progress_interval_seconds must not be 0")
     if 0 < cfg.stall_timeout_seconds < 2 * cfg.progress_interval_seconds:
         raise ConfigError("pulls.stall_timeout_seconds",
                           f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
-                          f"({cfg.progress_interval_seconds:g}), got {cfg.stall_timeout_seconds!r}")
+                          f"({cfg.progress_interval_seconds:g}), got {shown(cfg.stall_timeout_seconds)}")
     if 0 < cfg.no_progress_timeout_seconds < 2 * cfg.progress_interval_seconds:
         raise ConfigError("pulls.no_progress_timeout_seconds",
                           f"must be 0 (off) or at least twice pulls.progress_interval_seconds "
-                          f"({cfg.progress_interval_seconds:g}), got {cfg.no_progress_timeout_seconds!r}")
+                          f"({cfg.progress_interval_seconds:g}), got {shown(cfg.no_progress_timeout_seconds)}")
     return cfg
 
 
@@ -436,7 +451,7 @@ def _pins(d: Mapping[str, Any]) -> PinsConfig:
         try:
             validate_pattern(pattern)
         except ValueError as e:
-            raise ConfigError(f"pins.images[{i}]", f"{e} (got {pattern!r})") from None
+            raise ConfigError(f"pins.images[{i}]", f"{e} (got {shown(pattern)})") from None
     return PinsConfig(images=images, mode=_str("pins.mode", d.get("mode", c.mode), ("enforce", "mark-only")))
 
 
@@ -446,6 +461,7 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
     cfg = ImageSetsConfig(
         dir=_str("image_sets.dir", d.get("dir", c.dir)),
         max_parallel=_int("image_sets.max_parallel", d.get("max_parallel", c.max_parallel), minimum=1),
+        max_file_bytes=_size("image_sets.max_file_bytes", d.get("max_file_bytes", c.max_file_bytes), minimum=1),
         cooldown_seconds=_duration("image_sets.cooldown_seconds", d.get("cooldown_seconds", c.cooldown_seconds)),
         min_free_bytes=_size("image_sets.min_free_bytes", d.get("min_free_bytes", c.min_free_bytes)),
         debounce_seconds=_duration("image_sets.debounce_seconds", d.get("debounce_seconds", c.debounce_seconds)),
@@ -473,10 +489,10 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
             raise ConfigError("image_sets.credential_provider_config", str(e)) from None
     for key in ("runtime_timeout_seconds", "pins_wait_seconds"):
         if getattr(cfg, key) <= 0:
-            raise ConfigError(f"image_sets.{key}", f"must be > 0, got {getattr(cfg, key)!r}")
+            raise ConfigError(f"image_sets.{key}", f"must be > 0, got {shown(getattr(cfg, key))}")
     if cfg.retry_max_seconds < cfg.retry_initial_seconds:
         raise ConfigError("image_sets.retry_max_seconds",
-                          f"must be >= image_sets.retry_initial_seconds, got {cfg.retry_max_seconds!r}")
+                          f"must be >= image_sets.retry_initial_seconds, got {shown(cfg.retry_max_seconds)}")
     return cfg
 
 
@@ -496,7 +512,7 @@ def _rule(i: int, d: Any) -> HandlerRule:
         try:
             validate_pattern(pattern)
         except ValueError as e:
-            raise ConfigError(f"{key}.images[{j}]", f"{e} (got {pattern!r})") from None
+            raise ConfigError(f"{key}.images[{j}]", f"{e} (got {shown(pattern)})") from None
     return HandlerRule(
         handler=handler,
         namespaces=_str_list(f"{key}.namespaces", d.get("namespaces", [])),
@@ -513,7 +529,7 @@ def _runtime_handlers(d: Mapping[str, Any]) -> RuntimeHandlersConfig:
     if rules is None:
         rules = []
     if not isinstance(rules, list):
-        raise ConfigError("runtime_handlers.rules", f"expected a list of rules, got {rules!r}")
+        raise ConfigError("runtime_handlers.rules", f"expected a list of rules, got {shown(rules)}")
     return RuntimeHandlersConfig(
         rules=tuple(_rule(i, r) for i, r in enumerate(rules)),
         learn_from_sandboxes=_bool(
@@ -523,8 +539,16 @@ def _runtime_handlers(d: Mapping[str, Any]) -> RuntimeHandlersConfig:
 
 
 def _metrics(d: Mapping[str, Any]) -> MetricsConfig:
-    _check_keys("metrics", d, {"address"})
-    return MetricsConfig(address=_host_port("metrics.address", d.get("address", "")))
+    _check_keys("metrics", d, {f.name for f in dataclasses.fields(MetricsConfig)})
+    c = MetricsConfig()
+    cfg = MetricsConfig(
+        address=_host_port("metrics.address", d.get("address", c.address)),
+        max_connections=_int("metrics.max_connections", d.get("max_connections", c.max_connections), minimum=1),
+        timeout_seconds=_duration("metrics.timeout_seconds", d.get("timeout_seconds", c.timeout_seconds)),
+    )
+    if cfg.timeout_seconds <= 0:
+        raise ConfigError("metrics.timeout_seconds", f"must be > 0, got {shown(cfg.timeout_seconds)}")
+    return cfg
 
 
 _SECTIONS = {
@@ -544,6 +568,11 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     _check_keys("", data, {"listen", "upstream", *_SECTIONS})
     c = Config()
     sections = {name: parse(_mapping(name, data.get(name))) for name, parse in _SECTIONS.items()}
+    pulls, image_sets = sections["pulls"], sections["image_sets"]
+    if image_sets.dir and pulls.max_parallel and image_sets.max_parallel >= pulls.max_parallel:
+        raise ConfigError("image_sets.max_parallel",
+                          f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
+                          f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")
     return Config(
         listen=_endpoint("listen", data.get("listen", c.listen)),
         upstream=_endpoint("upstream", data.get("upstream", c.upstream)),
@@ -557,13 +586,17 @@ def load(path: str | Path | None) -> Config:
         return Config()
     p = Path(path)
     try:
-        text = p.read_text()
+        text = read_capped(p, CONFIG_MAX_BYTES)
     except FileNotFoundError:
         return Config()
     except OSError as e:
         raise ConfigError("", f"cannot read config file {p}: {e.strerror}") from None
+    except (TooBig, UnicodeDecodeError) as e:
+        raise ConfigError("", f"cannot read config file {p}: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = safeyaml.load(text)
+    except UnsafeYaml as e:
+        raise ConfigError("", f"config file {p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError("", f"config file {p} is not valid YAML{_yaml_error(e)}") from None
     return from_dict(data)

@@ -33,3 +33,13 @@ class RpcError(Exception):
 def invalid_request(message_type: str, err: Exception) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                     f"cri-shim: malformed {message_type}: {err or 'cannot decode protobuf'}")
+
+
+def check_image_name(name: str, field: str) -> None:
+    """INVALID_ARGUMENT for an image name longer than any image reference can be
+    (reference.MAX_LENGTH), before it is looked at, logged or sent on."""
+    from .reference import MAX_LENGTH  # local import: errors is imported by everything
+
+    if len(name) > MAX_LENGTH:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"cri-shim: {field} has {len(name)} characters; an image reference has at most {MAX_LENGTH}")

@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 
 from . import logs, pins, reference, wire
 from .config import ConfigError, HandlerRule, RuntimeHandlersConfig
-from .errors import Metadata, RpcError
+from .errors import Metadata, RpcError, check_image_name
 from .methods import cri_method
 from .proto.runtime.v1 import api_pb2
 from .upstream import Upstream
@@ -119,7 +119,7 @@ def compile_rules(rules: Iterable[HandlerRule]) -> tuple[Rule, ...]:
             try:
                 canon = pins.normalize_pattern(p)
             except ValueError as e:
-                raise ConfigError(f"runtime_handlers.rules[{i}].images[{j}]", f"{e} (got {p!r})") from None
+                raise ConfigError(f"runtime_handlers.rules[{i}].images[{j}]", f"{e} (got {logs.shown(p)})") from None
             if any(c in canon for c in "*?["):
                 globs.append(canon)
             else:
@@ -421,6 +421,7 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
         return request  # malformed: the runtime (or the pins check) answers it as it is
     if spec.runtime_handler:
         return request
+    check_image_name(spec.image, "ImageSpec.image")
     decision = resolver.for_image(spec)
     if decision is None:
         return request

@@ -1,17 +1,18 @@
 """Prometheus metrics, in a registry of our own (no global state).
 
-Served as Prometheus text at ``metrics.address`` (off when unset). Labels never carry
-credentials: results, codes, method names, image-set names only.
+Served as Prometheus text at ``metrics.address`` (off when unset) on the shim's event loop
+(shim/metrics_http.py). Labels never carry credentials: results, codes, method names,
+image-set names only.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .metrics_http import MetricsServer
 from .pulls.scheduler import Priority, PullKey
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -64,8 +65,7 @@ class Metrics:
                                         "guard (pulls.no_progress_timeout_seconds), by the phase they hung in "
                                         "(resolving, downloading).", ["phase"], registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self.server: MetricsServer | None = None
 
     # PullObserver
     def queue_changed(self, queued: int, in_flight: int) -> None:
@@ -89,15 +89,20 @@ class Metrics:
         child.observe(seconds)
 
     # serving
-    def serve(self, address: str) -> None:
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    async def serve(self, address: str, max_connections: int, timeout: float) -> None:
+        """Serve /metrics on the running loop; OSError when ``address`` cannot be bound."""
         host, _, port = address.rpartition(":")
-        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
+        server = MetricsServer(self.render, max_connections, timeout)
+        await server.start(host.strip("[]"), int(port))
+        self.server = server
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 def method_label(method: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from . import reference
+from .logs import shown
 from .reference import ReferenceError
 
 _GLOB_CHARS = frozenset("*?[")
@@ -62,7 +63,7 @@ def normalize_pattern(p: str) -> str:
     if reference.is_image_id(p):
         return reference.normalize(p)
     if _SHORT_ID.fullmatch(p):  # would parse as the tag of docker.io/library/sha256: never what was meant
-        raise ValueError(f"{p!r} is a shortened image ID; an ID pin needs all 64 hex digits "
+        raise ValueError(f"{shown(p)} is a shortened image ID; an ID pin needs all 64 hex digits "
                          "(with or without 'sha256:')")
     try:
         ref = reference.parse(p)
@@ -142,7 +143,7 @@ class PinSet:
             except ValueError:
                 continue
             exact.add(canon)
-            source.setdefault(canon, f"image set {set_name!r}")
+            source.setdefault(canon, f"image set {set_name!r}")  # 253 characters at most (loader)
         # One alternation, each glob its own outer group: the group that matched names the glob.
         regex = re.compile("|".join(f"(?P<pin{i}>{_glob_regex(g)})" for i, g in enumerate(globs))) if globs else None
         return cls(frozenset(exact), tuple(globs), source, regex)

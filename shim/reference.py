@@ -28,9 +28,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from .logs import shown
+
 __all__ = [
     "DEFAULT_DOMAIN",
     "DEFAULT_TAG",
+    "MAX_LENGTH",
     "Reference",
     "ReferenceError",
     "is_image_id",
@@ -45,7 +48,8 @@ DEFAULT_DOMAIN = "docker.io"
 LEGACY_DEFAULT_DOMAIN = "index.docker.io"
 OFFICIAL_REPO_PREFIX = "library/"
 DEFAULT_TAG = "latest"
-PATH_MAX_LENGTH = 255
+NAME_TOTAL_LENGTH_MAX = 255  # domain/path, as distribution/reference's NameTotalLengthMax
+TAG_MAX_LENGTH = 128
 
 # Grammar (see distribution/reference regexp.go for the reference grammar).
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -53,13 +57,18 @@ _PATH = re.compile(rf"{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*", re.ASCII)
 _DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _HOST = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])"
 _DOMAIN = re.compile(rf"{_HOST}(?::[0-9]+)?", re.ASCII)
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+_TAG = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.-]{{0,{TAG_MAX_LENGTH - 1}}}", re.ASCII)
 # Syntactic digest shape; the algorithm and encoding are checked separately.
 _DIGEST_SHAPE = re.compile(
     r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}", re.ASCII
 )
 # Algorithms go-digest registers by default, with their hex lengths.
 _DIGEST_HEX_LENGTH = {"sha256": 64, "sha384": 96, "sha512": 128}
+# The longest string that can be a valid reference: the longest name as written (the legacy
+# Docker Hub host is longer than its normal form), ":tag" and "@<longest digest>". Longer
+# input is refused before it is looked at (or logged).
+MAX_LENGTH = (NAME_TOTAL_LENGTH_MAX + len(LEGACY_DEFAULT_DOMAIN) - len(DEFAULT_DOMAIN) + 1 + TAG_MAX_LENGTH
+              + 1 + max(len(algorithm) + 1 + n for algorithm, n in _DIGEST_HEX_LENGTH.items()))
 _HEX64 = re.compile(r"[a-f0-9]{64}", re.ASCII)
 _IMAGE_ID = re.compile(r"(?:sha256:)?[a-f0-9]{64}", re.ASCII)
 
@@ -157,16 +166,16 @@ def split_domain(ref: str) -> tuple[str, str]:
 
 def _check_digest(ref: str, digest: str) -> None:
     if not _DIGEST_SHAPE.fullmatch(digest):
-        raise ReferenceError(f"invalid reference {ref!r}: malformed digest {digest!r}")
+        raise ReferenceError(f"invalid reference {shown(ref)}: malformed digest {shown(digest)}")
     algorithm, _, encoded = digest.partition(":")
     length = _DIGEST_HEX_LENGTH.get(algorithm)
     if length is None:
         raise ReferenceError(
-            f"invalid reference {ref!r}: unsupported digest algorithm {algorithm!r}"
+            f"invalid reference {shown(ref)}: unsupported digest algorithm {shown(algorithm)}"
         )
     if len(encoded) != length or encoded.lower() != encoded:
         raise ReferenceError(
-            f"invalid reference {ref!r}: {algorithm} digest must be "
+            f"invalid reference {shown(ref)}: {algorithm} digest must be "
             f"{length} lowercase hex characters"
         )
 
@@ -178,13 +187,15 @@ def parse(ref: str) -> Reference:
     """
     if not ref:
         raise ReferenceError("invalid reference: empty string")
+    if len(ref) > MAX_LENGTH:
+        raise ReferenceError(f"invalid reference {shown(ref)}: longer than {MAX_LENGTH} characters")
     if _HEX64.fullmatch(ref):
         raise ReferenceError(
-            f"invalid reference {ref!r}: a 64-character hex string is an image ID, "
+            f"invalid reference {shown(ref)}: a 64-character hex string is an image ID, "
             "not a repository name"
         )
     if is_image_id(ref):
-        raise ReferenceError(f"invalid reference {ref!r}: this is an image ID, not a name")
+        raise ReferenceError(f"invalid reference {shown(ref)}: this is an image ID, not a name")
 
     domain, remainder = split_domain(ref)
 
@@ -196,18 +207,18 @@ def parse(ref: str) -> Reference:
 
     if path.lower() != path:
         raise ReferenceError(
-            f"invalid reference {ref!r}: repository name {path!r} must be lowercase"
+            f"invalid reference {shown(ref)}: repository name {shown(path)} must be lowercase"
         )
     if not _DOMAIN.fullmatch(domain):
-        raise ReferenceError(f"invalid reference {ref!r}: invalid registry host {domain!r}")
+        raise ReferenceError(f"invalid reference {shown(ref)}: invalid registry host {shown(domain)}")
     if not _PATH.fullmatch(path):
-        raise ReferenceError(f"invalid reference {ref!r}: invalid repository name {path!r}")
-    if len(path) > PATH_MAX_LENGTH:
+        raise ReferenceError(f"invalid reference {shown(ref)}: invalid repository name {shown(path)}")
+    if len(domain) + 1 + len(path) > NAME_TOTAL_LENGTH_MAX:
         raise ReferenceError(
-            f"invalid reference {ref!r}: repository name longer than {PATH_MAX_LENGTH}"
+            f"invalid reference {shown(ref)}: repository name longer than {NAME_TOTAL_LENGTH_MAX} characters"
         )
     if colon and not _TAG.fullmatch(tag):
-        raise ReferenceError(f"invalid reference {ref!r}: invalid tag {tag!r}")
+        raise ReferenceError(f"invalid reference {shown(ref)}: invalid tag {shown(tag)}")
 
     return Reference(
         domain=domain,

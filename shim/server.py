@@ -4,7 +4,7 @@
   socket left by a crash is replaced, but a live one (another shim running) is not.
 - SIGHUP, or a change of the config file, reloads; a bad new config is logged and the
   old one stays in force. Keys that need a restart (listen, upstream, server.*,
-  metrics.address) keep their running value, and the log says so.
+  metrics.*) keep their running value, and the log says so.
 - SIGTERM/SIGINT: stop accepting, cancel queued pulls with UNAVAILABLE (kubelet
   retries), give in-flight calls the grace period, remove the socket, exit 0.
 - Under systemd (Type=notify) READY=1 is sent once the socket accepts calls.
@@ -50,7 +50,7 @@ def _gid(group: str) -> int:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        raise StartupError(f"server.socket_group: no such group {group!r}") from None
+        raise StartupError(f"server.socket_group: no such group {logs.shown(group)}") from None
 
 
 def server_options(cfg: Config) -> list[tuple[str, int]]:
@@ -81,12 +81,11 @@ def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, A
     for key in ("listen", "upstream"):
         if getattr(new, key) != getattr(running, key):
             changes.append((key, getattr(running, key), getattr(new, key)))
-    for f in dataclasses.fields(running.server):
-        old, cur = getattr(running.server, f.name), getattr(new.server, f.name)
-        if old != cur and f.name not in config_mod.RELOADABLE_SERVER_KEYS:
-            changes.append((f"server.{f.name}", old, cur))
-    if new.metrics.address != running.metrics.address:
-        changes.append(("metrics.address", running.metrics.address, new.metrics.address))
+    for section in ("server", "metrics"):
+        for f in dataclasses.fields(getattr(running, section)):
+            old, cur = getattr(getattr(running, section), f.name), getattr(getattr(new, section), f.name)
+            if old != cur and not (section == "server" and f.name in config_mod.RELOADABLE_SERVER_KEYS):
+                changes.append((f"{section}.{f.name}", old, cur))
     return changes
 
 
@@ -94,7 +93,7 @@ def keep_restart_only(running: Config, new: Config) -> Config:
     """``new`` with every restart-only key set back to its running value."""
     server = dataclasses.replace(running.server, **{k: getattr(new.server, k) for k in config_mod.RELOADABLE_SERVER_KEYS})
     return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=server,
-                               metrics=dataclasses.replace(new.metrics, address=running.metrics.address))
+                               metrics=running.metrics)
 
 
 class ShimServer:
@@ -288,6 +287,6 @@ class ShimServer:
                        extra={"fields": {"reason": why}}, exc_info=True)
             return
         self.cfg = new
-        logs.setup(new.log.level, new.log.format)
+        logs.setup(new.log.level, new.log.format, new.log.max_repeats, new.log.repeat_window_seconds)
         logs.log(_log, logging.INFO, "config reloaded", reason=why, max_parallel_pulls=new.pulls.max_parallel,
                  pins=len(new.pins.images), handler_rules=len(new.runtime_handlers.rules))

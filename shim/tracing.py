@@ -277,7 +277,7 @@ def _exporters_from_env(env: Mapping[str, str]) -> tuple[list[SpanExporter], dic
             if protocol not in _PROTOCOLS:
                 var = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" if env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
                        else "OTEL_EXPORTER_OTLP_PROTOCOL")
-                raise TracingConfigError(f"{var}: must be one of {', '.join(_PROTOCOLS)}, got {protocol!r}")
+                raise TracingConfigError(f"{var}: must be one of {', '.join(_PROTOCOLS)}, got {logs.shown(protocol)}")
             exporters.append(_otlp_exporter(protocol))
             description.update(exporter="otlp", protocol=protocol,
                                endpoint=redact_url(endpoint) if endpoint else "(exporter default)")
@@ -287,7 +287,7 @@ def _exporters_from_env(env: Mapping[str, str]) -> tuple[list[SpanExporter], dic
             exporters.append(ConsoleSpanExporter())
             description.setdefault("exporter", "console")
         else:
-            raise TracingConfigError(f"OTEL_TRACES_EXPORTER: must be otlp, console or none, got {name!r}")
+            raise TracingConfigError(f"OTEL_TRACES_EXPORTER: must be otlp, console or none, got {logs.shown(name)}")
     return exporters, description
 
 

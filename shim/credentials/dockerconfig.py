@@ -56,20 +56,20 @@ def parse(text: str, path: str) -> list[tuple[str, Credential]]:
     out: list[tuple[str, Credential]] = []
     for location, entry in auths.items():
         if not isinstance(entry, dict):
-            raise ConfigFileError(f"{path}: auths[{location!r}]: expected an object")
+            raise ConfigFileError(f"{path}: auths[{logs.shown(location)}]: expected an object")
         fields: dict[str, str] = {}
         for name in ("auth", "username", "password", "identitytoken", "registrytoken"):
             v = entry.get(name, "")
             if not isinstance(v, str):
-                raise ConfigFileError(f"{path}: auths[{location!r}].{name}: expected a string")
+                raise ConfigFileError(f"{path}: auths[{logs.shown(location)}].{name}: expected a string")
             fields[name] = v
         user, password = fields["username"], fields["password"]
         if fields["auth"]:
             decoded = _decode_auth(fields["auth"])
             if decoded is None:
-                raise ConfigFileError(f"{path}: auths[{location!r}].auth: not base64 of user:password")
+                raise ConfigFileError(f"{path}: auths[{logs.shown(location)}].auth: not base64 of user:password")
             user, password = decoded
-        out.append((location, Credential(f"{path} auths[{location!r}]", user, password,
+        out.append((location, Credential(f"{path} auths[{logs.shown(location)}]", user, password,
                                          fields["identitytoken"], fields["registrytoken"])))
     return out
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .. import logs, reference
+from .. import logs, reference, safeyaml
 from .keyring import Credential, key_of, matches
 
 _log = logs.get("credentials")
@@ -57,7 +57,7 @@ def go_duration(value: Any, key: str) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
         return 0.0
     if not isinstance(value, str) or not value:
-        raise ProviderConfigError(f"{key}: expected a duration such as '12h' or '30m', got {value!r}")
+        raise ProviderConfigError(f"{key}: expected a duration such as '12h' or '30m', got {logs.shown(value)}")
     if value == "0":
         return 0.0
     pos, total = 0, 0.0
@@ -67,7 +67,7 @@ def go_duration(value: Any, key: str) -> float:
         total += float(m.group(1)) * _GO_UNITS[m.group(2)]
         pos = m.end()
     if pos != len(value):
-        raise ProviderConfigError(f"{key}: expected a duration such as '12h' or '30m', got {value!r}")
+        raise ProviderConfigError(f"{key}: expected a duration such as '12h' or '30m', got {logs.shown(value)}")
     return total
 
 
@@ -87,7 +87,9 @@ class Provider:
 def parse_config(text: str, source: str) -> list[Provider]:
     """Providers of a CredentialProviderConfig; raises ProviderConfigError naming the key."""
     try:
-        doc = yaml.safe_load(text)
+        doc = safeyaml.load(text)
+    except safeyaml.UnsafeYaml as e:
+        raise ProviderConfigError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise ProviderConfigError(f"{source}: not valid YAML/JSON: {e}") from None
     if not isinstance(doc, dict):
@@ -106,9 +108,10 @@ def parse_config(text: str, source: str) -> list[Provider]:
             raise ProviderConfigError(f"{key}: expected a map")
         name = p.get("name")
         if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-            raise ProviderConfigError(f"{key}.name: expected the file name of a plugin in the bin dir, got {name!r}")
+            raise ProviderConfigError(f"{key}.name: expected the file name of a plugin in the bin dir, "
+                                      f"got {logs.shown(name)}")
         if name in names:
-            raise ProviderConfigError(f"{key}.name: {name!r} is listed twice")
+            raise ProviderConfigError(f"{key}.name: {logs.shown(name)} is listed twice")
         names.add(name)
         match_images = p.get("matchImages")
         if not isinstance(match_images, list) or not match_images or not all(
@@ -116,7 +119,8 @@ def parse_config(text: str, source: str) -> list[Provider]:
             raise ProviderConfigError(f"{key}.matchImages: expected a non-empty list of image patterns")
         api = p.get("apiVersion")
         if api not in PLUGIN_VERSIONS:
-            raise ProviderConfigError(f"{key}.apiVersion: expected one of {', '.join(PLUGIN_VERSIONS)}, got {api!r}")
+            raise ProviderConfigError(f"{key}.apiVersion: expected one of {', '.join(PLUGIN_VERSIONS)}, "
+                                      f"got {logs.shown(api)}")
         args = p.get("args") or []
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ProviderConfigError(f"{key}.args: expected a list of strings")
@@ -133,9 +137,11 @@ def parse_config(text: str, source: str) -> list[Provider]:
 
 def load_config(path: str) -> list[Provider]:
     try:
-        text = Path(path).read_text()
+        text = safeyaml.read_capped(path, safeyaml.CONFIG_MAX_BYTES)
     except OSError as e:
         raise ProviderConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except (safeyaml.TooBig, UnicodeDecodeError) as e:
+        raise ProviderConfigError(f"{path}: cannot read: {e}") from None
     return parse_config(text, path)
 
 
@@ -223,7 +229,7 @@ class PluginProviders:
             return "", self._failed(p, f"cannot run {exe}: {e.strerror}")
         try:
             async with asyncio.timeout(self.timeout):
-                out, _ = await proc.communicate(request.encode())
+                out = await _answer(proc, request.encode())
         except TimeoutError:
             proc.kill()
             await proc.wait()
@@ -232,10 +238,10 @@ class PluginProviders:
             proc.kill()
             await proc.wait()
             raise
+        if out is None:
+            return "", self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed")
         if proc.returncode != 0:
             return "", self._failed(p, f"exited with status {proc.returncode}")
-        if len(out) > MAX_OUTPUT_BYTES:
-            return "", self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes")
         try:
             return self._parse_response(p, out, image, ref)
         except (ValueError, ProviderConfigError) as e:
@@ -250,12 +256,12 @@ class PluginProviders:
         if not isinstance(doc, dict) or doc.get("kind") != "CredentialProviderResponse":
             raise ValueError("answer is not a CredentialProviderResponse")
         if doc.get("apiVersion") != p.api_version:
-            raise ValueError(f"answer has apiVersion {doc.get('apiVersion')!r}, expected {p.api_version!r}")
+            raise ValueError(f"answer has apiVersion {logs.shown(doc.get('apiVersion'))}, expected {logs.shown(p.api_version)}")
         key_type = doc.get("cacheKeyType")
         cache_key = {"Image": f"image:{image}", "Registry": f"registry:{ref.domain}", "Global": "global"}.get(
             key_type if isinstance(key_type, str) else "")
         if cache_key is None:
-            raise ValueError(f"cacheKeyType must be Image, Registry or Global, got {key_type!r}")
+            raise ValueError(f"cacheKeyType must be Image, Registry or Global, got {logs.shown(key_type)}")
         duration = (go_duration(doc["cacheDuration"], "cacheDuration") if doc.get("cacheDuration") not in (None, "")
                     else p.default_cache_seconds)
         auth = doc.get("auth") or {}
@@ -265,8 +271,8 @@ class PluginProviders:
         for location, a in auth.items():
             if not isinstance(a, dict) or not isinstance(a.get("username", ""), str) \
                     or not isinstance(a.get("password", ""), str):
-                raise ValueError(f"auth[{location!r}]: expected {{username, password}} strings")
-            entries.append((location, Credential(f"credential provider {p.name} auth[{location!r}]",
+                raise ValueError(f"auth[{logs.shown(location)}]: expected {{username, password}} strings")
+            entries.append((location, Credential(f"credential provider {p.name} auth[{logs.shown(location)}]",
                                                  a.get("username", ""), a.get("password", ""))))
         self.last_error.pop(p.name, None)
         logs.log(_log, logging.DEBUG, "credential provider answered", provider=p.name, registries=len(entries),
@@ -284,3 +290,25 @@ class PluginProviders:
                                    **({"last_error": self.last_error[st.provider.name]}
                                       if st.provider.name in self.last_error else {})}
                 for st in self._state}
+
+
+async def _answer(proc: asyncio.subprocess.Process, request: bytes) -> bytes | None:
+    """Write the request, read the plugin's stdout as it comes and wait for it to exit. At
+    more than MAX_OUTPUT_BYTES the plugin is killed and None returned: at most that much
+    (plus one read) is ever held."""
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(request)
+        await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the plugin does not read its request; its answer (or exit status) still counts
+    out = bytearray()
+    while chunk := await proc.stdout.read(65536):
+        out += chunk
+        if len(out) > MAX_OUTPUT_BYTES:
+            proc.kill()
+            await proc.wait()
+            return None
+    await proc.wait()
+    return bytes(out)

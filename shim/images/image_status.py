@@ -9,6 +9,7 @@ and passes through as it is.
 
 from __future__ import annotations
 
+from ..errors import check_image_name
 from ..handlers import inject_image_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
@@ -18,6 +19,7 @@ from .service import ImageService, counting_upstream_errors, decode
 
 async def image_status(svc: ImageService, request: bytes, call: Call) -> bytes:
     req = decode(api_pb2.ImageStatusRequest, request)
+    check_image_name(req.image.image, "ImageStatusRequest.image.image")
     request = inject_image_handler(svc, request, req)
     with counting_upstream_errors(svc, "ImageStatus"):
         response = await call.forward(request)

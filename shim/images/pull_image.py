@@ -13,7 +13,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from .. import logs, reference, wire
-from ..errors import RpcError, invalid_request
+from ..errors import RpcError, check_image_name, invalid_request
 from ..handlers import with_runtime_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
@@ -50,6 +50,7 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     image = req.image.image
     if not image:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "cri-shim: PullImageRequest.image.image is empty")
+    check_image_name(image, "PullImageRequest.image.image")
     handler, how = req.image.runtime_handler, "request" if req.image.runtime_handler else "none"
     if not handler and svc.handlers is not None:
         decision = await svc.handlers.for_pull(req, call)  # type: ignore[attr-defined]

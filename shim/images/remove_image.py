@@ -27,7 +27,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from .. import logs, reference, wire
-from ..errors import RpcError
+from ..errors import RpcError, check_image_name
 from ..handlers import IMAGE_FIELD, inject_image_handler
 from ..proto.runtime.v1 import api_pb2
 from ..proxy import Call
@@ -87,6 +87,7 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     if pins:
         req = decode(api_pb2.RemoveImageRequest, request)
         name = req.image.image
+        check_image_name(name, "RemoveImageRequest.image.image")
         image = await lookup(svc, request, req, call) if name else None
         pin = pin_of(pins, image) if image is not None else None
         if image is not None and pin is not None:

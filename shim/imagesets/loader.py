@@ -17,8 +17,10 @@ every set applies. Other fields (``status``, annotations, ...) are ignored too. 
 documents are skipped. References are normalized like the runtime does
 (``nginx`` = ``docker.io/library/nginx:latest``); a digest reference matches by digest.
 
-A bad file (unreadable, invalid YAML, invalid set) is reported and its previous
-content stays in force; the other files are unaffected.
+A bad file (unreadable, over ``image_sets.max_file_bytes``, invalid YAML, YAML with an
+alias or deep nesting (see shim/safeyaml.py), invalid set) is reported and its previous
+content stays in force; the other files are unaffected. Error messages quote at most a
+short part of an offending value (``logs.shown``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from .. import reference
+from .. import reference, safeyaml
+from ..logs import QUOTE_MAX_CHARS, cut, shown
 from ..pins import normalize_pattern
 
 MCO_GROUP = "machineconfiguration.openshift.io"
@@ -39,8 +41,8 @@ MCO_VERSIONS = (f"{MCO_GROUP}/v1", f"{MCO_GROUP}/v1alpha1")
 OWN_VERSIONS = ("cri-shim.io/v1",)
 SUFFIXES = (".yaml", ".yml", ".json")
 HANDLER_ANNOTATION = "cri-shim.io/runtime-handler"
-
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+DEFAULT_MAX_FILE_BYTES = 1 << 20  # image_sets.max_file_bytes
+NAME_MAX_LENGTH = 253  # metadata.name: a Kubernetes object name (DNS subdomain) has at most 253
 
 
 class SetFileError(ValueError):
@@ -80,7 +82,7 @@ def _handler(key: str, v: Any) -> str:
     if v is None:
         return ""
     if not isinstance(v, str) or not v.strip() or v != v.strip():
-        raise SetFileError(f"{key}: expected a runtime handler name, got {v!r}")
+        raise SetFileError(f"{key}: expected a runtime handler name, got {shown(v)}")
     return v
 
 
@@ -98,7 +100,7 @@ def _images(where: str, items: Any, default_handler: str = "", *,
         key = f"{where}[{i}].name"
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str) or not name.strip():
-            raise SetFileError(f"{key}: expected an image reference string, got {name!r}")
+            raise SetFileError(f"{key}: expected an image reference string, got {shown(name)}")
         try:
             ref = canonical(name.strip())
         except ValueError as e:
@@ -107,7 +109,8 @@ def _images(where: str, items: Any, default_handler: str = "", *,
         if per_image_handler:
             extra = set(item) - {"name", "runtimeHandler"}
             if extra:
-                raise SetFileError(f"{where}[{i}].{sorted(extra)[0]}: unknown key (known: name, runtimeHandler)")
+                raise SetFileError(f"{where}[{i}].{cut(sorted(map(str, extra))[0], QUOTE_MAX_CHARS)}: unknown key "
+                                   "(known: name, runtimeHandler)")
             handler = _handler(f"{where}[{i}].runtimeHandler", item.get("runtimeHandler")) or default_handler
         if (ref, handler) not in seen:
             seen.add((ref, handler))
@@ -128,12 +131,15 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
     name = meta.get("name")
     if not isinstance(name, str) or not name:
         raise SetFileError(f"{where}.metadata.name: required")
+    if len(name) > NAME_MAX_LENGTH:
+        raise SetFileError(f"{where}.metadata.name: longer than {NAME_MAX_LENGTH} characters: {shown(name)}")
     ignored = ["metadata.labels"] if meta.get("labels") else []
     if spec.get("nodeSelector"):
         ignored.append("spec.nodeSelector")
     if kind == "PinnedImageSet" and api in MCO_VERSIONS:
         # taken as is: whatever else a newer API version adds to spec is noted, not refused
-        ignored += [f"spec.{k}" for k in sorted(set(spec) - {"pinnedImages", "nodeSelector"})]
+        extra = sorted(map(str, set(spec) - {"pinnedImages", "nodeSelector"}))
+        ignored += [f"spec.{cut(k, QUOTE_MAX_CHARS)}" for k in extra]
         annotations = meta.get("annotations") or {}
         if not isinstance(annotations, dict):
             raise SetFileError(f"{where}.metadata.annotations: expected a map")
@@ -143,16 +149,16 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
     elif kind == "ImageSet" and api in OWN_VERSIONS:
         extra = set(spec) - {"images", "pin", "nodeSelector", "runtimeHandler"}
         if extra:
-            raise SetFileError(f"{where}.spec.{sorted(extra)[0]}: unknown key "
+            raise SetFileError(f"{where}.spec.{cut(sorted(map(str, extra))[0], QUOTE_MAX_CHARS)}: unknown key "
                                "(known: images, nodeSelector, pin, runtimeHandler)")
         pin = spec.get("pin", False)
         if not isinstance(pin, bool):
-            raise SetFileError(f"{where}.spec.pin: expected true or false, got {pin!r}")
+            raise SetFileError(f"{where}.spec.pin: expected true or false, got {shown(pin)}")
         handler = _handler(f"{where}.spec.runtimeHandler", spec.get("runtimeHandler"))
         refs, spelled, handlers = _images(f"{where}.spec.images", spec.get("images"), handler, per_image_handler=True)
     else:
         raise SetFileError(
-            f"{where}: unsupported kind {kind!r} / apiVersion {api!r} (expected PinnedImageSet in "
+            f"{where}: unsupported kind {shown(kind)} / apiVersion {shown(api)} (expected PinnedImageSet in "
             f"{' or '.join(MCO_VERSIONS)}, or ImageSet in {', '.join(OWN_VERSIONS)})")
     gen = meta.get("generation")
     generation = (str(gen) if isinstance(gen, int) and not isinstance(gen, bool)
@@ -163,7 +169,9 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
 def parse_text(text: str, source: str) -> list[ImageSet]:
     """Every set in a file's text; raises SetFileError naming file, document and key."""
     try:
-        docs = list(yaml.load_all(text, Loader=_Loader))
+        docs = safeyaml.load_all(text)
+    except safeyaml.UnsafeYaml as e:
+        raise SetFileError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise SetFileError(f"{source}: not valid YAML: {e}") from None
     out: list[ImageSet] = []
@@ -176,7 +184,7 @@ def parse_text(text: str, source: str) -> list[ImageSet]:
             raise SetFileError(f"{where}: expected a map, got {type(doc).__name__}")
         s = parse_document(doc, where, source)
         if s.name in names:
-            raise SetFileError(f"{where}.metadata.name: set {s.name!r} is declared twice in this file")
+            raise SetFileError(f"{where}.metadata.name: set {shown(s.name)} is declared twice in this file")
         names.add(s.name)
         out.append(s)
     return out
@@ -207,8 +215,9 @@ class SetDirectory:
     A file that turns bad keeps its previous sets in force; a removed file's sets go.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
         self.path = path
+        self.max_file_bytes = max_file_bytes
         self.files: dict[str, FileState] = {}
         self.dir_error = ""
         self._dup_errors: dict[str, str] = {}
@@ -252,7 +261,12 @@ class SetDirectory:
                 continue
             previous = old.sets if old is not None else []
             try:
-                sets = parse_text(Path(path).read_text(), path)
+                sets = parse_text(safeyaml.read_capped(path, self.max_file_bytes), path)
+            except safeyaml.TooBig as e:
+                err = f"{path}: {e} (image_sets.max_file_bytes)"
+                self.files[path] = FileState(stamp, previous, err)
+                new_errors.append(err)
+                continue
             except (OSError, UnicodeDecodeError) as e:
                 err = f"{path}: cannot read: {e}"
                 self.files[path] = FileState(stamp, previous, err)
@@ -279,7 +293,7 @@ class SetDirectory:
         for path in sorted(self.files):
             for s in self.files[path].sets:
                 if s.name in out:
-                    errors[path] = (f"{path}: set {s.name!r} is already declared in {out[s.name].source}; "
+                    errors[path] = (f"{path}: set {shown(s.name)} is already declared in {out[s.name].source}; "
                                     "ignoring it here")
                     continue
                 out[s.name] = s

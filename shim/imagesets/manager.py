@@ -26,7 +26,7 @@ class ImageSets:
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None, use_inotify: bool = True,
                  poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
         self.cfg = cfg
-        self.directory = SetDirectory(cfg.dir)
+        self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
         self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=on_pins, pins=pins,
                                      **reconciler_options)
         self._use_inotify = use_inotify
@@ -48,6 +48,7 @@ class ImageSets:
     def configure(self, cfg: ImageSetsConfig) -> None:
         """Reload with the same directory (a new directory means a new ImageSets)."""
         self.cfg = cfg
+        self.directory.max_file_bytes = cfg.max_file_bytes
         self.reconciler.configure(cfg)
 
     async def _watch(self) -> None:

@@ -24,6 +24,11 @@ finished flight is forgotten at once: a later pull goes upstream again.
 Queues are FIFO within a class; foreground (kubelet, any CRI client) goes before
 background (image-set prefetch), which also has its own sub-cap. A foreground
 caller joining a queued background flight lifts it into the foreground queue.
+
+Background flights never hold the last slot under the cap: at most
+``min(background_max_parallel, max_parallel - 1)`` of them run, so a foreground pull
+waits only while at least one other foreground flight runs (config refuses
+``image_sets.max_parallel >= pulls.max_parallel``, so the sub-cap is the smaller one).
 """
 
 from __future__ import annotations
@@ -114,7 +119,7 @@ class Flight:
 
 class PullScheduler:
     """At most ``max_parallel`` flights upstream (0 = no cap); background ones at most
-    ``background_max_parallel`` of those."""
+    ``background_max_parallel`` of those, and never all of them (one slot is foreground's)."""
 
     def __init__(self, max_parallel: int, background_max_parallel: int = 1, *, dedup: bool = True,
                  observer: PullObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -255,8 +260,15 @@ class PullScheduler:
             return False
         if priority is Priority.BACKGROUND:
             bg = sum(1 for f in self._running if f.priority is Priority.BACKGROUND)
-            return bg < self.background_max_parallel
+            return bg < self.background_slots
         return True
+
+    @property
+    def background_slots(self) -> int:
+        """How many background flights may run: one slot under the cap is always foreground's."""
+        if self.max_parallel:
+            return min(self.background_max_parallel, self.max_parallel - 1)
+        return self.background_max_parallel
 
     def _dispatch(self) -> None:
         started = False

@@ -77,7 +77,7 @@ def test_2000_declared_present_then_append_and_drop(fleet, proxy, shim_factory, 
     release = sets / "release.yaml"
     release.write_text(pinned_set("release", fleet.refs))
     port = free_port()
-    shim = shim_factory({"image_sets": {"dir": str(sets), "max_parallel": 4},
+    shim = shim_factory({"image_sets": {"dir": str(sets), "max_parallel": 4}, "pulls": {"max_parallel": 5},
                          "metrics": {"address": f"127.0.0.1:{port}"}},
                         upstream=fleet.containerd.socket, log_level="info")
     present = {"set": "release", "state": "present"}

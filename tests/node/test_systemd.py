@@ -470,7 +470,8 @@ def test_kubelet_dropin_ordering(node: Node, variant: str) -> None:
 
 def test_sandbox_holds_under_real_systemd(node: Node) -> None:
     """The unit's hardening is applied (not just parsed): only CAP_CHOWN, no new privileges,
-    a seccomp filter, / read-only with /run/cri-shim writable, and systemd-analyze's rating."""
+    a seccomp filter, no core dumps (its memory holds registry credentials), / read-only with
+    /run/cri-shim writable, and systemd-analyze's rating."""
     node.reset()
     node.m.systemctl("start", "cri-shim")
     pid = node.main_pid()
@@ -480,6 +481,8 @@ def test_sandbox_holds_under_real_systemd(node: Node) -> None:
     assert int(fields["CapBnd"], 16) == 1 << 0, fields["CapBnd"]
     assert fields["NoNewPrivs"].strip() == "1"
     assert fields["Seccomp"].strip() == "2"  # SECCOMP_MODE_FILTER
+    limits = node.m.path(f"/proc/{pid}/limits").read_text()
+    assert re.search(r"(?m)^Max core file size\s+0\s+0\s", limits), limits
     mounts = {}
     for line in node.m.path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         parts = line.split()

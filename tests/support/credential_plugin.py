@@ -5,7 +5,8 @@ per run, so tests can count runs), and answers credentials for the request's reg
 username from ``--user``, password from $PLUGIN_PASSWORD, cacheKeyType from
 $PLUGIN_CACHE_KEY_TYPE (default Registry), cacheDuration from $PLUGIN_CACHE_DURATION
 (default: none, so the provider's defaultCacheDuration applies). $PLUGIN_MODE makes it
-misbehave: exit, garbage, wrong-version, hang.
+misbehave: exit, garbage, wrong-version, hang, flood (prints forever; its pid goes to
+$PLUGIN_RUNS.pid).
 """
 
 import json
@@ -27,6 +28,12 @@ def main() -> int:
         return 0
     if mode == "hang":
         time.sleep(30)
+    if mode == "flood":
+        with open(os.environ["PLUGIN_RUNS"] + ".pid", "w") as f:
+            f.write(str(os.getpid()))
+        chunk = (os.environ.get("PLUGIN_PASSWORD", "") + "x" * 65000 + "\n").encode()
+        while True:
+            sys.stdout.buffer.write(chunk)
     user = sys.argv[sys.argv.index("--user") + 1] if "--user" in sys.argv else "user"
     registry = request["image"].split("/", 1)[0]
     answer = {"apiVersion": "credentialprovider.kubelet.k8s.io/v1" if mode != "wrong-version" else "v0",

@@ -141,6 +141,23 @@ async def test_a_failing_plugin_is_logged_without_its_output(tmp_path: Path, bin
     assert "credential provider failed" in caplog.text and SECRET not in caplog.text
 
 
+async def test_a_plugin_that_prints_forever_is_killed_at_the_output_limit(tmp_path: Path, bin_dir: Path,
+                                                                         caplog) -> None:
+    """Its answer is read as it comes: at MAX_OUTPUT_BYTES the plugin is killed (an endless answer
+    would otherwise be read until the timeout, or memory, runs out)."""
+    caplog.set_level(logging.DEBUG, logger="cri_shim")
+    cfg = provider_config(tmp_path, match=["reg.local"], env={"PLUGIN_MODE": "flood"})
+    from shim.credentials.plugins import MAX_OUTPUT_BYTES, load_config
+
+    plugins = PluginProviders(load_config(str(cfg)), str(bin_dir), timeout=120)
+    assert await plugins.entries("reg.local/app:1") == []
+    assert plugins.status()["fake-provider"]["last_error"] == f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed"
+    pid = int((tmp_path / "runs.log.pid").read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)
+    assert SECRET not in caplog.text
+
+
 async def test_prefetch_uses_plugin_credentials(runtime, tmp_path: Path, bin_dir: Path, caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="cri_shim")
     store = FakeImages(runtime).install()

@@ -181,18 +181,38 @@ async def test_each_waiter_keeps_its_own_deadline() -> None:
 
 
 async def test_foreground_goes_before_background_and_lifts_a_queued_one() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=1, background_max_parallel=1)
-    busy = asyncio.create_task(s.pull(key("busy"), up.runner("busy")))
+    up, s = Upstream(), PullScheduler(max_parallel=2, background_max_parallel=1)
+    busy = [asyncio.create_task(s.pull(key(i), up.runner(i))) for i in ("busy1", "busy2")]
     bg = [asyncio.create_task(s.pull(key(i), up.runner(i), priority=Priority.BACKGROUND)) for i in ("b1", "b2", "b3")]
     await settle()
     fg = asyncio.create_task(s.pull(key("f"), up.runner("f")))
     lifted = asyncio.create_task(s.pull(key("b3"), up.runner("b3")))  # kubelet wants b3 now
     await settle()
-    for image in ("busy", "f", "b3", "b1", "b2"):
+    for image in ("busy1", "busy2", "f", "b3", "b1", "b2"):
         up.release(image)
         await settle()
-    await asyncio.gather(busy, fg, lifted, *bg)
-    assert up.calls == ["busy", "f", "b3", "b1", "b2"]
+    await asyncio.gather(*busy, fg, lifted, *bg)
+    assert up.calls == ["busy1", "busy2", "f", "b3", "b1", "b2"]
+
+
+async def test_background_never_takes_the_last_slot() -> None:
+    """However many prefetches queue and whatever image_sets.max_parallel says, one slot under
+    the cap stays foreground's: a kubelet pull starts at once while no other foreground pull runs."""
+    for cap, bg_cap in ((1, 1), (2, 2), (2, 5), (4, 3)):
+        up, s = Upstream(), PullScheduler(max_parallel=cap, background_max_parallel=bg_cap)
+        bg = [asyncio.create_task(s.pull(key(f"b{i}"), up.runner(f"b{i}"), priority=Priority.BACKGROUND))
+              for i in range(6)]
+        await settle()
+        assert len(up.calls) == min(bg_cap, cap - 1) == s.background_slots, (cap, bg_cap)
+        kubelet = asyncio.create_task(s.pull(key("kubelet"), up.runner("kubelet")))
+        await settle()
+        assert up.calls[-1] == "kubelet", (cap, bg_cap)  # started at once, not behind prefetch
+        up.release("kubelet")
+        assert not (await kubelet).joined
+        s.close()
+        for i in range(6):
+            up.release(f"b{i}")
+        await asyncio.gather(*bg, return_exceptions=True)
 
 
 async def test_background_sub_cap() -> None:
@@ -248,3 +268,15 @@ async def test_waiter_gone_before_the_pull_task_ever_ran_frees_the_slot() -> Non
     assert up.calls == ["b"]
     up.release("b")
     await t2
+
+
+def test_config_refuses_prefetch_lanes_at_the_pull_cap() -> None:
+    """With image sets on, image_sets.max_parallel must leave kubelet a slot: refused naming the key."""
+    from shim.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({"pulls": {"max_parallel": 2}, "image_sets": {"dir": "/etc/cri-shim/sets", "max_parallel": 2}})
+    assert e.value.key == "image_sets.max_parallel" and "below pulls.max_parallel (2)" in str(e.value)
+    from_dict({"pulls": {"max_parallel": 3}, "image_sets": {"dir": "/etc/cri-shim/sets", "max_parallel": 2}})
+    from_dict({"pulls": {"max_parallel": 0}, "image_sets": {"dir": "/etc/cri-shim/sets", "max_parallel": 8}})
+    from_dict({"pulls": {"max_parallel": 1}})  # image sets off: no prefetch to make room for

@@ -182,18 +182,19 @@ async def test_runtime_error_fans_out_to_fg_and_bg_waiters() -> None:
 
 
 async def test_fg_joining_a_queued_bg_flight_lifts_it_ahead_of_other_bg() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=1, background_max_parallel=1)
-    busy = start(s, up, PullKey(image="busy"), FG, "busy")
+    up, s = Upstream(), PullScheduler(max_parallel=2, background_max_parallel=1)
+    busy = [start(s, up, PullKey(image=i), FG, i) for i in ("busy1", "busy2")]
     other = start(s, up, PullKey(image="other"), BG, "other")
     prefetch = start(s, up, key("node"), BG, "prefetch")
     await settle()
     kubelet = start(s, up, key("node"), FG, "kubelet")
     await settle()
-    up.release("busy")
+    up.release("busy1")
     await settle()
-    assert up.calls == ["busy", "prefetch"]  # lifted ahead of `other`
+    assert up.calls == ["busy1", "busy2", "prefetch"]  # lifted ahead of `other`
     up.release("prefetch", b"id")
     await settle()
+    up.release("busy2")
     up.release("other")
     assert (await kubelet).joined
-    await asyncio.gather(busy, other, prefetch)
+    await asyncio.gather(*busy, other, prefetch)
