@@ -1,0 +1,55 @@
+"""Cluster fixtures: one etcd + kube-apiserver for the session with the shim's CRDs, MCO's test
+CRDs and the RBAC from deploy/cluster/ applied; plus the e2e fixtures (registry, containerd, shim)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.support.apiserver import ControlPlane, require_control_plane
+from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
+    _reset_proxies_after_test,
+    containerd,
+    containerd_factory,
+    make_image,
+    proxy,
+    registry,
+    shim_factory,
+)
+from tests.support.kube import REPO, Admin
+
+NODES = ("node-a", "node-b")
+DEPLOY = REPO / "deploy" / "cluster"
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    apiserver, etcd = require_control_plane()
+    workdir = Path(tempfile.mkdtemp(prefix="kube-"))
+    cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd, nodes=NODES)
+    try:
+        cp.start()
+        admin = Admin(cp.kubeconfig(workdir / "admin.kubeconfig"))
+        admin.apply_files(DEPLOY / "crds.yaml", Path(__file__).parent / "mco-crds.yaml", DEPLOY / "rbac.yaml")
+        for node in NODES:
+            admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
+        for group, version, plural in (("cri-shim.io", "v1", "imagesets"),
+                                       ("cri-shim.io", "v1", "nodeimagesetstatuses"),
+                                       ("machineconfiguration.openshift.io", "v1", "pinnedimagesets"),
+                                       ("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets"),
+                                       ("machineconfiguration.openshift.io", "v1", "machineconfigpools")):
+            admin.wait_served(group, version, plural)
+        cp.admin = admin  # type: ignore[attr-defined]
+        yield cp
+    finally:
+        cp.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def admin(control_plane: ControlPlane) -> Admin:
+    return control_plane.admin  # type: ignore[attr-defined]
