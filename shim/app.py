@@ -8,8 +8,8 @@ import time
 from functools import partial
 from typing import Any
 
-from .cluster.source import ClusterSource
-from .cluster.status import NodeStatus
+from typing import TYPE_CHECKING
+
 from .config import Config, ConfigError
 from .handlers import HandlerResolver, compile_rules
 from .images import image_status, list_images, pull_image, remove_image
@@ -23,6 +23,10 @@ from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, 
 from .status import AdminServer, StatusSource, collect
 from .tracing import Tracing
 from .upstream import Upstream
+
+if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
+    from .cluster.source import ClusterSource
+    from .cluster.status import NodeStatus
 
 
 class App:
@@ -114,6 +118,9 @@ class App:
     async def _start_cluster(self, cfg: Config) -> None:
         if not cfg.cluster.kubeconfig or self.image_sets is None:
             return
+        from .cluster.source import ClusterSource
+        from .cluster.status import NodeStatus
+
         c = cfg.cluster
         self.cluster = ClusterSource(c, self.image_sets)
         self.cluster.load_state()
