@@ -22,7 +22,8 @@ from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
 )
 from tests.support.kube import REPO, Admin
 
-NODES = ("node-a", "node-b")
+NODES = ("node-a", "node-b")  # Node objects created through the API
+KUBELET_NODE = "node-k"  # registered by a real kubelet (tests/cluster/test_kubelet_node.py)
 DEPLOY = REPO / "deploy" / "cluster"
 
 
@@ -30,12 +31,12 @@ DEPLOY = REPO / "deploy" / "cluster"
 def control_plane() -> Iterator[ControlPlane]:
     apiserver, etcd = require_control_plane()
     workdir = Path(tempfile.mkdtemp(prefix="kube-"))
-    cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd, nodes=NODES)
+    cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd, nodes=(*NODES, KUBELET_NODE))
     try:
         cp.start()
         admin = Admin(cp.kubeconfig(workdir / "admin.kubeconfig"))
         admin.apply_files(DEPLOY / "crds.yaml", Path(__file__).parent / "mco-crds.yaml", DEPLOY / "rbac.yaml")
-        for node in NODES:
+        for node in (*NODES, KUBELET_NODE):
             admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
         for group, version, plural in (("cri-shim.io", "v1", "imagesets"),
                                        ("cri-shim.io", "v1", "nodeimagesetstatuses"),

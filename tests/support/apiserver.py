@@ -3,9 +3,10 @@
 Install: ``scripts/setup.d/55-apiserver.sh`` builds both from the Go module proxy into
 /var/cache/cri-shim/{etcd-<v>,kube-apiserver-<v>}/. Certificates are made here with ``openssl``
 (a CA, the serving cert for 127.0.0.1, the service-account signing key); clients authenticate
-with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters) and one user per
-node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>``, so the
-RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them. Authorization: RBAC.
+with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters), one user per
+node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the
+RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them) and one kubelet
+identity per node (``system:node:<node>``). Authorization: Node, RBAC.
 
     cp = ControlPlane(workdir).start()
     cp.kubeconfig(path, token=cp.admin_token)
@@ -68,7 +69,8 @@ class ControlPlane:
         self.port = free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
-        self.node_tokens = {n: secrets.token_hex(16) for n in nodes}
+        self.node_tokens = {n: secrets.token_hex(16) for n in nodes}  # the node's cri-shim ServiceAccount
+        self.kubelet_tokens = {n: secrets.token_hex(16) for n in nodes}  # system:node:<n>, for a real kubelet
         self.etcd: subprocess.Popen[bytes] | None = None
         self.apiserver: subprocess.Popen[bytes] | None = None
         self.ca = self.dir / "ca.crt"
@@ -88,6 +90,8 @@ class ControlPlane:
         _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
         lines = [f"{self.admin_token},admin,admin,system:masters"]
         lines += [f"{tok},{node_user(n)},{n},system:serviceaccounts" for n, tok in self.node_tokens.items()]
+        lines += [f'{tok},system:node:{n},kubelet-{n},"system:nodes,system:authenticated"'
+                  for n, tok in self.kubelet_tokens.items()]
         (d / "tokens.csv").write_text("\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ processes
@@ -116,7 +120,7 @@ class ControlPlane:
              "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
              "--tls-cert-file", str(d / "server.crt"), "--tls-private-key-file", str(d / "server.key"),
              "--cert-dir", str(d / "certs"),
-             "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", "RBAC",
+             "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", "Node,RBAC",
              "--service-account-issuer", "https://kubernetes.default.svc",
              "--service-account-key-file", str(d / "sa.pub"),
              "--service-account-signing-key-file", str(d / "sa.key"),
@@ -179,7 +183,12 @@ class ControlPlane:
         return path
 
     def node_kubeconfig(self, path: Path, node: str) -> Path:
+        """The node's cri-shim ServiceAccount (rights: deploy/cluster/*rbac.yaml)."""
         return self.kubeconfig(path, token=self.node_tokens[node], user=node)
+
+    def kubelet_kubeconfig(self, path: Path, node: str) -> Path:
+        """A kubelet's identity (system:node:<node>): the Node authorizer lets it register its Node."""
+        return self.kubeconfig(path, token=self.kubelet_tokens[node], user=f"kubelet-{node}")
 
 
 def remove(workdir: Path) -> None:
