@@ -60,10 +60,6 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _gen(g: str) -> str:
-    return str(g)
-
-
 class NodeStatus:
     def __init__(self, source: ClusterSource, sets: ImageSets, poller: ProgressPoller | None, *,
                  interval: float, event_interval: float, event_namespace: str, request_timeout: float,
@@ -111,27 +107,20 @@ class NodeStatus:
         errors: list[str] = []
         cluster_sets = self.sets.sources.get("cluster", {})
         for name, s in sorted(rec.sets.items()):
-            c = Counter({"declared": len(s.refs)})
+            c = rec._counts(s)
             reasons: Counter[str] = Counter()
             done = total = 0
-            unknown = 0
-            for key in _keys(s):
+            for key in _keys(s) if c["failed"] or c["pulling"] else ():
                 img = rec.images.get(key)
-                if img is None:
-                    continue
-                if img.state is State.UNKNOWN:
-                    unknown += 1
-                    continue
-                c[img.state.value] += 1
-                if img.state is State.FAILED:
+                if img is not None and img.state is State.FAILED:
                     reasons[classify(img.error)] += 1
-                elif img.state is State.PULLING:
+                elif img is not None and img.state is State.PULLING:
                     d, t = by_pull.get(pull_name(img.spelled), (0, 0))
                     done, total = done + d, total + t
-                elif img.state is State.QUEUED and rec.disk_blocked:
-                    reasons["noSpace"] += 1
+            if c["queued"] and rec.disk_blocked:
+                reasons["noSpace"] += c["queued"]
             pinned_ok = not s.pin or pins is None or all(pins.match([r]) is not None for r in s.refs)
-            if not unknown and c["present"] == c["declared"] and pinned_ok:
+            if c["present"] == c["declared"] and pinned_ok:
                 self.current[name] = s.generation
             err = rec._last_error(s) or (rec.disk_blocked if c["queued"] and rec.disk_blocked else "")
             if c["failed"] or (c["queued"] and rec.disk_blocked):
@@ -139,13 +128,13 @@ class NodeStatus:
                 errors.append(f"{name}: {err}")
             row: dict[str, Any] = {
                 "name": name, "kind": s.kind, "source": "cluster" if name in cluster_sets else "file",
-                "desiredGeneration": _gen(s.generation),
+                "desiredGeneration": s.generation,
                 "images": {k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")},
             }
             if name in self.current:
-                row["currentGeneration"] = _gen(self.current[name])
+                row["currentGeneration"] = self.current[name]
             if name in self.failed:
-                row["lastFailedGeneration"] = _gen(self.failed[name][0])
+                row["lastFailedGeneration"] = self.failed[name][0]
                 if c["failed"] or (c["queued"] and rec.disk_blocked):
                     row["error"] = self.failed[name][1][:1024]
             if reasons:
