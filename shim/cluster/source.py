@@ -24,10 +24,10 @@ from kubernetes_asyncio.config import new_client_from_config
 
 from .. import logs
 from ..config import ClusterConfig
-from ..imagesets.loader import ImageSet, SetFileError
+from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from . import objects, state
-from .informer import Informer, describe
+from .informer import Informer, backoff
 from .objects import Kind, Selected
 from .secrets import PullSecrets
 
@@ -37,6 +37,10 @@ SOURCE = "cluster"
 
 def node_name(cfg: ClusterConfig) -> str:
     return cfg.node_name or socket.gethostname().lower()
+
+
+def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
+    return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
 
 
 def _slim(obj: dict[str, Any]) -> dict[str, Any]:
@@ -197,44 +201,51 @@ class ClusterSource:
                                    request_timeout=self.cfg.request_timeout_seconds)
         self.secrets.by_set = {n: s.secrets for n, s in self.selected.items() if s.secrets}
         self.sets.reconciler.set_credentials = self.secrets.for_sets
-        common = dict(on_change=self._dirty.set, watch_timeout=self.cfg.watch_timeout_seconds,
+        common: dict[str, Any] = dict(on_change=self._dirty.set, watch_timeout=self.cfg.watch_timeout_seconds,
                       request_timeout=self.cfg.request_timeout_seconds,
                       backoff_initial=self.cfg.backoff_initial_seconds, backoff_max=self.cfg.backoff_max_seconds)
-
-        def custom_list(kind: Kind) -> Any:
-            return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
 
         self.informers = {
             "node": Informer(self.api, "nodes", core.list_node, kind=("v1", "Node"),
                              field_selector=f"metadata.name={self.node_name}", **common),
-            "imagesets": Informer(self.api, "imagesets", custom_list(objects.IMAGE_SET),
+            "imagesets": Informer(self.api, "imagesets", _lister(custom, objects.IMAGE_SET),
                                   kind=(objects.IMAGE_SET.api_version, objects.IMAGE_SET.kind), **common),
         }
-        if self.cfg.mco:
-            pis = await self._pinned_version(custom)
-            mcp = objects.MACHINE_CONFIG_POOL
-            self.informers["pinnedimagesets"] = Informer(self.api, f"pinnedimagesets.{pis.version}", custom_list(pis),
-                                                         kind=(pis.api_version, pis.kind), **common)
-            self.informers["machineconfigpools"] = Informer(self.api, "machineconfigpools", custom_list(mcp),
-                                                            kind=(mcp.api_version, mcp.kind), **common)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}") for name, inf in self.informers.items()]
         self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
+        if self.cfg.mco:  # in the background: the shim serves before any API request is answered
+            self._tasks.append(loop.create_task(self._start_mco(custom, common), name="cluster-mco"))
+
+    async def _start_mco(self, custom: CustomObjectsApi, common: dict[str, Any]) -> None:
+        pis = await self._pinned_version(custom)
+        mcp = objects.MACHINE_CONFIG_POOL
+        loop = asyncio.get_running_loop()
+        for key, kind in (("pinnedimagesets", pis), ("machineconfigpools", mcp)):
+            inf = Informer(self.api, f"{kind.plural}.{kind.version}", _lister(custom, kind),
+                           kind=(kind.api_version, kind.kind), **common)
+            self.informers[key] = inf
+            self._tasks.append(loop.create_task(inf.run(), name=f"cluster-watch-{key}"))
 
     async def _pinned_version(self, custom: CustomObjectsApi) -> Kind:
-        """PinnedImageSet at v1 when the API serves it, else v1alpha1 (v1 when neither answers yet)."""
-        for kind in objects.PINNED_IMAGE_SETS:
+        """PinnedImageSet at v1 when the API serves it, else v1alpha1 (v1 when neither is installed).
+        Asked again with backoff until the API server answers."""
+        failures = 0
+        while True:
             try:
-                await custom.list_cluster_custom_object(kind.group, kind.version, kind.plural, limit=1,
-                                                        _request_timeout=self.cfg.request_timeout_seconds)
-                return kind
-            except ApiException as e:
-                if e.status != 404:
-                    break
-            except Exception:
-                break
-        return objects.PINNED_IMAGE_SETS[0]
+                for kind in objects.PINNED_IMAGE_SETS:
+                    try:
+                        await custom.list_cluster_custom_object(kind.group, kind.version, kind.plural, limit=1,
+                                                                _request_timeout=self.cfg.request_timeout_seconds)
+                        return kind
+                    except ApiException as e:
+                        if e.status != 404:
+                            raise
+                return objects.PINNED_IMAGE_SETS[0]
+            except Exception:  # down, forbidden: ask again
+                failures += 1
+                await asyncio.sleep(backoff(failures, self.cfg.backoff_initial_seconds, self.cfg.backoff_max_seconds))
 
     async def _apply_loop(self) -> None:
         while True:
