@@ -225,3 +225,25 @@ def test_pinned_image_set_applies_through_its_pool_only(control_plane, admin, ma
         for role in ("worker", "master"):
             delete(admin, MCO, "v1", "machineconfigpools", f"t3-{role}")
             delete(admin, MCO, "v1", "pinnedimagesets", f"t3-{role}-set")
+
+
+def test_update_while_pulling_cancels_what_it_made_unnecessary(control_plane, admin, make_image, proxy,
+                                                               shim_factory, tmp_path) -> None:
+    keep, drop = make_image(), make_image()
+    admin.set_node_labels("node-a", {"t4": "yes"})
+    proxy.hold_blobs()  # both pulls start, then wait at their first blob
+    admin.apply_custom(*SHIM, "imagesets", image_set("t4-edit", [keep.ref, drop.ref], {"t4": "yes"}))
+    try:
+        shim = shim_factory(shim_config(control_plane, tmp_path, "node-a", pulls={"max_parallel": 2}),
+                            log_level="info")
+        wait_for(lambda: proxy.stats().inflight_images == 2, 60, "both pulls waiting for blobs")
+        admin.apply_custom(*SHIM, "imagesets", image_set("t4-edit", [keep.ref], {"t4": "yes"}))
+        wait_for(lambda: "prefetch cancelled" in shim.log_text(), 10, "the dropped image's pull cancelled")
+        proxy.release_blobs()
+        wait_for(lambda: pinned(shim).get(keep.image_id), 60, "the kept image pulled and pinned")
+        assert drop.image_id not in pinned(shim)
+        wait_for(lambda: current(admin, "node-a", "t4-edit"), 30, "status current at generation 2")
+        assert set_row(admin, "node-a", "t4-edit")["desiredGeneration"] == "2"
+    finally:
+        proxy.release_blobs()
+        delete(admin, *SHIM, "imagesets", "t4-edit")
