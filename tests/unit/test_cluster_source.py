@@ -208,3 +208,17 @@ def test_config_cluster_keys() -> None:
         config.from_dict({"cluster": {"kubeconfig": "/no/such/kubeconfig"}})
     with pytest.raises(config.ConfigError, match="cluster.nope"):
         config.from_dict({"cluster": {"nope": 1}})
+
+
+def test_fleet_summary() -> None:
+    from shim.cluster.fleet import summarize
+
+    def obj(node: str, **row: Any) -> dict[str, Any]:
+        return {"metadata": {"name": node}, "status": {"sets": [{"name": "s", "desiredGeneration": "2", **row}]}}
+
+    out = summarize([obj("a", currentGeneration="2"), obj("b", currentGeneration="1"),
+                     obj("c", images={"failed": 1}, failedReasons={"auth": 1}, error="x: 401"),
+                     {"metadata": {"name": "d"}, "status": {"sets": []}}])
+    s = out["s"]
+    assert (s["selected"], s["done"], s["progressing"], s["failing"]) == (3, 1, 1, 1)
+    assert s["failures"] == [{"node": "c", "reasons": "auth", "error": "x: 401"}]
