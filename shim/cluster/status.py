@@ -260,9 +260,13 @@ class NodeStatus:
                 await asyncio.sleep(wait)
             if self.source.labels is None:
                 continue  # nothing to say before this node's labels are known
-            if await self.write(custom):
+            try:
+                if await self.write(custom):
+                    last = self._clock()
+                    await self.events(core)
+            except Exception as e:  # a bug here must not end status reporting for good
+                logs.log(_log, logging.ERROR, "image set status not written", error=describe(e))
                 last = self._clock()
-                await self.events(core)
 
     async def stop(self) -> None:
         if self._task is not None:

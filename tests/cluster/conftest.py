@@ -15,6 +15,7 @@ from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     _reset_proxies_after_test,
     containerd,
     containerd_factory,
+    fast_tmp,
     make_image,
     proxy,
     registry,

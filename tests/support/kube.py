@@ -71,7 +71,7 @@ class Admin:
                 self.run(lambda api: client.CustomObjectsApi(api).list_cluster_custom_object(group, version, plural))
                 return
             except ApiException as e:
-                if e.status != 404 or time.monotonic() > deadline:
+                if e.status not in (404, 429, 503) or time.monotonic() > deadline:
                     raise
             time.sleep(0.2)
 
