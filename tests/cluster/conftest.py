@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.support.apiserver import ControlPlane, require_control_plane
 from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
@@ -54,4 +55,12 @@ def control_plane() -> Iterator[ControlPlane]:
 
 @pytest.fixture(scope="session")
 def admin(control_plane: ControlPlane) -> Admin:
-    return control_plane.admin  # type: ignore[attr-defined]
+    """The cluster admin; NODES exist as Node objects (created through the API)."""
+    a: Admin = control_plane.admin  # type: ignore[attr-defined]
+    for n in NODES:
+        try:
+            a.create_node(n, {"kubernetes.io/hostname": n})
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    return a

@@ -22,20 +22,8 @@ from tests.support import cri
 from tests.support.apiserver import ControlPlane
 from tests.support.kube import Admin
 
-from .conftest import NODES
-
 SHIM = ("cri-shim.io", "v1")
 MCO = "machineconfiguration.openshift.io"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nodes(admin: Admin) -> None:
-    for n in NODES:
-        try:
-            admin.create_node(n, {"kubernetes.io/hostname": n})
-        except ApiException as e:
-            if e.status != 409:
-                raise
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
