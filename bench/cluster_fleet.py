@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
+from shim import logs  # noqa: E402
 from shim.cluster.source import ClusterSource  # noqa: E402
 from shim.cluster.status import NodeStatus  # noqa: E402
 from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument("--rest-seconds", type=float, default=20.0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    logs.setup("warning")
     apiserver, etcd = require_control_plane()
     workdir = Path(tempfile.mkdtemp(prefix="fleet-"))
     cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd)

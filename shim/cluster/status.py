@@ -80,7 +80,7 @@ class NodeStatus:
         self.write_errors = 0
         self.error = ""
         self.uid = ""
-        self.events = 0
+        self.events_sent = 0
         self._event_at: dict[tuple[str, str], float] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -235,7 +235,7 @@ class NodeStatus:
                 try:
                     await core.create_namespaced_event(self.event_namespace, body,
                                                        _request_timeout=self.request_timeout)
-                    self.events += 1
+                    self.events_sent += 1
                 except Exception as e:
                     logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
         for key in [k for k in self._event_at if k[0] not in self.sets.reconciler.sets]:
@@ -275,6 +275,6 @@ class NodeStatus:
             self._task = None
 
     def status(self) -> dict[str, Any]:
-        return {"writes": self.writes, "write_errors": self.write_errors, "events": self.events,
+        return {"writes": self.writes, "write_errors": self.write_errors, "events": self.events_sent,
                 **({"error": self.error} if self.error else {}),
                 **({"summary": self.last_written["status"]["summary"]} if self.last_written else {})}

@@ -74,6 +74,10 @@ def current(admin: Admin, node: str, name: str) -> bool:
     return bool(row) and row.get("currentGeneration") == row["desiredGeneration"]
 
 
+def conditions(admin: Admin, node: str) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in node_status(admin, node).get("conditions", [])}
+
+
 def delete(admin: Admin, group: str, version: str, plural: str, name: str) -> None:
     try:
         admin.custom("delete", group, version, plural, name)
@@ -230,6 +234,9 @@ def test_update_while_pulling_cancels_what_it_made_unnecessary(control_plane, ad
         shim = shim_factory(shim_config(control_plane, tmp_path, "node-a", pulls={"max_parallel": 2}),
                             log_level="info")
         wait_for(lambda: proxy.stats().inflight_images == 2, 60, "both pulls waiting for blobs")
+        # slow is not failed: pulls that make no progress yet show Progressing, not Degraded
+        wait_for(lambda: conditions(admin, "node-a").get("Progressing") == "True", 15, "Progressing")
+        assert conditions(admin, "node-a")["Degraded"] == "False"
         admin.apply_custom(*SHIM, "imagesets", image_set("t4-edit", [keep.ref], {"t4": "yes"}))
         wait_for(lambda: "prefetch cancelled" in shim.log_text(), 10, "the dropped image's pull cancelled")
         proxy.release_blobs()
@@ -240,3 +247,29 @@ def test_update_while_pulling_cancels_what_it_made_unnecessary(control_plane, ad
     finally:
         proxy.release_blobs()
         delete(admin, *SHIM, "imagesets", "t4-edit")
+
+
+def test_failed_image_typed_in_status_and_event(control_plane, admin, make_image, registry, shim_factory,
+                                                tmp_path) -> None:
+    good = make_image()
+    missing = f"{registry.host}/e2e/no-such-image-{time.monotonic_ns()}:v1"
+    admin.set_node_labels("node-a", {"t7": "yes"})
+    admin.apply_custom(*SHIM, "imagesets", image_set("t7-broken", [good.ref, missing], {"t7": "yes"}))
+    try:
+        shim_factory(shim_config(control_plane, tmp_path, "node-a"), log_level="info")
+
+        def degraded() -> dict[str, Any] | None:
+            row = set_row(admin, "node-a", "t7-broken")
+            return row if row and row.get("failedReasons") == {"notFound": 1} else None
+
+        row = wait_for(degraded, 60, "the missing image counted as notFound", interval=0.5)
+        assert row["images"]["present"] == 1 and row["images"]["failed"] == 1
+        assert row["lastFailedGeneration"] == "1" and "currentGeneration" not in row
+        assert "no-such-image" in row["error"]
+        cond = {c["type"]: c for c in node_status(admin, "node-a")["conditions"]}
+        assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == ("True", "NotFound")
+        events = wait_for(lambda: [e for e in admin.events() if e.reason == "ImageSetNotFound"
+                                   and e.involved_object.name == "node-a"], 30, "a Warning Event", interval=0.5)
+        assert events[0].type == "Warning" and "t7-broken" in events[0].message
+    finally:
+        delete(admin, *SHIM, "imagesets", "t7-broken")
