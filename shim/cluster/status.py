@@ -249,12 +249,16 @@ class NodeStatus:
         custom, core = CustomObjectsApi(self.source.api), CoreV1Api(self.source.api)
         last = -1e18
         while True:
+            changed = False
             try:
                 async with asyncio.timeout(self.interval):
                     await self.source.changed.wait()
+                    changed = True
             except TimeoutError:
                 pass
             self.source.changed.clear()
+            if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
+                await self._settle()
             wait = last + self.interval - self._clock()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -267,6 +271,14 @@ class NodeStatus:
             except Exception as e:  # a bug here must not end status reporting for good
                 logs.log(_log, logging.ERROR, "image set status not written", error=describe(e))
                 last = self._clock()
+
+    async def _settle(self, limit: float = 2.0) -> None:
+        """Wait (at most ``limit`` s) until the reconciler has finished a pass over the new sets."""
+        rec = self.sets.reconciler
+        before = rec.last_pass
+        deadline = self._clock() + limit
+        while rec.last_pass is before and self._clock() < deadline:
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         if self._task is not None:

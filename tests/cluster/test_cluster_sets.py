@@ -143,6 +143,12 @@ def test_rbac_node_writes_only_its_own_status(control_plane, admin, tmp_path) ->
     kc.run(lambda api: CustomObjectsApi(api).list_cluster_custom_object(*SHIM, "imagesets"))
 
 
+def shim_status(admin_sock: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "shim", "status", "--json", "--admin-socket", admin_sock],
+                         capture_output=True, text=True, timeout=30)
+    return json.loads(out.stdout)["cluster"]
+
+
 def _remove(shim: Any, image_id: str) -> cri.CallResult:
     return cri.call(shim.socket, "RemoveImage", cri.remove_image_request(image_id), timeout=30)
 
@@ -165,7 +171,21 @@ def test_api_server_down_pins_hold_and_restart_enforces_from_first_call(control_
         res = _remove(shim, img.image_id)
         assert res.code is grpc.StatusCode.FAILED_PRECONDITION, res
 
+        # back: the same process resumes its watches (no re-list, or one after a 410) and reports again
+        control_plane.start_apiserver()
+        admin.set_node_labels("node-a", {"t2-touched": "1"})  # an event on each resumed watch
+        touched = image_set("t2-keep", [img.ref], {"t2": "yes"})
+        touched["metadata"]["annotations"] = {"touched": "1"}
+        admin.apply_custom(*SHIM, "imagesets", touched)
+        wait_for(lambda: not any(shim_status(admin_sock)["watches"][n].get("error") for n in ("node", "imagesets")),
+                 60, "watches resumed", interval=0.5)
+        lists = {name: w["lists"] for name, w in shim_status(admin_sock)["watches"].items()}
+        print(f"\nlists per watched resource after an API server restart: {lists}")
+        assert all(n <= 2 for n in lists.values()), lists
+        assert current(admin, "node-a", "t2-keep")
+
         # restarted while the API server is down: the state file holds the pins from the first call
+        control_plane.stop_apiserver()
         shim.stop()
         shim2 = shim_factory(cfg, log_level="info")
         res = _remove(shim2, img.image_id)
@@ -173,14 +193,9 @@ def test_api_server_down_pins_hold_and_restart_enforces_from_first_call(control_
         assert pinned(shim2).get(img.image_id) is True
 
         control_plane.start_apiserver()
-
-        def written() -> bool:
-            out = subprocess.run([sys.executable, "-m", "shim", "status", "--json", "--admin-socket", admin_sock],
-                                 capture_output=True, text=True, timeout=30)
-            doc = json.loads(out.stdout)["cluster"]
-            return doc["status_object"]["writes"] >= 1 and all(w["synced"] for w in doc["watches"].values())
-
-        wait_for(written, 60, "the restarted shim's watches synced and its status written", interval=0.5)
+        wait_for(lambda: shim_status(admin_sock)["status_object"]["writes"] >= 1
+                 and all(w["synced"] for w in shim_status(admin_sock)["watches"].values()),
+                 60, "the restarted shim's watches synced and its status written", interval=0.5)
         assert current(admin, "node-a", "t2-keep")
         assert pinned(shim2).get(img.image_id) is True
     finally:
