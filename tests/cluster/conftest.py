@@ -14,6 +14,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from tests.support.apiserver import ControlPlane, require_control_plane
 from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     _reset_proxies_after_test,
+    auth_registry,
     containerd,
     containerd_factory,
     fast_tmp,

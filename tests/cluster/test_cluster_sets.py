@@ -6,6 +6,7 @@ The Node objects are created through the API (no kubelet registers them here).
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -288,3 +289,30 @@ def test_failed_image_typed_in_status_and_event(control_plane, admin, make_image
         assert events[0].type == "Warning" and "t7-broken" in events[0].message
     finally:
         delete(admin, *SHIM, "imagesets", "t7-broken")
+
+
+def test_pull_secret_by_reference(control_plane, admin, make_image, auth_registry, shim_factory, tmp_path) -> None:
+    """A set naming a kubernetes.io/dockerconfigjson Secret (the one deploy/cluster/rbac.yaml lets nodes
+    read): its image in a registry that requires auth is pulled with it; the node has no credentials."""
+    from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
+
+    img = make_image(registry=auth_registry)
+    auth = base64.b64encode(f"{AUTH_USER}:{AUTH_PASSWORD}".encode()).decode()
+    dockerconfig = json.dumps({"auths": {auth_registry.host: {"auth": auth}}})
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/dockerconfigjson",
+              "metadata": {"name": "registry-pull", "namespace": "cri-shim"},
+              "data": {".dockerconfigjson": base64.b64encode(dockerconfig.encode()).decode()}}
+    admin.apply_docs([secret])
+    admin.set_node_labels("node-a", {"t8": "yes"})
+    body = image_set("t8-private", [img.ref], {"t8": "yes"})
+    body["spec"]["imagePullSecrets"] = [{"namespace": "cri-shim", "name": "registry-pull"}]
+    admin.apply_custom(*SHIM, "imagesets", body)
+    try:
+        shim = shim_factory(shim_config(control_plane, tmp_path, "node-a",
+                                        image_sets={"docker_config": [str(tmp_path / "none.json")]}),
+                            log_level="info")
+        wait_for(lambda: pinned(shim).get(img.image_id), 60, "private image pulled with the Secret and pinned")
+        assert AUTH_PASSWORD not in shim.log_text()
+        assert AUTH_PASSWORD not in (tmp_path / "node-a-state.json").read_text()
+    finally:
+        delete(admin, *SHIM, "imagesets", "t8-private")
