@@ -3,7 +3,8 @@
 * One list, then watches from its resourceVersion with bookmarks on (``allowWatchBookmarks``),
   so a quiet resource keeps a fresh resourceVersion and a resumed watch does not hit 410.
 * A watch that ends (server timeout, connection closed) resumes from the last resourceVersion
-  seen (an event's or a bookmark's): no re-list.
+  seen (an event's or a bookmark's): no re-list. Each watch request asks the server to end it
+  after ``cluster.watch_timeout_seconds`` x (1 + a random fraction), so renewals spread out.
 * 410 Gone (that resourceVersion is compacted away): one re-list, then watching again.
 * Any other error (API server down, 5xx, 403, resource not installed): wait with exponential
   backoff and full jitter (``cluster.backoff_initial_seconds`` .. ``backoff_max_seconds``), then
@@ -89,11 +90,13 @@ class Informer:
         w = Watch()
         self.watches += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.request_timeout,
-                                        sock_read=self.watch_timeout + self.request_timeout)
+                                        sock_read=2 * self.watch_timeout + self.request_timeout)
         try:
+            # jittered like client-go's (timeout .. 2 x timeout): a fleet started together does not
+            # renew its watches together
+            seconds = max(1, int(self.watch_timeout * (1 + random.random())))
             stream = w.stream(self._list_fn, **self._kwargs, resource_version=self.resource_version,
-                              allow_watch_bookmarks=True, timeout_seconds=max(1, int(self.watch_timeout)),
-                              _request_timeout=timeout)
+                              allow_watch_bookmarks=True, timeout_seconds=seconds, _request_timeout=timeout)
             async for ev in stream:
                 kind = ev["type"]
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
