@@ -102,7 +102,13 @@ async def fleet_run(cp: ControlPlane, kubeconfig: Path, workdir: Path, n: int, i
     async def fleet_at(gen: str) -> float:
         t0 = time.monotonic()
         while True:
-            objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses")
+            try:
+                objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses",
+                                                               _request_timeout=60)
+            except Exception as e:  # a loaded API server: ask again
+                print(f"listing the status objects: {type(e).__name__}: {e}", file=sys.stderr)
+                await asyncio.sleep(1)
+                continue
             done = sum(1 for o in objs["items"] if o["metadata"]["name"].startswith(f"sim-{n}-") and any(
                 r["name"] == SET and r.get("currentGeneration") == gen for r in o["status"].get("sets", [])))
             if done == n:
@@ -165,6 +171,9 @@ def main() -> None:
                       f"{res['rest_requests_per_second']} req/s; one set change: all nodes current after "
                       f"{res['change_all_current_seconds']} s, {res['change_requests']} requests "
                       f"({res['change_requests_per_second']} req/s)", flush=True)
+    except BaseException:
+        print(cp.log_tail(3000), file=sys.stderr)
+        raise
     finally:
         cp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
