@@ -8,6 +8,8 @@ import time
 from functools import partial
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from .config import Config, ConfigError
 from .handlers import HandlerResolver, compile_rules
 from .images import image_status, list_images, pull_image, remove_image
@@ -21,6 +23,10 @@ from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, 
 from .status import AdminServer, StatusSource, collect
 from .tracing import Tracing
 from .upstream import Upstream
+
+if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
+    from .cluster.source import ClusterSource
+    from .cluster.status import NodeStatus
 
 
 class App:
@@ -42,7 +48,10 @@ class App:
         self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
         self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self.image_sets: ImageSets | None = None
+        self.cluster: ClusterSource | None = None
+        self.node_status: NodeStatus | None = None
         self.status_sources["image_sets"] = self.image_sets_status
+        self.status_sources["cluster"] = self.cluster_status
         self._configure(cfg)
         self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing,
                            allowed_services=cfg.server.allowed_services)
@@ -85,28 +94,68 @@ class App:
         return table
 
     async def _apply_image_sets(self, cfg: Config) -> None:
-        """Start, stop or reconfigure image sets; a new image_sets.dir means starting over."""
+        """Start, stop or reconfigure image sets; a new image_sets.dir means starting over.
+
+        With ``cluster.kubeconfig`` the cluster is a second source of sets: its state file is
+        loaded here, before the shim serves, so its pins hold from the first call."""
         current = self.image_sets
-        if current is not None and current.cfg.dir == cfg.image_sets.dir:
+        wanted = bool(cfg.image_sets.dir or cfg.cluster.kubeconfig)
+        if current is not None and current.cfg.dir == cfg.image_sets.dir and wanted:
             current.configure(cfg.image_sets)
+            if self.cluster is None or self.cluster.cfg != cfg.cluster:
+                await self._stop_cluster()
+                await self._start_cluster(cfg)
             return
+        await self._stop_cluster()
         if current is not None:
             self.image_sets = None
-            await current.stop()  # its declared pins stay in force until the new directory is read
-            if not cfg.image_sets.dir:
+            await current.stop()  # its declared pins stay in force until the new sets are read
+            if not wanted:
                 self.images.set_declared_pins([])
-        if cfg.image_sets.dir:
-            self.images.expect_declared_pins()  # its first scan sets the declared pins (and opens the gate)
+        if wanted:
+            if cfg.image_sets.dir:  # the directory's first read sets the pins and opens the gate; the
+                self.images.expect_declared_pins()  # cluster's state file is read before serving (below)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
                                         on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins,
                                         handler_for=self.handlers.for_prefetch)
+            await self._start_cluster(cfg)
             await self.image_sets.start()
+
+    async def _start_cluster(self, cfg: Config) -> None:
+        if not cfg.cluster.kubeconfig or self.image_sets is None:
+            return
+        from .cluster.source import ClusterSource
+        from .cluster.status import NodeStatus
+
+        c = cfg.cluster
+        self.cluster = ClusterSource(c, self.image_sets)
+        self.cluster.load_state()
+        await self.cluster.start()
+        self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
+                                      event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
+                                      request_timeout=c.request_timeout_seconds)
+        self.node_status.start()
+
+    async def _stop_cluster(self) -> None:
+        if self.node_status is not None:
+            await self.node_status.stop()
+            self.node_status = None
+        if self.cluster is not None:
+            await self.cluster.stop()
+            self.cluster = None
 
     def image_sets_status(self) -> dict[str, object]:
         """Status source for `cri-shim status`."""
         if self.image_sets is None:
             return {"enabled": False}
         return {"enabled": True, **self.image_sets.status()}
+
+    def cluster_status(self) -> dict[str, object]:
+        """Status source for `cri-shim status`."""
+        if self.cluster is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.cluster.status(),
+                **({"status_object": self.node_status.status()} if self.node_status is not None else {})}
 
     async def start(self) -> None:
         self.upstream.start_watch()
@@ -135,6 +184,7 @@ class App:
         self.scheduler.close()
 
     async def close(self) -> None:
+        await self._stop_cluster()
         if self.image_sets is not None:
             await self.image_sets.stop()
         await self.progress.close()

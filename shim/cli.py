@@ -47,7 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl-C)")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (default 1)")
+    fl = sub.add_parser("fleet", help="per image set, over every node's status object: selected, done, "
+                                      "progressing, failing nodes and why")
+    fl.add_argument("action", choices=["status"])
+    fl.add_argument("--kubeconfig", required=True, help="a kubeconfig that may list nodeimagesetstatuses")
+    fl.add_argument("--json", action="store_true", help="machine-readable output")
     return p
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from .cluster.fleet import print_fleet
+
+    return print_fleet(args.kubeconfig, as_json=args.json)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -115,7 +126,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"serve": _serve, "check-config": _check_config, "status": _status}[args.command]
+    handler = {"serve": _serve, "check-config": _check_config, "status": _status, "fleet": _fleet}[args.command]
     return handler(args)
 
 

@@ -148,6 +148,23 @@ class RuntimeHandlersConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """Image sets from the Kubernetes API (README "Image sets for a fleet")."""
+    kubeconfig: str = ""  # empty: the cluster source is off
+    node_name: str = ""  # empty: this host's name, lowercased (kubelet's default)
+    state_file: str = "/var/lib/cri-shim/cluster-sets.json"  # last applied sets, enforced before the API answers
+    mco: bool = True  # also read PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
+    status_interval_seconds: float = 5.0  # at most one status write per node this often
+    event_interval_seconds: float = 300.0  # at most one Event per set and failure reason this often
+    event_namespace: str = "default"  # where the Events go (the status object is cluster-scoped)
+    watch_timeout_seconds: float = 300.0  # server-side timeout of one watch request; it is then resumed
+    backoff_initial_seconds: float = 1.0  # after an API error, doubling with jitter ...
+    backoff_max_seconds: float = 60.0  # ... up to this
+    request_timeout_seconds: float = 30.0  # one list, get or apply request
+    secret_refresh_seconds: float = 300.0  # re-read the pull Secrets that sets name
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     address: str = ""  # host:port; empty: no metrics endpoint
     max_connections: int = 16  # open at once; one more is closed unanswered
@@ -165,6 +182,7 @@ class Config:
     image_sets: ImageSetsConfig = field(default_factory=ImageSetsConfig)
     runtime_handlers: RuntimeHandlersConfig = field(default_factory=RuntimeHandlersConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 # --------------------------------------------------------------------------- parsing helpers
@@ -551,6 +569,35 @@ def _metrics(d: Mapping[str, Any]) -> MetricsConfig:
     return cfg
 
 
+def _cluster(d: Mapping[str, Any]) -> ClusterConfig:
+    _check_keys("cluster", d, {f.name for f in dataclasses.fields(ClusterConfig)})
+    c = ClusterConfig()
+    durations = {f.name: _duration(f"cluster.{f.name}", d.get(f.name, getattr(c, f.name)))
+                 for f in dataclasses.fields(ClusterConfig) if f.name.endswith("_seconds")}
+    cfg = ClusterConfig(
+        kubeconfig=_str("cluster.kubeconfig", d.get("kubeconfig", c.kubeconfig)),
+        node_name=_str("cluster.node_name", d.get("node_name", c.node_name)),
+        state_file=_str("cluster.state_file", d.get("state_file", c.state_file)),
+        mco=_bool("cluster.mco", d.get("mco", c.mco)),
+        event_namespace=_str("cluster.event_namespace", d.get("event_namespace", c.event_namespace)),
+        **durations,
+    )
+    for key, minimum in (("status_interval_seconds", 1.0), ("watch_timeout_seconds", 1.0),
+                         ("backoff_initial_seconds", 0.1), ("request_timeout_seconds", 1.0),
+                         ("secret_refresh_seconds", 1.0)):
+        if getattr(cfg, key) < minimum:
+            raise ConfigError(f"cluster.{key}", f"must be >= {minimum:g}, got {getattr(cfg, key)!r}")
+    if cfg.backoff_max_seconds < cfg.backoff_initial_seconds:
+        raise ConfigError("cluster.backoff_max_seconds",
+                          f"must be >= cluster.backoff_initial_seconds, got {cfg.backoff_max_seconds!r}")
+    if cfg.kubeconfig:
+        if not cfg.state_file:
+            raise ConfigError("cluster.state_file", "required when cluster.kubeconfig is set")
+        if not Path(cfg.kubeconfig).is_file():
+            raise ConfigError("cluster.kubeconfig", f"no such file {cfg.kubeconfig!r}")
+    return cfg
+
+
 _SECTIONS = {
     "server": _server,
     "log": _log,
@@ -559,6 +606,7 @@ _SECTIONS = {
     "image_sets": _image_sets,
     "runtime_handlers": _runtime_handlers,
     "metrics": _metrics,
+    "cluster": _cluster,
 }
 
 
@@ -569,7 +617,8 @@ def from_dict(data: Mapping[str, Any] | None) -> Config:
     c = Config()
     sections = {name: parse(_mapping(name, data.get(name))) for name, parse in _SECTIONS.items()}
     pulls, image_sets = sections["pulls"], sections["image_sets"]
-    if image_sets.dir and pulls.max_parallel and image_sets.max_parallel >= pulls.max_parallel:
+    prefetching = bool(image_sets.dir or sections["cluster"].kubeconfig)
+    if prefetching and pulls.max_parallel and image_sets.max_parallel >= pulls.max_parallel:
         raise ConfigError("image_sets.max_parallel",
                           f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
                           f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")

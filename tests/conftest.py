@@ -1,6 +1,7 @@
 """Shared test configuration.
 
-* Tests under ``tests/e2e`` are marked ``e2e`` automatically, those under ``tests/node`` ``node``.
+* Tests under ``tests/e2e`` are marked ``e2e`` automatically, those under ``tests/node`` ``node``,
+  those under ``tests/cluster`` ``cluster``.
 * When a test fails, the log tails of the fixtures it used (containerd,
   registry, shims: anything with ``log_tail()`` or ``log_tails()``) are
   attached to its report.
@@ -28,6 +29,7 @@ from tests.support import cri
 
 _E2E_DIR = Path(__file__).parent / "e2e"
 _NODE_DIR = Path(__file__).parent / "node"
+_CLUSTER_DIR = Path(__file__).parent / "cluster"
 
 #: Longest unix socket path (``sun_path`` is 108 bytes with its NUL).
 SUN_PATH_MAX = 107
@@ -68,6 +70,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.e2e)
         elif _NODE_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.node)
+        elif _CLUSTER_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.cluster)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -12,7 +13,7 @@ from ..metrics import Metrics
 from ..pins import PinSet
 from ..pulls.scheduler import PullScheduler
 from ..upstream import Upstream
-from .loader import SetDirectory
+from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
 from .watcher import POLL_SECONDS, DirWatcher
 
@@ -20,14 +21,20 @@ _log = logs.get("imagesets")
 
 
 class ImageSets:
-    """Watches ``cfg.dir``; every settled change re-reads the changed files and re-diffs."""
+    """Watches ``cfg.dir`` (when set); every settled change re-reads the changed files and re-diffs.
+
+    Other sources (the cluster) hand their sets to ``set_source``; the reconciler gets the union.
+    A set name taken by the directory is refused in another source (reported in its errors).
+    """
 
     def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None, use_inotify: bool = True,
                  poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
         self.cfg = cfg
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
-        self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=on_pins, pins=pins,
+        self._on_pins = on_pins
+        self._held_pins: list[tuple[str, str]] | None = None  # pins decided before the directory's first read
+        self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=self._pins_out, pins=pins,
                                      **reconciler_options)
         self._use_inotify = use_inotify
         self._poll_seconds = poll_seconds
@@ -36,20 +43,59 @@ class ImageSets:
         self.scans = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._scanned = asyncio.Event()
+        self._dir_sets: dict[str, ImageSet] = {}
+        self.sources: dict[str, dict[str, ImageSet]] = {}  # source name -> its sets
+        self.source_errors: dict[str, str] = {}  # set name -> why another source's set of that name is not used
+        self._overrides: dict[str, Any] = {}  # ImageSetsConfig fields a source narrows (per-role overrides)
+
+    def _pins_out(self, pins: list[tuple[str, str]]) -> None:
+        """The declared pins reach the image service only once the directory (when there is one)
+        has been read: until then the pins in force stay and removals wait (pins_wait_seconds),
+        even when another source (the cluster's state file) has declared its sets already."""
+        if self.cfg.dir and self.scans == 0:
+            self._held_pins = pins
+            return
+        self._held_pins = None
+        self._on_pins(pins)
 
     async def start(self) -> None:
         """Returns at once: the first scan and reconcile run in the background."""
         loop = asyncio.get_running_loop()
-        self.watcher = DirWatcher(self.cfg.dir, self.directory.stamps, poll_seconds=self._poll_seconds,
-                                  use_inotify=self._use_inotify)
-        self._tasks = [loop.create_task(self._watch(), name="image-sets-watch"),
-                       loop.create_task(self.reconciler.run(), name="image-sets-reconcile")]
+        self._tasks = [loop.create_task(self.reconciler.run(), name="image-sets-reconcile")]
+        if self.cfg.dir:
+            self.watcher = DirWatcher(self.cfg.dir, self.directory.stamps, poll_seconds=self._poll_seconds,
+                                      use_inotify=self._use_inotify)
+            self._tasks.append(loop.create_task(self._watch(), name="image-sets-watch"))
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         """Reload with the same directory (a new directory means a new ImageSets)."""
         self.cfg = cfg
         self.directory.max_file_bytes = cfg.max_file_bytes
-        self.reconciler.configure(cfg)
+        self.reconciler.configure(dataclasses.replace(cfg, **self._overrides))
+
+    def set_overrides(self, **overrides: Any) -> None:
+        """Narrow ImageSetsConfig fields (e.g. max_parallel, cooldown_seconds) until changed again."""
+        if overrides != self._overrides:
+            self._overrides = overrides
+            self.reconciler.configure(dataclasses.replace(self.cfg, **overrides))
+
+    def set_source(self, name: str, sets: dict[str, ImageSet]) -> None:
+        """Another source's sets changed: re-diff the union."""
+        self.sources[name] = dict(sets)
+        self._apply()
+
+    def _apply(self) -> None:
+        merged = dict(self._dir_sets)
+        errors: dict[str, str] = {}
+        for sets in self.sources.values():
+            for set_name, s in sets.items():
+                if set_name in merged:
+                    errors[set_name] = (f"{s.source}: set {set_name!r} is already declared in "
+                                        f"{merged[set_name].source}; ignoring it here")
+                    continue
+                merged[set_name] = s
+        self.source_errors = errors
+        self.reconciler.set_sets(merged)
 
     async def _watch(self) -> None:
         assert self.watcher is not None
@@ -73,7 +119,10 @@ class ImageSets:
         first = self.scans == 0
         self.scans += 1
         if result.changed or first:
-            self.reconciler.set_sets(result.sets)
+            self._dir_sets = result.sets
+            self._apply()
+        if first and self._held_pins is not None:
+            self._pins_out(self._held_pins)
         self._scanned.set()
 
     def halt(self) -> None:
@@ -97,6 +146,12 @@ class ImageSets:
             "files": len(self.directory.files),
             "file_errors": dict(self.file_errors),
         }
+        if self.sources:
+            out["sources"] = {name: len(sets) for name, sets in self.sources.items()}
+        if self.source_errors:
+            out["source_errors"] = dict(self.source_errors)
+        if self._overrides:
+            out["overrides"] = dict(self._overrides)
         if self.directory.dir_error:
             out["dir_error"] = self.directory.dir_error
         out.update(self.reconciler.status())

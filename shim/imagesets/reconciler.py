@@ -65,6 +65,7 @@ STATES = ("declared", "present", "pulling", "queued", "failed")
 
 PinSink = Callable[[list[tuple[str, str]]], None]
 HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
+SetCredentials = Callable[[frozenset[str]], "list[tuple[str, Credential]]"]  # set names -> their pull secrets' entries
 ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
 PREFETCH_POD = api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(
     name="cri-shim-prefetch", uid="cri-shim-prefetch", namespace="cri-shim"))
@@ -122,6 +123,7 @@ class Reconciler:
     def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None,
                  handler_for: HandlerFor | None = None, credentials: DockerConfigFiles | None = None,
+                 set_credentials: SetCredentials | None = None,
                  statvfs: Callable[[str], Any] = os.statvfs, clock: Callable[[], float] = time.monotonic,
                  resync_seconds: float = RESYNC_SECONDS, disk_recheck_seconds: float = DISK_RECHECK_SECONDS) -> None:
         self.cfg = cfg
@@ -132,6 +134,7 @@ class Reconciler:
         self._pins = pins
         self._handler_for = handler_for
         self.credentials = credentials if credentials is not None else DockerConfigFiles(cfg.docker_config)
+        self.set_credentials = set_credentials  # a set's own pull secrets (cluster sets), before the node's
         self.plugins: PluginProviders | None = None
         self._load_plugins(cfg)
         self._statvfs = statvfs
@@ -220,6 +223,14 @@ class Reconciler:
         self._update_pins()
         self._need_list = True
         self._next_list = 0.0
+        self._wake.set()
+
+    def retry_failed(self) -> None:
+        """Credentials changed: failed images are retried now, not at their backoff time."""
+        now = self._clock()
+        for img in self.images.values():
+            if img.state is State.FAILED:
+                img.retry_at = now
         self._wake.set()
 
     def _update_pins(self) -> None:
@@ -434,6 +445,8 @@ class Reconciler:
         keyring, most specific key first, as kubelet merges its providers), else anonymous."""
         try:
             entries = self.credentials.entries()
+            if self.set_credentials is not None:
+                entries = self.set_credentials(frozenset(img.sets)) + entries
             if self.plugins is not None:
                 entries += await self.plugins.entries(img.spelled)
             found: list[Credential | None] = list(Keyring(entries).lookup(img.spelled))

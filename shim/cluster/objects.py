@@ -1,0 +1,194 @@
+"""The API objects the cluster source reads and writes, and which of them apply to this node.
+
+Read:
+* ``ImageSet`` (``cri-shim.io/v1``, cluster-scoped, ``deploy/cluster/crds.yaml``): the file
+  format's spec (images, pin, runtimeHandler) plus ``nodeSelector`` (a LabelSelector; absent =
+  every node), ``imagePullSecrets`` (``[{namespace, name}]``, ``kubernetes.io/dockerconfigjson``)
+  and ``roleOverrides`` (``[{nodeSelector, maxParallel, cooldownSeconds}]``).
+* ``PinnedImageSet`` (``machineconfiguration.openshift.io/v1``, else ``v1alpha1``) applied when a
+  ``MachineConfigPool`` whose ``spec.nodeSelector`` matches this node's labels lists it in
+  ``spec.pinnedImageSets[].name``, as MCO does.
+* This node's ``Node`` (its labels).
+
+Written: ``NodeImageSetStatus`` (``cri-shim.io/v1``, cluster-scoped, named after the node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..imagesets.loader import HANDLER_ANNOTATION, ImageSet, SetFileError, parse_document
+
+
+@dataclass(frozen=True)
+class Kind:
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+IMAGE_SET = Kind("cri-shim.io", "v1", "imagesets", "ImageSet")
+NODE_STATUS = Kind("cri-shim.io", "v1", "nodeimagesetstatuses", "NodeImageSetStatus")
+PINNED_IMAGE_SETS = (Kind("machineconfiguration.openshift.io", "v1", "pinnedimagesets", "PinnedImageSet"),
+                     Kind("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets", "PinnedImageSet"))
+MACHINE_CONFIG_POOL = Kind("machineconfiguration.openshift.io", "v1", "machineconfigpools", "MachineConfigPool")
+FIELD_MANAGER = "cri-shim"
+DOCKER_CONFIG_JSON = "kubernetes.io/dockerconfigjson"
+CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides")
+
+
+class SelectorError(ValueError):
+    pass
+
+
+def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str], *, none_selects_all: bool) -> bool:
+    """A metav1.LabelSelector against a node's labels. ``{}`` selects every node."""
+    if selector is None:
+        return none_selects_all
+    if not isinstance(selector, Mapping):
+        raise SelectorError("a label selector must be a map")
+    for k, v in (selector.get("matchLabels") or {}).items():
+        if labels.get(k) != v:
+            return False
+    for i, expr in enumerate(selector.get("matchExpressions") or []):
+        key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
+        if op == "In":
+            ok = key in labels and labels[key] in values
+        elif op == "NotIn":
+            ok = key not in labels or labels[key] not in values
+        elif op == "Exists":
+            ok = key in labels
+        elif op == "DoesNotExist":
+            ok = key not in labels
+        else:
+            raise SelectorError(f"matchExpressions[{i}].operator: unknown operator {op!r}")
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class RoleOverride:
+    max_parallel: int | None
+    cooldown_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Selected:
+    """One set that applies to this node, with what the cluster adds to the file format."""
+    set: ImageSet
+    uid: str
+    secrets: tuple[SecretRef, ...] = ()
+    overrides: tuple[RoleOverride, ...] = ()  # those whose nodeSelector matches this node
+
+
+def source_of(obj: Mapping[str, Any]) -> str:
+    return f"cluster:{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
+
+
+def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | None:
+    """An ImageSet object: None when its nodeSelector does not select this node."""
+    spec = obj.get("spec") or {}
+    name = (obj.get("metadata") or {}).get("name")
+    where = f"ImageSet {name}"
+    try:
+        if not selects(spec.get("nodeSelector"), labels, none_selects_all=True):
+            return None
+    except SelectorError as e:
+        raise SetFileError(f"{where}.spec.nodeSelector: {e}") from None
+    doc = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+           "metadata": {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("name", "generation")},
+           "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
+    s = parse_document(doc, where, source_of(obj))
+    secrets = []
+    for i, ref in enumerate(spec.get("imagePullSecrets") or []):
+        if not isinstance(ref, Mapping) or not ref.get("name") or not ref.get("namespace"):
+            raise SetFileError(f"{where}.spec.imagePullSecrets[{i}]: needs namespace and name")
+        secrets.append(SecretRef(str(ref["namespace"]), str(ref["name"])))
+    overrides = []
+    for i, o in enumerate(spec.get("roleOverrides") or []):
+        try:
+            if not selects(o.get("nodeSelector"), labels, none_selects_all=False):
+                continue
+        except SelectorError as e:
+            raise SetFileError(f"{where}.spec.roleOverrides[{i}].nodeSelector: {e}") from None
+        mp, cd = o.get("maxParallel"), o.get("cooldownSeconds")
+        overrides.append(RoleOverride(int(mp) if mp is not None else None, float(cd) if cd is not None else None))
+    return Selected(s, str((obj.get("metadata") or {}).get("uid", "")), tuple(secrets), tuple(overrides))
+
+
+def pool_sets(pools: list[Mapping[str, Any]], labels: Mapping[str, str]) -> tuple[set[str], list[str]]:
+    """Names of the PinnedImageSets the pools of this node list, and errors of unreadable pools."""
+    names: set[str] = set()
+    errors = []
+    for pool in pools:
+        spec = pool.get("spec") or {}
+        pname = (pool.get("metadata") or {}).get("name")
+        try:
+            # MCO: a pool without a nodeSelector selects no node
+            if not selects(spec.get("nodeSelector"), labels, none_selects_all=False):
+                continue
+        except SelectorError as e:
+            errors.append(f"MachineConfigPool {pname}.spec.nodeSelector: {e}")
+            continue
+        for ref in spec.get("pinnedImageSets") or []:
+            if isinstance(ref, Mapping) and ref.get("name"):
+                names.add(str(ref["name"]))
+    return names, errors
+
+
+def pinned_set(obj: Mapping[str, Any]) -> Selected:
+    meta = obj.get("metadata") or {}
+    doc = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+           "metadata": {k: v for k, v in meta.items() if k in ("name", "generation", "annotations")},
+           "spec": {k: v for k, v in (obj.get("spec") or {}).items() if k == "pinnedImages"}}
+    if HANDLER_ANNOTATION not in (meta.get("annotations") or {}):
+        doc["metadata"].pop("annotations", None)
+    return Selected(parse_document(doc, f"PinnedImageSet {meta.get('name')}", source_of(obj)), str(meta.get("uid", "")))
+
+
+def select(node_labels: Mapping[str, str], own: list[Mapping[str, Any]], pinned: list[Mapping[str, Any]],
+           pools: list[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
+    """Every set that applies to this node, by set name, and errors by object.
+
+    An ImageSet and a PinnedImageSet of the same name: the ImageSet is used, the other reported.
+    """
+    out: dict[str, Selected] = {}
+    errors: dict[str, str] = {}
+    for obj in own:
+        try:
+            sel = own_set(obj, node_labels)
+        except SetFileError as e:
+            errors[source_of(obj)] = str(e)
+            continue
+        if sel is not None:
+            out[sel.set.name] = sel
+    names, pool_errors = pool_sets(pools, node_labels)
+    for err in pool_errors:
+        errors[err.split(".spec", 1)[0]] = err
+    for obj in pinned:
+        name = (obj.get("metadata") or {}).get("name")
+        if name not in names:
+            continue
+        try:
+            sel = pinned_set(obj)
+        except SetFileError as e:
+            errors[source_of(obj)] = str(e)
+            continue
+        if name in out:
+            errors[source_of(obj)] = f"PinnedImageSet {name}: an ImageSet of the same name applies; ignoring this one"
+            continue
+        out[name] = sel
+    return out, errors

@@ -1,0 +1,299 @@
+"""The cluster as a source of image sets for this node.
+
+Watches this node's Node (labels), the shim's ImageSets and, when ``cluster.mco`` is on, MCO's
+PinnedImageSets and MachineConfigPools; whenever one of them changes, selects the sets that
+apply to this node and hands them to the image-set manager (one diff against the runtime).
+
+Safe without the API: what was applied last is saved to ``cluster.state_file`` and loaded
+before the shim serves. While a resource cannot be read (API down, not installed, forbidden),
+the sets it gave last stay in force: losing the API never unpins or drops a set. Only a
+successful read that no longer selects a set removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from functools import partial
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import new_client_from_config
+
+from .. import logs
+from ..config import ClusterConfig
+from ..imagesets.loader import SetFileError
+from ..imagesets.manager import ImageSets
+from . import objects, state
+from .informer import Informer, backoff
+from .objects import Kind, Selected
+from .secrets import PullSecrets
+
+_log = logs.get("cluster")
+SOURCE = "cluster"
+
+
+def node_name(cfg: ClusterConfig) -> str:
+    return cfg.node_name or socket.gethostname().lower()
+
+
+def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
+    return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
+
+
+def _slim(obj: dict[str, Any]) -> dict[str, Any]:
+    """What the state file keeps of an object: no managedFields, no status."""
+    meta = {k: v for k, v in (obj.get("metadata") or {}).items()
+            if k in ("name", "uid", "generation", "resourceVersion", "annotations")}
+    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
+            "spec": obj.get("spec") or {}}
+
+
+class ClusterSource:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets) -> None:
+        self.cfg = cfg
+        self.sets = sets
+        self.node_name = node_name(cfg)
+        self.labels: dict[str, str] | None = None  # None: not known yet
+        self.selected: dict[str, Selected] = {}
+        self.errors: dict[str, str] = {}
+        self.state_error = ""
+        self.loaded_from_state = False
+        self.applies = 0
+        self.api: ApiClient | None = None
+        self.informers: dict[str, Informer] = {}
+        self.secrets: PullSecrets | None = None
+        self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
+        self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
+        self._inputs: object = None
+        self._dirty = asyncio.Event()
+        self.changed = asyncio.Event()  # set after every apply (the status writer listens)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------ state file
+
+    def load_state(self) -> None:
+        """At start, before serving: the sets applied last, so pins hold from the first call."""
+        try:
+            loaded = state.load(self.cfg.state_file)
+        except ValueError as e:
+            self.state_error = str(e)
+            logs.log(_log, logging.ERROR, "cluster state file unusable; waiting for the API server", error=str(e))
+            return
+        if loaded is None:
+            return
+        labels, own, pinned = loaded
+        self._own_raw = {o["metadata"]["name"]: o for o in own}
+        self._pinned_raw = {o["metadata"]["name"]: o for o in pinned}
+        self.labels = labels
+        self._select(labels, list(self._own_raw.values()), None)
+        self.loaded_from_state = True
+        logs.log(_log, logging.INFO, "cluster image sets loaded from the state file", file=self.cfg.state_file,
+                 sets=len(self.selected))
+
+    def _save(self) -> None:
+        assert self.labels is not None
+        try:
+            state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
+            self.state_error = ""
+        except OSError as e:
+            self.state_error = f"{self.cfg.state_file}: cannot write: {e.strerror}"
+            logs.log(_log, logging.ERROR, "cannot save the cluster state file; a restart without the API server "
+                     "would start without these sets", error=self.state_error)
+
+    # ------------------------------------------------------------------ selection
+
+    def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
+                mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None) -> bool:
+        """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed."""
+        selected, errors = objects.select(labels, own, [], [])
+        if mco is not None:
+            pinned, pools = mco
+            names, pool_errors = objects.pool_sets(pools, labels)
+            for err in pool_errors:
+                errors[err.split(".spec", 1)[0]] = err
+            pinned_objs = [o for o in pinned if o["metadata"]["name"] in names]
+        else:
+            pinned_objs = list(self._pinned_raw.values())
+        own_used = {s.set.name for s in selected.values()}
+        pinned_used: dict[str, dict[str, Any]] = {}
+        for obj in pinned_objs:
+            name = obj["metadata"]["name"]
+            try:
+                sel = objects.pinned_set(obj)
+            except SetFileError as e:
+                errors[objects.source_of(obj)] = str(e)
+                continue
+            if name in selected:
+                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
+                                                  "ignoring this one")
+                continue
+            selected[name] = sel
+            pinned_used[name] = obj
+        for key, err in errors.items():
+            if self.errors.get(key) != err:
+                logs.log(_log, logging.ERROR, "cluster image set rejected", object=key, error=err)
+        self.errors = errors
+        by_own = {o["metadata"]["name"]: o for o in own}
+        self._own_raw = {n: _slim(by_own[n]) for n in own_used if n in by_own}
+        self._pinned_raw = {n: _slim(o) for n, o in pinned_used.items()}
+        changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
+        self.selected = selected
+        if self.secrets is not None:
+            self.secrets.by_set = {n: s.secrets for n, s in selected.items() if s.secrets}
+        self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()})
+        self.sets.set_overrides(**self._overrides())
+        return changed
+
+    def _overrides(self) -> dict[str, Any]:
+        """The narrowest per-role override of any selected set: fewest lanes, longest cooldown."""
+        lanes = [o.max_parallel for s in self.selected.values() for o in s.overrides if o.max_parallel is not None]
+        cooldowns = [o.cooldown_seconds for s in self.selected.values() for o in s.overrides
+                     if o.cooldown_seconds is not None]
+        out: dict[str, Any] = {}
+        if lanes:
+            out["max_parallel"] = max(1, min(lanes))
+        if cooldowns:
+            out["cooldown_seconds"] = max(cooldowns)
+        return out
+
+    def recompute(self) -> bool:
+        """Apply what the informers know now. Returns True when anything was handed over."""
+        node_inf = self.informers.get("node")
+        if node_inf is None or not node_inf.synced:
+            return False
+        node = node_inf.items.get(self.node_name)
+        if node is None:
+            if self.errors.get("node") is None:
+                logs.log(_log, logging.WARNING, "this node's Node object does not exist; keeping the sets applied last",
+                         node=self.node_name)
+            self.errors["node"] = f"Node {self.node_name} not found"
+            return False
+        self.errors.pop("node", None)
+        labels = dict((node.get("metadata") or {}).get("labels") or {})
+        own_inf = self.informers["imagesets"]
+        own = list(own_inf.items.values()) if own_inf.synced else list(self._own_raw.values())
+        pis, mcp = self.informers.get("pinnedimagesets"), self.informers.get("machineconfigpools")
+        mco = ((list(pis.items.values()), list(mcp.items.values()))
+               if pis is not None and mcp is not None and pis.synced and mcp.synced else None)
+        inputs = (labels, [(o["metadata"]["name"], o["metadata"].get("resourceVersion")) for o in own],
+                  None if mco is None else [(o["metadata"]["name"], o["metadata"].get("resourceVersion"))
+                                            for o in (*mco[0], *mco[1])], own_inf.synced)
+        if inputs == self._inputs:
+            return False
+        self._inputs = inputs
+        if labels != self.labels:
+            logs.log(_log, logging.INFO, "node labels read", node=self.node_name, labels=len(labels))
+        self.labels = labels
+        self._select(labels, own, mco)
+        self.applies += 1
+        return True
+
+    # ------------------------------------------------------------------ running
+
+    async def start(self) -> None:
+        self.api = await new_client_from_config(config_file=self.cfg.kubeconfig, persist_config=False)
+        custom = CustomObjectsApi(self.api)
+        core = CoreV1Api(self.api)
+        self.secrets = PullSecrets(core, refresh_seconds=self.cfg.secret_refresh_seconds,
+                                   request_timeout=self.cfg.request_timeout_seconds)
+        self.secrets.by_set = {n: s.secrets for n, s in self.selected.items() if s.secrets}
+        self.sets.reconciler.set_credentials = self.secrets.for_sets
+        common: dict[str, Any] = dict(on_change=self._dirty.set, watch_timeout=self.cfg.watch_timeout_seconds,
+                      request_timeout=self.cfg.request_timeout_seconds,
+                      backoff_initial=self.cfg.backoff_initial_seconds, backoff_max=self.cfg.backoff_max_seconds)
+
+        self.informers = {
+            "node": Informer(self.api, "nodes", core.list_node, kind=("v1", "Node"),
+                             field_selector=f"metadata.name={self.node_name}", **common),
+            "imagesets": Informer(self.api, "imagesets", _lister(custom, objects.IMAGE_SET),
+                                  kind=(objects.IMAGE_SET.api_version, objects.IMAGE_SET.kind), **common),
+        }
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}") for name, inf in self.informers.items()]
+        self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
+        self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
+        if self.cfg.mco:  # in the background: the shim serves before any API request is answered
+            self._tasks.append(loop.create_task(self._start_mco(custom, common), name="cluster-mco"))
+
+    async def _start_mco(self, custom: CustomObjectsApi, common: dict[str, Any]) -> None:
+        pis = await self._pinned_version(custom)
+        mcp = objects.MACHINE_CONFIG_POOL
+        loop = asyncio.get_running_loop()
+        for key, kind in (("pinnedimagesets", pis), ("machineconfigpools", mcp)):
+            inf = Informer(self.api, f"{kind.plural}.{kind.version}", _lister(custom, kind),
+                           kind=(kind.api_version, kind.kind), **common)
+            self.informers[key] = inf
+            self._tasks.append(loop.create_task(inf.run(), name=f"cluster-watch-{key}"))
+
+    async def _pinned_version(self, custom: CustomObjectsApi) -> Kind:
+        """PinnedImageSet at v1 when the API serves it, else v1alpha1 (v1 when neither is installed).
+        Asked again with backoff until the API server answers."""
+        failures = 0
+        while True:
+            try:
+                for kind in objects.PINNED_IMAGE_SETS:
+                    try:
+                        await custom.list_cluster_custom_object(kind.group, kind.version, kind.plural, limit=1,
+                                                                _request_timeout=self.cfg.request_timeout_seconds)
+                        return kind
+                    except ApiException as e:
+                        if e.status != 404:
+                            raise
+                return objects.PINNED_IMAGE_SETS[0]
+            except Exception:  # down, forbidden: ask again
+                failures += 1
+                await asyncio.sleep(backoff(failures, self.cfg.backoff_initial_seconds, self.cfg.backoff_max_seconds))
+
+    async def _apply_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self.recompute():
+                await asyncio.to_thread(self._save)
+                self.changed.set()
+                if self.secrets is not None and self.secrets.due():
+                    await self._refresh_secrets()
+
+    async def _secrets_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.cfg.secret_refresh_seconds, 60.0))
+            await self._refresh_secrets()
+
+    async def _refresh_secrets(self) -> None:
+        assert self.secrets is not None
+        due = self.secrets.due()
+        if due and await self.secrets.refresh(due):
+            self.sets.reconciler.retry_failed()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self.api is not None:
+            await self.api.close()
+            self.api = None
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "node": self.node_name,
+            "labels_known": self.labels is not None,
+            "loaded_from_state": self.loaded_from_state,
+            "state_file": self.cfg.state_file,
+            "sets": {n: {"kind": s.set.kind, "generation": s.set.generation} for n, s in sorted(self.selected.items())},
+            "watches": {name: {"synced": inf.synced, "lists": inf.lists, "watches": inf.watches,
+                               **({"error": inf.error} if inf.error else {})}
+                        for name, inf in self.informers.items()},
+        }
+        if self.errors:
+            out["errors"] = dict(self.errors)
+        if self.state_error:
+            out["state_error"] = self.state_error
+        if self.secrets is not None and self.secrets.by_set:
+            out["pull_secrets"] = self.secrets.status()
+        return out
+
+

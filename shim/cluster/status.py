@@ -1,0 +1,292 @@
+"""This node's status object: one ``NodeImageSetStatus`` per node, named after it, written only
+by that node's shim with server-side apply (field manager ``cri-shim``).
+
+Writes are coalesced: the document is rebuilt at most every ``cluster.status_interval_seconds``
+and sent only when it differs from the last one written, so a node at rest writes nothing and a
+busy node at most one request per interval. A failed write is retried at the next interval
+(the status catches up once the API server is back). Failures also become Warning Events on the
+status object, at most one per set and reason every ``cluster.event_interval_seconds``.
+
+Per set: desired generation (what is declared), current generation (the last one whose images
+were all present, and pinned when the set pins), last failed generation with its error, image
+counts by state, failures by typed reason, bytes done / total of its running pulls.
+Conditions: ``Ready`` (every set current), ``Progressing`` (pulls queued or running, no failure:
+slow is not failed), ``Degraded`` (an image failed: auth, not found, no space, stalled, other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Any, Callable
+
+from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
+
+from .. import logs
+from ..imagesets.manager import ImageSets
+from ..imagesets.reconciler import State, _keys
+from ..pulls.poller import ProgressPoller
+from ..reference import pull_name
+from .informer import describe
+from .objects import FIELD_MANAGER, NODE_STATUS
+from .source import ClusterSource
+
+_log = logs.get("cluster")
+REASONS = ("auth", "notFound", "noSpace", "stalled", "other")
+_CONDITION_REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
+                     "other": "PullFailed"}
+
+
+def classify(error: str) -> str:
+    """A failed pull's typed reason, from the gRPC code and message the runtime gave."""
+    e = error.lower()
+    code = error.split(":", 1)[0]
+    if "stalled" in e:
+        return "stalled"
+    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(
+            s in e for s in ("401", "403", "unauthorized", "authorization failed", "failed to authorize",
+                             "denied", "authentication required")):
+        return "auth"
+    if code == "NOT_FOUND" or any(s in e for s in ("not found", "manifest unknown", "name unknown", "404")):
+        return "notFound"
+    if code == "RESOURCE_EXHAUSTED" or "no space left" in e:
+        return "noSpace"
+    return "other"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class NodeStatus:
+    def __init__(self, source: ClusterSource, sets: ImageSets, poller: ProgressPoller | None, *,
+                 interval: float, event_interval: float, event_namespace: str, request_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.sets = sets
+        self.poller = poller
+        self.interval = interval
+        self.event_interval = event_interval
+        self.event_namespace = event_namespace
+        self.request_timeout = request_timeout
+        self._clock = clock
+        self.current: dict[str, str] = {}  # set -> last generation found complete
+        self.failed: dict[str, tuple[str, str]] = {}  # set -> (generation, error) of the last failure
+        self._conditions: dict[str, dict[str, str]] = {}
+        self.last_written: dict[str, Any] | None = None
+        self.writes = 0
+        self.write_errors = 0
+        self.error = ""
+        self.uid = ""
+        self.events_sent = 0
+        self._event_at: dict[tuple[str, str], float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ the document
+
+    def _bytes(self) -> dict[str, tuple[int, int]]:
+        """pull name -> (bytes done, bytes total) of the background pulls running now."""
+        out: dict[str, tuple[int, int]] = {}
+        if self.poller is None:
+            return out
+        for t in self.poller.running.values():
+            p = t.progress
+            if p.manifest is not None:
+                out[t.flight.key.image] = (p.bytes_done, p.bytes_total)
+        return out
+
+    def document(self) -> dict[str, Any]:
+        rec = self.sets.reconciler
+        pins = rec._pins() if rec._pins is not None else None
+        by_pull = self._bytes()
+        rows = []
+        totals: Counter[str] = Counter()
+        reasons_all: Counter[str] = Counter()
+        errors: list[str] = []
+        cluster_sets = self.sets.sources.get("cluster", {})
+        for name, s in sorted(rec.sets.items()):
+            c = rec._counts(s)
+            reasons: Counter[str] = Counter()
+            done = total = 0
+            for key in _keys(s) if c["failed"] or c["pulling"] else ():
+                img = rec.images.get(key)
+                if img is not None and img.state is State.FAILED:
+                    reasons[classify(img.error)] += 1
+                elif img is not None and img.state is State.PULLING:
+                    d, t = by_pull.get(pull_name(img.spelled), (0, 0))
+                    done, total = done + d, total + t
+            if c["queued"] and rec.disk_blocked:
+                reasons["noSpace"] += c["queued"]
+            pinned_ok = not s.pin or pins is None or all(pins.match([r]) is not None for r in s.refs)
+            if c["present"] == c["declared"] and pinned_ok:
+                self.current[name] = s.generation
+            err = rec._last_error(s) or (rec.disk_blocked if c["queued"] and rec.disk_blocked else "")
+            if c["failed"] or (c["queued"] and rec.disk_blocked):
+                self.failed[name] = (s.generation, err)
+                errors.append(f"{name}: {err}")
+            row: dict[str, Any] = {
+                "name": name, "kind": s.kind, "source": "cluster" if name in cluster_sets else "file",
+                "desiredGeneration": s.generation,
+                "images": {k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")},
+            }
+            if name in self.current:
+                row["currentGeneration"] = self.current[name]
+            if name in self.failed:
+                row["lastFailedGeneration"] = self.failed[name][0]
+                if c["failed"] or (c["queued"] and rec.disk_blocked):
+                    row["error"] = self.failed[name][1][:1024]
+            if reasons:
+                row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons[r]}
+            if total:
+                row["bytesDone"], row["bytesTotal"] = done, total
+            rows.append(row)
+            totals.update({k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")})
+            reasons_all.update(reasons)
+        for name in list(self.current):
+            if name not in rec.sets:
+                del self.current[name]
+        for name in list(self.failed):
+            if name not in rec.sets:
+                del self.failed[name]
+        n_current = sum(1 for r in rows if r.get("currentGeneration") == r["desiredGeneration"])
+        summary = {"sets": len(rows), "current": n_current, **{k: totals[k] for k in
+                                                               ("declared", "present", "pulling", "queued", "failed")}}
+        status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": rows, "summary": summary,
+                                  "conditions": self._conds(rows, totals, reasons_all, errors, n_current)}
+        return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
+                "metadata": {"name": self.source.node_name}, "status": status}
+
+    def _conds(self, rows: list[dict[str, Any]], totals: Counter[str], reasons: Counter[str], errors: list[str],
+               n_current: int) -> list[dict[str, str]]:
+        busy = totals["pulling"] + totals["queued"]
+        degraded = bool(errors)
+        want = {
+            "Ready": ("True", "AllSetsCurrent", f"{n_current} of {len(rows)} sets current")
+            if n_current == len(rows) else ("False", "SetsNotCurrent", f"{n_current} of {len(rows)} sets current"),
+            "Progressing": ("True", "Pulling", f"{totals['present']} of {totals['declared']} images present, "
+                            f"{totals['pulling']} pulling, {totals['queued']} queued")
+            if busy else ("False", "Idle", "no image set pull queued or running"),
+            "Degraded": ("True", _CONDITION_REASON[reasons.most_common(1)[0][0]] if reasons else "PullFailed",
+                         "; ".join(errors[:5])[:2048])
+            if degraded else ("False", "NoFailures", "no image of a set has failed"),
+        }
+        out = []
+        for typ, (st, reason, message) in want.items():
+            old = self._conditions.get(typ)
+            since = old["lastTransitionTime"] if old is not None and old["status"] == st else _now()
+            cond = {"type": typ, "status": st, "reason": reason, "message": message, "lastTransitionTime": since}
+            self._conditions[typ] = cond
+            out.append(cond)
+        return out
+
+    # ------------------------------------------------------------------ writing
+
+    async def write(self, custom: CustomObjectsApi) -> bool:
+        """Apply the document when it changed since the last write. True when written."""
+        doc = self.document()
+        if doc == self.last_written:
+            return False
+        try:
+            resp = await custom.patch_cluster_custom_object(
+                NODE_STATUS.group, NODE_STATUS.version, NODE_STATUS.plural, self.source.node_name, doc,
+                field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+                _request_timeout=self.request_timeout)
+        except Exception as e:
+            self.write_errors += 1
+            err = describe(e)
+            if err != self.error:
+                logs.log(_log, logging.WARNING, "cannot write this node's image set status; will retry",
+                         error=err, interval=self.interval)
+            self.error = err
+            return False
+        if self.error:
+            logs.log(_log, logging.INFO, "image set status written again")
+        self.error = ""
+        self.uid = (resp.get("metadata") or {}).get("uid", "") if isinstance(resp, dict) else ""
+        self.last_written = doc
+        self.writes += 1
+        return True
+
+    async def events(self, core: CoreV1Api) -> None:
+        """A Warning Event per set and failure reason, at most one every event_interval."""
+        if not self.uid or self.last_written is None:
+            return
+        now = self._clock()
+        for row in self.last_written["status"]["sets"]:
+            for reason in row.get("failedReasons", {}):
+                key = (row["name"], reason)
+                if now - self._event_at.get(key, -1e18) < self.event_interval:
+                    continue
+                self._event_at[key] = now
+                ts = _now()
+                body = {
+                    "metadata": {"generateName": f"{self.source.node_name}.", "namespace": self.event_namespace},
+                    "involvedObject": {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
+                                       "name": self.source.node_name, "uid": self.uid},
+                    "reason": f"ImageSet{_CONDITION_REASON[reason]}", "type": "Warning",
+                    "message": f"image set {row['name']} generation {row['desiredGeneration']}: "
+                               f"{row['failedReasons'][reason]} image(s) failed ({reason}): {row.get('error', '')}"[:1024],
+                    "source": {"component": FIELD_MANAGER, "host": self.source.node_name},
+                    "reportingComponent": FIELD_MANAGER, "reportingInstance": self.source.node_name,
+                    "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
+                }
+                try:
+                    await core.create_namespaced_event(self.event_namespace, body,
+                                                       _request_timeout=self.request_timeout)
+                    self.events_sent += 1
+                except Exception as e:
+                    logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
+        for key in [k for k in self._event_at if k[0] not in self.sets.reconciler.sets]:
+            del self._event_at[key]
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cluster-status")
+
+    async def _loop(self) -> None:
+        assert self.source.api is not None
+        custom, core = CustomObjectsApi(self.source.api), CoreV1Api(self.source.api)
+        last = -1e18
+        while True:
+            changed = False
+            try:
+                async with asyncio.timeout(self.interval):
+                    await self.source.changed.wait()
+                    changed = True
+            except TimeoutError:
+                pass
+            self.source.changed.clear()
+            if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
+                await self._settle()
+            wait = last + self.interval - self._clock()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self.source.labels is None:
+                continue  # nothing to say before this node's labels are known
+            try:
+                if await self.write(custom):
+                    last = self._clock()
+                    await self.events(core)
+            except Exception as e:  # a bug here must not end status reporting for good
+                logs.log(_log, logging.ERROR, "image set status not written", error=describe(e))
+                last = self._clock()
+
+    async def _settle(self, limit: float = 2.0) -> None:
+        """Wait (at most ``limit`` s) until the reconciler has finished a pass over the new sets."""
+        rec = self.sets.reconciler
+        before = rec.last_pass
+        deadline = self._clock() + limit
+        while rec.last_pass is before and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def status(self) -> dict[str, Any]:
+        return {"writes": self.writes, "write_errors": self.write_errors, "events": self.events_sent,
+                **({"error": self.error} if self.error else {}),
+                **({"summary": self.last_written["status"]["summary"]} if self.last_written else {})}

@@ -1,0 +1,195 @@
+"""A real control plane for the ``cluster`` suite: etcd + kube-apiserver on loopback.
+
+Install: ``scripts/setup.d/55-apiserver.sh`` builds both from the Go module proxy into
+/var/cache/cri-shim/{etcd-<v>,kube-apiserver-<v>}/. Certificates are made here with ``openssl``
+(a CA, the serving cert for 127.0.0.1, the service-account signing key); clients authenticate
+with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters), one user per
+node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the
+RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them) and one kubelet
+identity per node (``system:node:<node>``). Authorization: Node, RBAC.
+
+    cp = ControlPlane(workdir).start()
+    cp.kubeconfig(path, token=cp.admin_token)
+    cp.stop_apiserver(); cp.start_apiserver()   # etcd keeps the data
+    cp.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from tests.support import binaries
+from tests.support.procs import terminate
+from tests.support.registry import free_port
+
+K8S_VERSION = os.environ.get("CRI_SHIM_APISERVER_VERSION", "v1.35.0")
+ETCD_VERSION = os.environ.get("CRI_SHIM_ETCD_VERSION", "v3.6.17")
+APISERVER = Path(f"/var/cache/cri-shim/kube-apiserver-{K8S_VERSION}/kube-apiserver")
+ETCD = Path(f"/var/cache/cri-shim/etcd-{ETCD_VERSION}/etcd")
+INSTALL = "bash scripts/setup.d/55-apiserver.sh"
+SA_NAMESPACE = "cri-shim"
+
+
+def require_control_plane() -> tuple[str, str]:
+    import pytest
+
+    apiserver = os.environ.get("CRI_SHIM_KUBE_APISERVER") or str(APISERVER)
+    etcd = os.environ.get("CRI_SHIM_ETCD") or str(ETCD)
+    for path in (apiserver, etcd):
+        if not os.access(path, os.X_OK):
+            msg = f"no {Path(path).name} at {path} (install: {INSTALL})"
+            if binaries.in_ci():
+                pytest.fail(msg + " (CI is set: cluster tests must not be skipped)", pytrace=False)
+            pytest.skip(msg)
+    return apiserver, etcd
+
+
+def node_user(node: str) -> str:
+    return f"system:serviceaccount:{SA_NAMESPACE}:cri-shim-{node}"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+class ControlPlane:
+    def __init__(self, workdir: Path, *, apiserver: str, etcd: str, nodes: tuple[str, ...] = ()) -> None:
+        self.dir = workdir
+        self.apiserver_bin = apiserver
+        self.etcd_bin = etcd
+        self.port = free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.admin_token = secrets.token_hex(16)
+        self.node_tokens = {n: secrets.token_hex(16) for n in nodes}  # the node's cri-shim ServiceAccount
+        self.kubelet_tokens = {n: secrets.token_hex(16) for n in nodes}  # system:node:<n>, for a real kubelet
+        self.etcd: subprocess.Popen[bytes] | None = None
+        self.apiserver: subprocess.Popen[bytes] | None = None
+        self.ca = self.dir / "ca.crt"
+
+    # ------------------------------------------------------------------ certificates
+
+    def _certs(self) -> None:
+        d = self.dir
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+                 "-days", "2", "-subj", "/CN=cri-shim-test-ca", cwd=d)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+                 "-subj", "/CN=kube-apiserver", cwd=d)
+        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", "server.crt", "-days", "2", "-extfile", "san.ext", cwd=d)
+        _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
+        _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+        lines = [f"{self.admin_token},admin,admin,system:masters"]
+        lines += [f"{tok},{node_user(n)},{n},system:serviceaccounts" for n, tok in self.node_tokens.items()]
+        lines += [f'{tok},system:node:{n},kubelet-{n},"system:nodes,system:authenticated"'
+                  for n, tok in self.kubelet_tokens.items()]
+        (d / "tokens.csv").write_text("\n".join(lines) + "\n")
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self) -> "ControlPlane":
+        self._certs()
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        self.etcd_log = open(self.dir / "etcd.log", "ab")
+        self.etcd = subprocess.Popen(
+            [self.etcd_bin, "--name", "test", "--data-dir", str(self.dir / "etcd"),
+             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"test=http://127.0.0.1:{peer}", "--unsafe-no-fsync",
+             "--log-level", "warn"],
+            stdout=self.etcd_log, stderr=subprocess.STDOUT)
+        self.start_apiserver()
+        return self
+
+    def start_apiserver(self, timeout: float = 120.0) -> None:
+        d = self.dir
+        self.apiserver_log = open(d / "apiserver.log", "ab")
+        self.apiserver = subprocess.Popen(
+            [self.apiserver_bin, "--etcd-servers", self.etcd_url, "--bind-address", "127.0.0.1",
+             "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
+             "--tls-cert-file", str(d / "server.crt"), "--tls-private-key-file", str(d / "server.key"),
+             "--cert-dir", str(d / "certs"),
+             "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", "Node,RBAC",
+             "--service-account-issuer", "https://kubernetes.default.svc",
+             "--service-account-key-file", str(d / "sa.pub"),
+             "--service-account-signing-key-file", str(d / "sa.key"),
+             "--service-cluster-ip-range", "10.96.0.0/24", "--allow-privileged",
+             "--enable-priority-and-fairness=false", "--watch-cache=true", "-v", "1"],
+            stdout=self.apiserver_log, stderr=subprocess.STDOUT)
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.ca))
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            assert self.apiserver is not None
+            if self.apiserver.poll() is not None:
+                raise RuntimeError(f"kube-apiserver exited {self.apiserver.returncode}: {self.log_tail()}")
+            req = urllib.request.Request(f"{self.url}/readyz",
+                                         headers={"Authorization": f"Bearer {self.admin_token}"})
+            try:
+                with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except Exception as e:  # not listening yet, 500 while post-start hooks run
+                last = str(e)
+            time.sleep(0.2)
+        raise RuntimeError(f"kube-apiserver not ready after {timeout} s ({last}): {self.log_tail()}")
+
+    def stop_apiserver(self) -> None:
+        if self.apiserver is not None:
+            terminate(self.apiserver, timeout=15)
+            self.apiserver = None
+            self.apiserver_log.close()
+
+    def stop(self) -> None:
+        self.stop_apiserver()
+        if self.etcd is not None:
+            terminate(self.etcd, timeout=15)
+            self.etcd = None
+            self.etcd_log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return (self.dir / "apiserver.log").read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def log_tails(self) -> dict[str, str]:
+        return {"kube-apiserver": self.log_tail()}
+
+    # ------------------------------------------------------------------ clients
+
+    def kubeconfig(self, path: Path, *, token: str | None = None, user: str = "admin") -> Path:
+        doc = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
+            "users": [{"name": user, "user": {"token": token or self.admin_token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
+        }
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    def node_kubeconfig(self, path: Path, node: str) -> Path:
+        """The node's cri-shim ServiceAccount (rights: deploy/cluster/*rbac.yaml)."""
+        return self.kubeconfig(path, token=self.node_tokens[node], user=node)
+
+    def kubelet_kubeconfig(self, path: Path, node: str) -> Path:
+        """A kubelet's identity (system:node:<node>): the Node authorizer lets it register its Node."""
+        return self.kubeconfig(path, token=self.kubelet_tokens[node], user=f"kubelet-{node}")
+
+
+def remove(workdir: Path) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,224 @@
+"""The cluster source's decisions without an API server: selection, overrides, the state file,
+keeping sets while a resource cannot be read, failure typing and backoff."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from shim import config
+from shim.cluster import objects, state
+from shim.cluster.informer import backoff
+from shim.cluster.source import ClusterSource
+from shim.cluster.status import classify
+
+
+def own(name: str, images: list[str], selector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {"images": [{"name": i} for i in images], **spec}
+    if selector is not None:
+        s["nodeSelector"] = selector
+    return {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet",
+            "metadata": {"name": name, "generation": 3, "uid": "u-" + name, "resourceVersion": "1"}, "spec": s}
+
+
+def pis(name: str, images: list[str], version: str = "v1") -> dict[str, Any]:
+    return {"apiVersion": f"machineconfiguration.openshift.io/{version}", "kind": "PinnedImageSet",
+            "metadata": {"name": name, "generation": 1, "resourceVersion": "1"},
+            "spec": {"pinnedImages": [{"name": i} for i in images]}}
+
+
+def pool(name: str, selector: dict[str, Any] | None, sets: list[str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"pinnedImageSets": [{"name": s} for s in sets]}
+    if selector is not None:
+        spec["nodeSelector"] = selector
+    return {"apiVersion": "machineconfiguration.openshift.io/v1", "kind": "MachineConfigPool",
+            "metadata": {"name": name, "resourceVersion": "1"}, "spec": spec}
+
+
+@pytest.mark.parametrize("selector,labels,expected", [
+    ({}, {}, True),
+    ({"matchLabels": {"a": "1"}}, {"a": "1", "b": "2"}, True),
+    ({"matchLabels": {"a": "1"}}, {"a": "2"}, False),
+    ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["1", "2"]}]}, {"a": "2"}, True),
+    ({"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["1"]}]}, {}, True),
+    ({"matchExpressions": [{"key": "a", "operator": "Exists"}]}, {"b": "1"}, False),
+    ({"matchExpressions": [{"key": "a", "operator": "DoesNotExist"}]}, {"b": "1"}, True),
+])
+def test_label_selector(selector: dict[str, Any], labels: dict[str, str], expected: bool) -> None:
+    assert objects.selects(selector, labels, none_selects_all=False) is expected
+
+
+def test_selection_own_sets_pools_and_name_clash() -> None:
+    labels = {"node-role.kubernetes.io/worker": "", "zone": "a"}
+    sel, errors = objects.select(
+        labels,
+        [own("gpu", ["reg/x:1"], {"matchLabels": {"zone": "a"}}, pin=True),
+         own("other-zone", ["reg/y:1"], {"matchLabels": {"zone": "b"}}),
+         own("everywhere", ["reg/z:1"]),
+         own("clash", ["reg/c:1"])],
+        [pis("worker-set", ["reg/w@sha256:" + "a" * 64]), pis("master-set", ["reg/m:1"]), pis("clash", ["reg/d:1"])],
+        [pool("worker", {"matchExpressions": [{"key": "node-role.kubernetes.io/worker", "operator": "Exists"}]},
+              ["worker-set", "clash"]),
+         pool("master", {"matchLabels": {"node-role.kubernetes.io/master": ""}}, ["master-set"]),
+         pool("no-selector", None, ["master-set"])])
+    assert sorted(sel) == ["clash", "everywhere", "gpu", "worker-set"]
+    assert sel["gpu"].set.pin is True and sel["gpu"].set.generation == "3"
+    assert sel["everywhere"].set.pin is False
+    assert sel["worker-set"].set.kind == "PinnedImageSet" and sel["worker-set"].set.pin is True
+    assert sel["clash"].set.kind == "ImageSet"
+    assert "same name" in errors["cluster:PinnedImageSet/clash"]
+    assert sel["gpu"].set.ignored == ()  # nodeSelector is used here, not ignored
+
+
+def test_bad_set_reported_others_applied() -> None:
+    sel, errors = objects.select({}, [own("bad", ["reg/*:1"]), own("good", ["reg/a:1"])], [], [])
+    assert list(sel) == ["good"]
+    assert "globs" in errors["cluster:ImageSet/bad"]
+
+
+def test_role_overrides_and_secrets() -> None:
+    obj = own("cp", ["reg/a:1"], None, imagePullSecrets=[{"namespace": "ns", "name": "pull"}],
+              roleOverrides=[{"nodeSelector": {"matchLabels": {"node-role.kubernetes.io/control-plane": ""}},
+                              "maxParallel": 1, "cooldownSeconds": 30},
+                             {"nodeSelector": {"matchLabels": {"pool": "edge"}}, "maxParallel": 3}])
+    sel = objects.own_set(obj, {"node-role.kubernetes.io/control-plane": ""})
+    assert sel is not None
+    assert sel.secrets == (objects.SecretRef("ns", "pull"),)
+    assert sel.overrides == (objects.RoleOverride(1, 30.0),)
+    worker = objects.own_set(obj, {})
+    assert worker is not None and worker.overrides == ()
+
+
+class FakeSets:
+    def __init__(self) -> None:
+        self.sources: dict[str, dict[str, Any]] = {}
+        self.overrides: dict[str, Any] = {}
+        self.reconciler = SimpleNamespace(set_credentials=None)
+
+    def set_source(self, name: str, sets: dict[str, Any]) -> None:
+        self.sources[name] = sets
+
+    def set_overrides(self, **o: Any) -> None:
+        self.overrides = o
+
+
+def fake_informer(items: list[dict[str, Any]] | None) -> SimpleNamespace:
+    """None: never read (API down from the start)."""
+    return SimpleNamespace(synced=items is not None, items={o["metadata"]["name"]: o for o in items or []})
+
+
+def node(labels: dict[str, str]) -> dict[str, Any]:
+    return {"metadata": {"name": "n1", "labels": labels, "resourceVersion": "1"}}
+
+
+def source(tmp_path: Path) -> tuple[ClusterSource, FakeSets]:
+    cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
+    sets = FakeSets()
+    return ClusterSource(cfg, sets), sets  # type: ignore[arg-type]
+
+
+def test_state_file_restores_sets_and_never_drops_while_unreadable(tmp_path: Path) -> None:
+    src, sets = source(tmp_path)
+    src.informers = {"node": fake_informer([node({"zone": "a"})]),
+                     "imagesets": fake_informer([own("a", ["reg/a:1"], {"matchLabels": {"zone": "a"}}, pin=True)]),
+                     "pinnedimagesets": fake_informer([pis("w", ["reg/w:1"])]),
+                     "machineconfigpools": fake_informer([pool("worker", {"matchLabels": {"zone": "a"}}, ["w"])])}
+    assert src.recompute()
+    src._save()
+    assert sorted(sets.sources["cluster"]) == ["a", "w"]
+    saved = json.loads((tmp_path / "state.json").read_text())
+    assert saved["labels"] == {"zone": "a"} and [o["metadata"]["name"] for o in saved["imageSets"]] == ["a"]
+
+    # the MCO resources become unreadable (informers not synced): what they gave stays
+    src.informers["pinnedimagesets"] = fake_informer(None)
+    src.informers["node"] = fake_informer([node({"zone": "a", "new": "label"})])
+    assert src.recompute()
+    assert sorted(sets.sources["cluster"]) == ["a", "w"]
+
+    # a new process, nothing readable yet: the state file gives the same sets before any API call
+    src2, sets2 = source(tmp_path)
+    src2.load_state()
+    assert src2.loaded_from_state and sorted(sets2.sources["cluster"]) == ["a", "w"]
+    assert sets2.sources["cluster"]["a"].pin is True
+    src2.informers = {"node": fake_informer(None), "imagesets": fake_informer(None)}
+    assert not src2.recompute()
+    assert sorted(sets2.sources["cluster"]) == ["a", "w"]
+
+    # labels read again and no longer selecting: that (successful) read removes the set
+    src2.informers = {"node": fake_informer([node({"zone": "b"})]), "imagesets": fake_informer(None)}
+    assert src2.recompute()
+    assert sorted(sets2.sources["cluster"]) == ["w"]
+
+
+def test_node_status_changes_do_not_reselect(tmp_path: Path) -> None:
+    src, sets = source(tmp_path)
+    src.informers = {"node": fake_informer([node({"zone": "a"})]), "imagesets": fake_informer([own("a", ["reg/a:1"])])}
+    assert src.recompute()
+    n = node({"zone": "a"})
+    n["metadata"]["resourceVersion"] = "2"  # a kubelet heartbeat: same labels
+    src.informers["node"] = fake_informer([n])
+    assert not src.recompute()
+
+
+def test_overrides_narrowest_wins(tmp_path: Path) -> None:
+    src, sets = source(tmp_path)
+    cp = {"nodeSelector": {"matchLabels": {"cp": ""}}}
+    src.informers = {"node": fake_informer([node({"cp": ""})]),
+                     "imagesets": fake_informer([own("a", ["reg/a:1"], roleOverrides=[{**cp, "maxParallel": 2}]),
+                                                 own("b", ["reg/b:1"], roleOverrides=[{**cp, "maxParallel": 1,
+                                                                                       "cooldownSeconds": 30}])])}
+    src.recompute()
+    assert sets.overrides == {"max_parallel": 1, "cooldown_seconds": 30.0}
+
+
+def test_state_file_rejects_foreign_content(tmp_path: Path) -> None:
+    p = tmp_path / "s.json"
+    p.write_text('{"version": 99}')
+    with pytest.raises(ValueError, match="not a cri-shim cluster state file"):
+        state.load(str(p))
+    assert state.load(str(tmp_path / "missing.json")) is None
+
+
+@pytest.mark.parametrize("error,reason", [
+    ("UNKNOWN: failed to pull: failed to authorize: 401 Unauthorized", "auth"),
+    ("NOT_FOUND: failed to resolve reference \"r/x:1\": r/x:1: not found", "notFound"),
+    ("UNKNOWN: write /var/lib/containerd/x: no space left on device", "noSpace"),
+    ("UNAVAILABLE: cri-shim: pull of r/x:1 stalled: 9 KiB in the last 60 s (< 64 KiB/s); cancelled", "stalled"),
+    ("UNKNOWN: connection reset by peer", "other"),
+])
+def test_failure_reasons(error: str, reason: str) -> None:
+    assert classify(error) == reason
+
+
+def test_backoff_full_jitter_bounds() -> None:
+    assert backoff(1, 1.0, 60.0, rng=lambda: 1.0) == 1.0
+    assert backoff(10, 1.0, 60.0, rng=lambda: 1.0) == 60.0
+    assert backoff(10, 1.0, 60.0, rng=lambda: 0.0) == 0.1  # never zero: no tight loop
+    assert backoff(3, 1.0, 60.0, rng=lambda: 0.5) == 2.0
+
+
+def test_config_cluster_keys() -> None:
+    with pytest.raises(config.ConfigError, match="cluster.status_interval_seconds"):
+        config.from_dict({"cluster": {"status_interval_seconds": 0.5}})
+    with pytest.raises(config.ConfigError, match="cluster.kubeconfig"):
+        config.from_dict({"cluster": {"kubeconfig": "/no/such/kubeconfig"}})
+    with pytest.raises(config.ConfigError, match="cluster.nope"):
+        config.from_dict({"cluster": {"nope": 1}})
+
+
+def test_fleet_summary() -> None:
+    from shim.cluster.fleet import summarize
+
+    def obj(node: str, **row: Any) -> dict[str, Any]:
+        return {"metadata": {"name": node}, "status": {"sets": [{"name": "s", "desiredGeneration": "2", **row}]}}
+
+    out = summarize([obj("a", currentGeneration="2"), obj("b", currentGeneration="1"),
+                     obj("c", images={"failed": 1}, failedReasons={"auth": 1}, error="x: 401"),
+                     {"metadata": {"name": "d"}, "status": {"sets": []}}])
+    s = out["s"]
+    assert (s["selected"], s["done"], s["progressing"], s["failing"]) == (3, 1, 1, 1)
+    assert s["failures"] == [{"node": "c", "reasons": "auth", "error": "x: 401"}]
