@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2 as pb
-from tests.e2e.test_handlers_containerd2 import ctrd2, runtime_used, snapshots  # noqa: F401 (fixture)
+from tests.e2e.test_handlers_containerd2 import runtime_used, snapshots
 from tests.e2e.test_pull_storm import metric, pool, resolves, results, storm, wait_for  # noqa: F401 (fixture)
 from tests.support import cri
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
