@@ -39,6 +39,7 @@ import pytest
 
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC
+from tests.support.fake_runtime import FAKE_BIDI
 from tests.support.fixtures import shim_factory  # noqa: F401  (fixture)
 from tests.support.pull_chaos import Tally, image_names, one_caller, settled_gauges
 from tests.support.registry import free_port
@@ -125,7 +126,7 @@ async def op_cancel(load: Load) -> None:
 
 
 async def op_bidi(load: Load) -> None:
-    call = load.ch().stream_stream("/fake.Bidi/Echo")(iter([b"a", b"bc"]), timeout=10)
+    call = load.ch().stream_stream(FAKE_BIDI + "Echo")(iter([b"a", b"bc"]), timeout=10)
     try:
         got = [m async for m in call]
     except grpc.aio.AioRpcError as e:

@@ -98,7 +98,8 @@ def soak_list_containers() -> bytes:
 def soak_runtime(socket: str):  # type: ignore[no-untyped-def]
     """The soak's scripted runtime: an image store (ImageStatus, ListImages, StreamImages, RemoveImage),
     pulls from :mod:`tests.support.pull_chaos`, a fixed ListContainers, a NOT_FOUND ContainerStatus,
-    an ExecSync that takes 1 s, ``/fake.Bidi/*`` echo streams, and ``/soak.Stats/Get``: the pulls'
+    an ExecSync that takes 1 s, ``runtime.v1.FakeBidi/*`` echo streams (a CRI method from the
+    future), and ``/soak.Stats/Get``: the pulls'
     counters as JSON."""
     import json
 
