@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
-from shim import logs  # noqa: E402
+from shim.observability import logs  # noqa: E402
 from shim.cluster.source import ClusterSource  # noqa: E402
 from shim.cluster.status import NodeStatus  # noqa: E402
 from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
 from shim.imagesets.manager import ImageSets  # noqa: E402
 from shim.images.service import LIST_IMAGES  # noqa: E402
-from shim.metrics import Metrics  # noqa: E402
+from shim.observability.metrics import Metrics  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 from shim.pulls.scheduler import PullScheduler  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402

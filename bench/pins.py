@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shim import wire  # noqa: E402
+from shim.cri import protowire as wire  # noqa: E402
 from shim.images.pinned import mark_images  # noqa: E402
-from shim.pins import PinSet, image_names  # noqa: E402
+from shim.images.pins import PinSet, image_names  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 
 

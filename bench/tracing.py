@@ -144,8 +144,8 @@ def run_micro(args: argparse.Namespace) -> None:
 MICRO = """
 import sys, time, grpc
 sys.path.insert(0, HERE)
-from shim.tracing import Tracing
-from shim.proxy import forward_metadata
+from shim.observability.tracing import Tracing
+from shim.grpc_engine import forward_metadata
 n = N_CALLS
 md = (("user-agent", "kubelet"), ("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"), ("tracestate", "k=v"))
 unsampled = (("user-agent", "kubelet"), ("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-00"))

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from . import config as config_mod
-from . import logs
+from .observability import logs
 from .config import ConfigError
 
 DEFAULT_CONFIG = "/etc/cri-shim/config.yaml"
@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
     # A reload request (SIGHUP) before the server installs its handler must not kill
     # us; the config is read below, after this, so nothing is missed.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from .server import ShimServer, StartupError
+    from .process.server import ShimServer, StartupError
 
     overrides = {"listen": args.listen, "upstream": args.upstream,
                  "level": args.log_level, "format": args.log_format}
@@ -105,7 +105,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .status import print_status
+    from .process.status import print_status
 
     admin_socket = args.admin_socket
     if admin_socket is None:
@@ -118,7 +118,7 @@ def _status(args: argparse.Namespace) -> int:
             print(f"cri-shim: status is off: server.admin_socket is empty in {args.config}", file=sys.stderr)
             return 1
     if args.watch:
-        from .status import watch_status
+        from .process.status import watch_status
 
         return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
     return print_status(admin_socket, as_json=args.json)

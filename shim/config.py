@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import yaml
 
 from . import safeyaml
-from .logs import DEFAULT_MAX_REPEATS, DEFAULT_REPEAT_WINDOW_SECONDS, QUOTE_MAX_CHARS, cut, shown
-from .routing import check_allowed_services
+from .observability.logs import DEFAULT_MAX_REPEATS, DEFAULT_REPEAT_WINDOW_SECONDS, QUOTE_MAX_CHARS, cut, shown
+from .cri.routing import check_allowed_services
 from .safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
 
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
@@ -365,7 +365,7 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
 
 def _request_bytes(v: Any, max_message: Any) -> tuple[tuple[str, int], ...]:
     """server.max_request_bytes: method name -> size, over the defaults; each within server.max_message_bytes."""
-    from .methods import KNOWN_METHODS  # local import: the proto module is only needed here
+    from .cri.methods import KNOWN_METHODS  # local import: the proto module is only needed here
 
     names = {p.rsplit("/", 1)[1] for p in KNOWN_METHODS}
     cap = _size("server.max_message_bytes", max_message, minimum=MIN_MESSAGE_BYTES)
@@ -463,7 +463,7 @@ def _pins(d: Mapping[str, Any]) -> PinsConfig:
     _check_keys("pins", d, {"images", "mode"})
     c = PinsConfig()
     images = _str_list("pins.images", d.get("images", list(c.images)) or [])
-    from .pins import validate_pattern  # local import: pins depends on reference parsing only
+    from .images.pins import validate_pattern  # local import: pins depends on reference parsing only
 
     for i, pattern in enumerate(images):
         try:
@@ -524,7 +524,7 @@ def _rule(i: int, d: Any) -> HandlerRule:
     if not handler:
         raise ConfigError(f"{key}.handler", "must not be empty")
     images = _str_list(f"{key}.images", d.get("images", []))
-    from .pins import validate_pattern  # image patterns are normalized like pins
+    from .images.pins import validate_pattern  # image patterns are normalized like pins
 
     for j, pattern in enumerate(images):
         try:

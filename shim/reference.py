@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from .logs import shown
+from .observability.logs import shown
 
 __all__ = [
     "DEFAULT_DOMAIN",

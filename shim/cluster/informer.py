@@ -26,7 +26,7 @@ from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.watch import Watch
 
-from .. import logs
+from ..observability import logs
 
 _log = logs.get("cluster")
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from kubernetes_asyncio.client import CoreV1Api
 
-from .. import logs
+from ..observability import logs
 from ..credentials import Credential
 from ..credentials.dockerconfig import ConfigFileError, parse
 from .informer import describe

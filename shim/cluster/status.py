@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
 
-from .. import logs
+from ..observability import logs
 from ..imagesets.manager import ImageSets
 from ..imagesets.reconciler import State, _keys
 from ..pulls.poller import ProgressPoller

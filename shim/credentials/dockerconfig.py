@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import logs
+from ..observability import logs
 from .keyring import Credential, Keyring
 
 _log = logs.get("credentials")

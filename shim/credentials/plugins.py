@@ -32,7 +32,8 @@ from typing import Any, Callable
 
 import yaml
 
-from .. import logs, reference, safeyaml
+from ..observability import logs
+from .. import reference, safeyaml
 from .keyring import Credential, key_of, matches
 
 _log = logs.get("credentials")

@@ -3,16 +3,16 @@
 The request goes to the runtime unchanged (once it is known to parse: a malformed one
 is refused with INVALID_ARGUMENT, like on every intercepted method), except for a
 runtime handler that a ``runtime_handlers`` rule adds to its ImageSpec
-(shim/handlers.py). A missing image is an empty response (no ``image``), not an error,
+(shim/runtime_handlers/resolver.py). A missing image is an empty response (no ``image``), not an error,
 and passes through as it is.
 """
 
 from __future__ import annotations
 
 from ..errors import check_image_name
-from ..handlers import inject_image_handler
+from ..runtime_handlers.resolver import inject_image_handler
 from ..proto.runtime.v1 import api_pb2
-from ..proxy import Call
+from ..grpc_engine import Call
 from .pinned import mark_status
 from .service import ImageService, counting_upstream_errors, decode
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from ..proto.runtime.v1 import api_pb2
-from ..proxy import Call
+from ..grpc_engine import Call
 from .pinned import mark_images
 from .service import ImageService, counting_upstream_errors, decode
 

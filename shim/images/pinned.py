@@ -13,8 +13,9 @@ import logging
 
 from google.protobuf.message import DecodeError
 
-from .. import logs, wire
-from ..pins import PinSet
+from ..observability import logs
+from ..cri import protowire as wire
+from .pins import PinSet
 from ..proto.runtime.v1 import api_pb2
 
 _log = logs.get("pins")

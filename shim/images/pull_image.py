@@ -12,11 +12,13 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from .. import logs, reference, wire
+from ..observability import logs
+from .. import reference
+from ..cri import protowire as wire
 from ..errors import RpcError, check_image_name, invalid_request
-from ..handlers import with_runtime_handler
+from ..runtime_handlers.resolver import with_runtime_handler
 from ..proto.runtime.v1 import api_pb2
-from ..proxy import Call
+from ..grpc_engine import Call
 from ..pulls.scheduler import Priority, PullKey
 from .service import PULL_IMAGE, ImageService, auth_key, decode
 

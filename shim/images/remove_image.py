@@ -26,11 +26,13 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from .. import logs, reference, wire
+from ..observability import logs
+from .. import reference
+from ..cri import protowire as wire
 from ..errors import RpcError, check_image_name
-from ..handlers import IMAGE_FIELD, inject_image_handler
+from ..runtime_handlers.resolver import IMAGE_FIELD, inject_image_handler
 from ..proto.runtime.v1 import api_pb2
-from ..proxy import Call
+from ..grpc_engine import Call
 from .pinned import pin_of
 from .service import IMAGE_STATUS, ImageService, counting_upstream_errors, decode
 

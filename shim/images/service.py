@@ -12,14 +12,14 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from .. import logs
+from ..observability import logs
 from ..errors import RpcError, invalid_request
-from ..methods import cri_method
-from ..metrics import Metrics
-from ..pins import PinSet
+from ..cri.methods import cri_method
+from ..observability.metrics import Metrics
+from .pins import PinSet
 from ..pulls.scheduler import PullScheduler
-from ..tracing import Tracing
-from ..upstream import Upstream
+from ..observability.tracing import Tracing
+from ..cri.upstream import Upstream
 
 PULL_IMAGE = cri_method("ImageService", "PullImage")
 IMAGE_STATUS = cri_method("ImageService", "ImageStatus")

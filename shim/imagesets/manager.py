@@ -7,12 +7,12 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-from .. import logs
+from ..observability import logs
 from ..config import ImageSetsConfig
-from ..metrics import Metrics
-from ..pins import PinSet
+from ..observability.metrics import Metrics
+from ..images.pins import PinSet
 from ..pulls.scheduler import PullScheduler
-from ..upstream import Upstream
+from ..cri.upstream import Upstream
 from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
 from .watcher import POLL_SECONDS, DirWatcher

@@ -42,18 +42,18 @@ from typing import Any, Callable
 
 import grpc
 
-from .. import logs
+from ..observability import logs
 from ..config import ImageSetsConfig
 from ..credentials import Credential, DockerConfigFiles, Keyring
 from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..errors import RpcError
 from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
-from ..metrics import Metrics
-from ..pins import PinSet
+from ..observability.metrics import Metrics
+from ..images.pins import PinSet
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.scheduler import Priority, PullKey, PullScheduler
 from ..reference import ReferenceError, normalize, pull_name
-from ..upstream import Upstream
+from ..cri.upstream import Upstream
 from .loader import ImageSet
 
 _log = logs.get("imagesets")

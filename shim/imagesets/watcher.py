@@ -18,7 +18,7 @@ import os
 import struct
 from typing import Callable
 
-from .. import logs
+from ..observability import logs
 
 _log = logs.get("imagesets")
 

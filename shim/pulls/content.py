@@ -16,7 +16,7 @@ import grpc
 
 from ..errors import RpcError
 from ..proto.containerd.services.content.v1 import content_pb2 as pb
-from ..upstream import Upstream
+from ..cri.upstream import Upstream
 
 SERVICE = "/containerd.services.content.v1.Content/"
 LIST_STATUSES = SERVICE + "ListStatuses"

@@ -43,11 +43,12 @@ from typing import Any, Callable
 
 import grpc
 
-from .. import logs, reference
+from ..observability import logs
+from .. import reference
 from ..config import PullsConfig
 from ..errors import RpcError
-from ..metrics import Metrics
-from ..upstream import Upstream
+from ..observability.metrics import Metrics
+from ..cri.upstream import Upstream
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
 from .progress import RATE_WINDOW_SECONDS, FlightProgress, Manifest, StoredManifest, Unresolved, human_bytes, ingest_digest, \
     no_progress_message, parse_manifest, resolve, stall_message, stall_window

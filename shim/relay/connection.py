@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from .. import logs
+from ..observability import logs
 from ..errors import RpcError
 from . import core as core_mod
 from . import grpcwire, h2

@@ -80,8 +80,8 @@ from typing import Callable, Mapping
 
 import grpc
 
-from .. import logs
-from ..routing import Refusal
+from ..observability import logs
+from ..cri.routing import Refusal
 from . import grpcwire, h2, memory
 from .h2 import H2Error
 from .bucket import TokenBucket
@@ -693,7 +693,7 @@ class RelayCore:
         if problem:  # RFC 9113 8.1.1: a malformed request is a stream error
             self._refuse(sid, frames, inserted, h2.PROTOCOL_ERROR)
             return
-        if isinstance(route, Refusal):  # a service the shim does not serve (shim/routing.py)
+        if isinstance(route, Refusal):  # a service the shim does not serve (shim/cri/routing.py)
             self._answer_only(sid, frames, inserted, route.code, route.message, flags)
             return
         if len(self.local) >= self.limits.max_intercepted_streams:

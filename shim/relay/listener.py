@@ -22,11 +22,11 @@ from typing import Any, Awaitable, Callable, ContextManager, Mapping
 
 from ..config import DEFAULT_MAX_REQUEST_BYTES
 
-from .. import logs
-from ..methods import Cardinality, cardinality
-from ..proxy import Call, Handler
-from ..routing import Router
-from ..upstream import Upstream
+from ..observability import logs
+from ..cri.methods import Cardinality, cardinality
+from ..grpc_engine import Call, Handler
+from ..cri.routing import Router
+from ..cri.upstream import Upstream
 from .admission import Admission
 from .connection import FD_ERRNOS, ClientConnection, LocalContext
 from .core import Limits

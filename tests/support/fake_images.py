@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from shim import reference, wire
+from shim import reference
+from shim.cri import protowire as wire
 from shim.proto.runtime.v1 import api_pb2
 
 SVC = "/runtime.v1.ImageService/"

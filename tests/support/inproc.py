@@ -10,8 +10,8 @@ import tempfile
 from typing import Any, AsyncIterator
 
 from shim import config as config_mod
-from shim.app import App
-from shim.server import ShimServer
+from shim.process.app import App
+from shim.process.server import ShimServer
 
 
 @dataclasses.dataclass

@@ -89,7 +89,7 @@ def soak_store():  # type: ignore[no-untyped-def]
 
 
 def soak_list_containers() -> bytes:
-    from shim import wire
+    from shim.cri import protowire as wire
 
     return b"".join(wire.len_field(1, wire.string_field(1, f"container-{i:04d}") + wire.string_field(2, "sandbox"))
                     for i in range(20))

@@ -6,7 +6,7 @@
   serving. A request that still parses is served as usual. RunPodSandbox and
   RemovePodSandbox are intercepted only to learn pods' runtime handlers, after the
   runtime has answered: whatever their bytes, the runtime's answer reaches the client
-  (shim/sandboxes.py), and the shim keeps serving.
+  (shim/runtime_handlers/sandboxes.py), and the shim keeps serving.
 * A request over ``server.max_message_bytes`` is refused with RESOURCE_EXHAUSTED
   naming the limit, and the connection goes on serving other calls.
 * A ListImages of 20,000 images (pins configured) passes, with exactly the pinned

@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from shim import config as config_mod
-from shim import wire
+from shim.cri import protowire as wire
 from shim.config import ConfigError
-from shim.handlers import NEGATIVE_TTL_SECONDS, PodCache, inject_image_handler
+from shim.runtime_handlers.resolver import NEGATIVE_TTL_SECONDS, PodCache, inject_image_handler
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim

@@ -17,10 +17,10 @@ import pytest
 
 from shim.config import ImageSetsConfig
 from shim.imagesets import ImageSets
-from shim.metrics import Metrics
-from shim.pins import PinSet
+from shim.observability.metrics import Metrics
+from shim.images.pins import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
-from shim.upstream import Upstream
+from shim.cri.upstream import Upstream
 from tests.support.prefetch_store import FakeImages
 from tests.support.fake_runtime import FakeRuntime
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from shim.config import HandlerRule, RuntimeHandlersConfig
-from shim.handlers import HandlerResolver
+from shim.runtime_handlers.resolver import HandlerResolver
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import Priority, PullKey
 from shim.reference import pull_name

@@ -13,7 +13,8 @@ import time
 import grpc
 import pytest
 
-from shim import logs, reference
+from shim.observability import logs
+from shim import reference
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.methods import KNOWN_METHODS, Cardinality, canonical, cardinality
+from shim.cri.methods import KNOWN_METHODS, Cardinality, canonical, cardinality
 from shim.proto.runtime.v1 import api_pb2
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "runtime" / "v1" / "api.proto"

@@ -11,9 +11,9 @@ import logging
 import grpc
 import pytest
 
-from shim import logs
+from shim.observability import logs
 from shim.proto.runtime.v1 import api_pb2
-from shim.status import print_status
+from shim.process.status import print_status
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 from tests.support.otlp_collector import OtlpCollector

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import yaml
 
-from shim import wire
+from shim.cri import protowire as wire
 from shim.images.remove_image import removal_request
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id

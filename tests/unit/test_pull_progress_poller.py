@@ -14,11 +14,11 @@ import pytest
 
 from shim.config import PullsConfig
 from shim.errors import RpcError
-from shim.metrics import Metrics
+from shim.observability.metrics import Metrics
 from shim.pulls.poller import ProgressPoller
 from shim.pulls.scheduler import PullKey, PullScheduler
-from shim.status import progress_line
-from shim.upstream import Upstream
+from shim.process.status import progress_line
+from shim.cri.upstream import Upstream
 from tests.support.fake_content import SVC, START_WALL, MiB, Store, dg
 
 class Clock:

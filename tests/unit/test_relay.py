@@ -12,7 +12,7 @@ from hpack import Encoder
 
 from shim.errors import RpcError
 from shim.relay import h2
-from shim.routing import Router
+from shim.cri.routing import Router
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 

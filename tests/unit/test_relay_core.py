@@ -12,7 +12,7 @@ import pytest
 from hpack import Encoder
 
 from shim.relay import h2
-from shim.routing import Router
+from shim.cri.routing import Router
 from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
                              Request)
 from shim.relay.memory import Pool

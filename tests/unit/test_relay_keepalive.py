@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 
-from shim import wire
+from shim.cri import protowire as wire
 from shim.relay import h2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim

@@ -1,4 +1,4 @@
-"""Routing (shim/routing.py): every spelling the runtime routes to an intercepted method is
+"""Routing (shim/cri/routing.py): every spelling the runtime routes to an intercepted method is
 intercepted, runtime.v1alpha2 is refused as containerd 2.x refuses it, and only CRI and
 gRPC health pass by default; ``server.allowed_services`` opens other services.
 The e2e table (tests/e2e/test_routing_e2e.py) checks the same against real runtimes."""
@@ -14,7 +14,7 @@ import yaml
 
 from shim import config as config_mod
 from shim.config import ConfigError
-from shim.routing import Intercept, Refusal, Router
+from shim.cri.routing import Intercept, Refusal, Router
 from tests.support import cri
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime

@@ -12,10 +12,10 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from shim import logs
+from shim.observability import logs
 from shim.proto.runtime.v1 import api_pb2
-from shim import tracing as shim_tracing
-from shim.tracing import Tracing, redact_url
+from shim.observability import tracing as shim_tracing
+from shim.observability.tracing import Tracing, redact_url
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shim import wire
+from shim.cri import protowire as wire
 from shim.proto.runtime.v1 import api_pb2
 
 

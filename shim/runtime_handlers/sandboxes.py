@@ -1,5 +1,5 @@
 """RunPodSandbox / RemovePodSandbox: forwarded unchanged; the shim learns from them which
-runtime handler each pod runs with (for image pulls, see shim/handlers.py).
+runtime handler each pod runs with (for image pulls, see shim/runtime_handlers/resolver.py).
 
 Only a successful call teaches anything. The request is decoded after the runtime has
 answered, so even a request the shim cannot parse reaches the runtime as it is.
@@ -11,11 +11,11 @@ import logging
 
 from google.protobuf.message import DecodeError
 
-from . import logs
-from .handlers import HandlerResolver
-from .methods import cri_method
-from .proto.runtime.v1 import api_pb2
-from .proxy import Call
+from ..observability import logs
+from .resolver import HandlerResolver
+from ..cri.methods import cri_method
+from ..proto.runtime.v1 import api_pb2
+from ..grpc_engine import Call
 
 _log = logs.get("handlers")
 

@@ -11,7 +11,7 @@ exactly the plain ones; with tracing on, unary and server-streaming passthrough 
 that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
 too; others pass as they are (the shim never starts a trace for kubelet's polling).
 
-Every call is routed by ``router`` (shim/routing.py: the runtime's spelling rules, the
+Every call is routed by ``router`` (shim/cri/routing.py: the runtime's spelling rules, the
 interception table, the allowed services). Intercepted methods are looked up in its
 ``table``: canonical method name -> Handler. A unary
 handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
@@ -28,12 +28,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, U
 
 import grpc
 
-from . import logs
+from .observability import logs
 from .errors import Metadata, RpcError
-from .methods import Cardinality, cardinality
-from .routing import Intercept, Refusal, Router
-from .tracing import NOOP_SPAN, Span, Tracing
-from .upstream import Upstream
+from .cri.methods import Cardinality, cardinality
+from .cri.routing import Intercept, Refusal, Router
+from .observability.tracing import NOOP_SPAN, Span, Tracing
+from .cri.upstream import Upstream
 
 _log = logs.get("proxy")
 

@@ -29,16 +29,19 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from google.protobuf.message import DecodeError
 
-from . import logs, pins, reference, wire
-from .config import ConfigError, HandlerRule, RuntimeHandlersConfig
-from .errors import Metadata, RpcError, check_image_name
-from .methods import cri_method
-from .proto.runtime.v1 import api_pb2
-from .upstream import Upstream
+from ..observability import logs
+from ..images import pins
+from .. import reference
+from ..cri import protowire as wire
+from ..config import ConfigError, HandlerRule, RuntimeHandlersConfig
+from ..errors import Metadata, RpcError, check_image_name
+from ..cri.methods import cri_method
+from ..proto.runtime.v1 import api_pb2
+from ..cri.upstream import Upstream
 
 if TYPE_CHECKING:
-    from .images.service import ImageService
-    from .proxy import Call
+    from ..images.service import ImageService
+    from ..grpc_engine import Call
 
 _log = logs.get("handlers")
 

@@ -1,7 +1,7 @@
 """Prometheus metrics, in a registry of our own (no global state).
 
 Served as Prometheus text at ``metrics.address`` (off when unset) on the shim's event loop
-(shim/metrics_http.py). Labels never carry credentials: results, codes, method names,
+(shim/observability/metrics_http.py). Labels never carry credentials: results, codes, method names,
 image-set names only.
 """
 
@@ -13,7 +13,7 @@ import grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .metrics_http import MetricsServer
-from .pulls.scheduler import Priority, PullKey
+from ..pulls.scheduler import Priority, PullKey
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _THROUGHPUT_BUCKETS = tuple(float(2**i) for i in range(14, 32, 2))  # 16 KiB/s .. 1 GiB/s

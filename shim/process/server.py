@@ -23,11 +23,12 @@ from typing import Any, Iterator
 
 import grpc
 
-from . import config as config_mod
-from . import logs, sdnotify
+from .. import config as config_mod
+from ..observability import logs
+from . import sdnotify
 from .app import App
-from .config import Config, ConfigError
-from .relay.listener import Relay, RelaySettings
+from ..config import Config, ConfigError
+from ..relay.listener import Relay, RelaySettings
 from .unixsock import StartupError, claim
 
 _log = logs.get("server")

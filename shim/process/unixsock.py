@@ -10,7 +10,7 @@ import stat
 import struct
 from pathlib import Path
 
-from . import logs
+from ..observability import logs
 
 _log = logs.get("server")
 

@@ -45,8 +45,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from . import logs
-from .errors import Metadata, RpcError
-from .methods import canonical
+from ..errors import Metadata, RpcError
+from ..cri.methods import canonical
 
 _log = logs.get("tracing")
 

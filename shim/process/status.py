@@ -25,7 +25,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
-from . import logs
+from ..observability import logs
 from .unixsock import StartupError, claim
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ _READ_TIMEOUT = 5.0
 
 def collect(app: "App", started_at: float) -> dict[str, Any]:
     """The status document of a running shim."""
-    from .tracing import shim_version
+    from ..observability.tracing import shim_version
 
     cfg = app.cfg
     pulls = app.scheduler.snapshot()
@@ -280,7 +280,7 @@ BAR_WIDTH = 24
 
 def progress_line(pr: dict[str, Any]) -> str:
     """``[#########...............]  38%  9.1/24.0 MiB  1/3 layers  3.9 MiB/s  ETA 4s`` (or the phase and why)."""
-    from .pulls.progress import human_bytes
+    from ..pulls.progress import human_bytes
 
     phase = pr.get("phase", "unknown")
     if "bytes_total" not in pr:

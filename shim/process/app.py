@@ -10,23 +10,23 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
-from .config import Config, ConfigError
-from .handlers import HandlerResolver, compile_rules
-from .images import image_status, list_images, pull_image, remove_image
-from .images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE, STREAM_IMAGES, ImageService
-from .imagesets import ImageSets
-from .metrics import Metrics
-from .proxy import Handler, Proxy
-from .pulls.poller import ProgressPoller
-from .pulls.scheduler import PullScheduler
-from .sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
+from ..config import Config, ConfigError
+from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..images import image_status, list_images, pull_image, remove_image
+from ..images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE, STREAM_IMAGES, ImageService
+from ..imagesets import ImageSets
+from ..observability.metrics import Metrics
+from ..grpc_engine import Handler, Proxy
+from ..pulls.poller import ProgressPoller
+from ..pulls.scheduler import PullScheduler
+from ..runtime_handlers.sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
 from .status import AdminServer, StatusSource, collect
-from .tracing import Tracing
-from .upstream import Upstream
+from ..observability.tracing import Tracing
+from ..cri.upstream import Upstream
 
 if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
-    from .cluster.source import ClusterSource
-    from .cluster.status import NodeStatus
+    from ..cluster.source import ClusterSource
+    from ..cluster.status import NodeStatus
 
 
 class App:
@@ -124,8 +124,8 @@ class App:
     async def _start_cluster(self, cfg: Config) -> None:
         if not cfg.cluster.kubeconfig or self.image_sets is None:
             return
-        from .cluster.source import ClusterSource
-        from .cluster.status import NodeStatus
+        from ..cluster.source import ClusterSource
+        from ..cluster.status import NodeStatus
 
         c = cfg.cluster
         self.cluster = ClusterSource(c, self.image_sets)

@@ -21,9 +21,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from . import reference
-from .logs import shown
-from .reference import ReferenceError
+from .. import reference
+from ..observability.logs import shown
+from ..reference import ReferenceError
 
 _GLOB_CHARS = frozenset("*?[")
 _SHORT_ID = re.compile(r"sha256:[0-9a-f]{1,63}", re.ASCII)
