@@ -10,8 +10,8 @@ import signal
 import sys
 
 from . import config as config_mod
-from .observability import logs
 from .config import ConfigError
+from .observability import logs
 
 DEFAULT_CONFIG = "/etc/cri-shim/config.yaml"
 

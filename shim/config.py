@@ -18,8 +18,14 @@ from typing import Any, Mapping
 import yaml
 
 from . import safeyaml
-from .observability.logs import DEFAULT_MAX_REPEATS, DEFAULT_REPEAT_WINDOW_SECONDS, QUOTE_MAX_CHARS, cut, shown
 from .cri.routing import check_allowed_services
+from .observability.logs import (
+    DEFAULT_MAX_REPEATS,
+    DEFAULT_REPEAT_WINDOW_SECONDS,
+    QUOTE_MAX_CHARS,
+    cut,
+    shown,
+)
 from .safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
 
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
@@ -365,7 +371,9 @@ def _server(d: Mapping[str, Any]) -> ServerConfig:
 
 def _request_bytes(v: Any, max_message: Any) -> tuple[tuple[str, int], ...]:
     """server.max_request_bytes: method name -> size, over the defaults; each within server.max_message_bytes."""
-    from .cri.methods import KNOWN_METHODS  # local import: the proto module is only needed here
+    from .cri.methods import (
+        KNOWN_METHODS,  # local import: the proto module is only needed here
+    )
 
     names = {p.rsplit("/", 1)[1] for p in KNOWN_METHODS}
     cap = _size("server.max_message_bytes", max_message, minimum=MIN_MESSAGE_BYTES)
@@ -463,7 +471,9 @@ def _pins(d: Mapping[str, Any]) -> PinsConfig:
     _check_keys("pins", d, {"images", "mode"})
     c = PinsConfig()
     images = _str_list("pins.images", d.get("images", list(c.images)) or [])
-    from .images.pins import validate_pattern  # local import: pins depends on reference parsing only
+    from .images.pins import (
+        validate_pattern,  # local import: pins depends on reference parsing only
+    )
 
     for i, pattern in enumerate(images):
         try:
@@ -499,7 +509,10 @@ def _image_sets(d: Mapping[str, Any]) -> ImageSetsConfig:
         missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
         raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
     if cfg.credential_provider_config:
-        from .credentials.plugins import ProviderConfigError, load_config  # local import: only when used
+        from .credentials.plugins import (  # local import: only when used
+            ProviderConfigError,
+            load_config,
+        )
 
         try:
             load_config(cfg.credential_provider_config)

@@ -21,52 +21,26 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Union
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from .observability import logs
-from .errors import Metadata, RpcError
+from .cri.call import (
+    Call,
+    Deadline,
+    Handler,
+    Observation,
+    StreamHandler,
+    UnaryHandler,
+    forwardable,
+)
 from .cri.methods import Cardinality, cardinality
 from .cri.routing import Intercept, Refusal, Router
-from .observability.tracing import NOOP_SPAN, Span, Tracing
 from .cri.upstream import Upstream
+from .errors import Metadata, RpcError
+from .observability import logs
 
 _log = logs.get("proxy")
-
-# Request headers that belong to the hop, not to the call.
-_HOP_HEADERS = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding",
-                          "grpc-accept-encoding", ":authority", "host"})
-
-
-@dataclass(slots=True)
-class Call:
-    """What an interception handler gets besides the request bytes."""
-
-    method: str
-    metadata: Metadata  # request metadata to forward upstream (traceparent etc.)
-    timeout: float | None  # seconds left before the caller's deadline, None = none
-    context: grpc.aio.ServicerContext
-    upstream: Upstream
-    span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
-    sent_as: str = ""  # :path as the client spelled it, if not ``method``
-
-    async def forward(self, request: bytes, method: str | None = None) -> bytes:
-        """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline.
-
-        The call itself goes under the client's spelling of its method: the runtime routes it
-        (or refuses a spelling it does not route) as it would have without the shim.
-        """
-        return await self.upstream.unary(method or self.sent_as or self.method, request, metadata=self.metadata,
-                                         timeout=self.context.time_remaining())
-
-    def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
-        return self.upstream.server_stream(self.sent_as or self.method, request, metadata=self.metadata,
-                                           timeout=self.context.time_remaining())
-
 
 # What grpc.aio puts in place of a call's status when writing a request message fails.
 _WRITE_FAILED = "Internal error from Core"
@@ -124,15 +98,8 @@ def _now(coro: Any) -> Any:
     return None
 
 
-UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
-StreamHandler = Callable[[bytes, Call], AsyncIterator[bytes]]
-Handler = Union[UnaryHandler, StreamHandler]
-CallObserver = Callable[[str, float, grpc.StatusCode], None]
-
-
 def forward_metadata(context: grpc.aio.ServicerContext) -> Metadata:
-    md = context.invocation_metadata() or ()
-    return tuple((k, v) for k, v in md if k not in _HOP_HEADERS)
+    return forwardable(tuple(context.invocation_metadata() or ()))
 
 
 async def _fail(context: grpc.aio.ServicerContext, e: RpcError) -> None:
@@ -150,30 +117,20 @@ def _refuse(refusal: Refusal) -> Callable[[Any, Any], AsyncIterator[bytes]]:
 class Proxy(grpc.GenericRpcHandler):
     """Serves every method: intercepted ones via ``table``, the rest byte for byte."""
 
-    def __init__(self, upstream: Upstream, table: Mapping[str, Handler] | None = None,
-                 on_call: CallObserver | None = None, tracing: Tracing | None = None,
-                 allowed_services: tuple[str, ...] = ()) -> None:
+    def __init__(self, upstream: Upstream, router: Router[Handler], observation: Observation) -> None:
         self.upstream = upstream
-        self.router: Router[Handler] = Router(table, allowed_services)
+        self.router = router  # the App's: its table and allowed services, changed on reload
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
-        self._on_call = on_call
-        self.tracing = tracing if tracing is not None and tracing.enabled else None
-
-    @property
-    def table(self) -> Mapping[str, Handler]:
-        return self.router.table
-
-    def set_table(self, table: Mapping[str, Handler]) -> None:
-        self.router.set_table(table)
-        self._cache.clear()
-
-    def set_allowed_services(self, entries: tuple[str, ...]) -> None:
-        self.router.set_allowed_services(entries)
-        self._cache.clear()
+        self._generation = router.generation
+        self.observation = observation
+        self.tracing = observation.tracing
 
     # grpc.GenericRpcHandler
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method: str = details.method  # type: ignore[attr-defined]
+        method: str = details.method  # type: ignore[attr-defined]  # grpc's stubs omit the attribute
+        if self._generation != self.router.generation:  # the table changed (reload, pins)
+            self._cache.clear()
+            self._generation = self.router.generation
         h = self._cache.get(method)
         if h is None:
             h = self._build(method)
@@ -354,36 +311,8 @@ class Proxy(grpc.GenericRpcHandler):
 
     # ------------------------------------------------------------------ interception
 
-    @contextlib.contextmanager
-    def observe(self, call: Call) -> Iterator[Call]:
-        """Around one intercepted call, in either engine: its SERVER span (``call.span``, and
-        ``call.metadata`` rewritten to carry it upstream) and its rpc duration, by final code."""
-        started = time.perf_counter()
-        tracing = self.tracing
-        if tracing is not None:
-            call.span, call.metadata = tracing.server_span(call.method, call.metadata)
-        code, details = grpc.StatusCode.OK, None
-        try:
-            yield call
-        except RpcError as e:
-            code, details = e.code, e.details
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            remaining = call.context.time_remaining()
-            expired = remaining is not None and remaining <= 0.001
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        except BaseException:
-            code, details = grpc.StatusCode.INTERNAL, "internal error"
-            raise
-        finally:
-            if self._on_call is not None:
-                self._on_call(call.method, time.perf_counter() - started, code)
-            if tracing is not None:
-                tracing.end(call.span, code, details)
-
     def _call(self, method: str, context: grpc.aio.ServicerContext, sent_as: str) -> Call:
-        return Call(method, forward_metadata(context), context.time_remaining(), context, self.upstream,
+        return Call(method, forward_metadata(context), Deadline.after(context.time_remaining()), self.upstream,
                     sent_as=sent_as)
 
     def _intercepted_unary(self, method: str, handler: Handler,
@@ -392,7 +321,7 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:
-                with self.observe(self._call(method, context, sent_as)) as call:
+                with self.observation.observe(self._call(method, context, sent_as)) as call:
                     return await h(request, call)
             except RpcError as e:
                 await _fail(context, e)
@@ -410,7 +339,7 @@ class Proxy(grpc.GenericRpcHandler):
 
         async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             try:
-                with self.observe(self._call(method, context, sent_as)) as call:
+                with self.observation.observe(self._call(method, context, sent_as)) as call:
                     async for msg in h(request, call):
                         yield msg
             except RpcError as e:

@@ -18,7 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..imagesets.loader import HANDLER_ANNOTATION, ImageSet, SetFileError, parse_document
+from ..imagesets.loader import (
+    HANDLER_ANNOTATION,
+    ImageSet,
+    SetFileError,
+    parse_document,
+)
 
 
 @dataclass(frozen=True)

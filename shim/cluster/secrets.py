@@ -16,9 +16,9 @@ from typing import Any, Callable
 
 from kubernetes_asyncio.client import CoreV1Api
 
-from ..observability import logs
 from ..credentials import Credential
 from ..credentials.dockerconfig import ConfigFileError, parse
+from ..observability import logs
 from .informer import describe
 from .objects import DOCKER_CONFIG_JSON, SecretRef
 

@@ -22,10 +22,10 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config import new_client_from_config
 
-from ..observability import logs
 from ..config import ClusterConfig
 from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
+from ..observability import logs
 from . import objects, state
 from .informer import Informer, backoff
 from .objects import Kind, Selected

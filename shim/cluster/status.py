@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
 
-from ..observability import logs
 from ..imagesets.manager import ImageSets
 from ..imagesets.reconciler import State, _keys
+from ..observability import logs
 from ..pulls.poller import ProgressPoller
 from ..reference import pull_name
 from .informer import describe

@@ -27,13 +27,12 @@ import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
-from ..observability import logs
 from .. import reference, safeyaml
+from ..observability import logs
 from .keyring import Credential, key_of, matches
 
 _log = logs.get("credentials")

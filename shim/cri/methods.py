@@ -9,6 +9,7 @@ methods lives in exactly one place. Method paths have the gRPC wire form
 from __future__ import annotations
 
 import enum
+
 from google.protobuf.descriptor import FileDescriptor, MethodDescriptor
 
 from shim.proto.runtime.v1 import api_pb2

@@ -72,13 +72,16 @@ class Router(Generic[H]):
 
     def __init__(self, table: Mapping[str, H] | None = None, allowed_services: Iterable[str] = ()) -> None:
         self.table: Mapping[str, H] = dict(table or {})
+        self.generation = 0  # bumped on every change: an engine caching decisions drops them
         self.set_allowed_services(allowed_services)
 
     def set_table(self, table: Mapping[str, H]) -> None:
         self.table = dict(table)
+        self.generation += 1
 
     def set_allowed_services(self, entries: Iterable[str]) -> None:
         entries = tuple(entries)
+        self.generation += 1
         self._exact = frozenset(e for e in entries if not e.endswith(".*"))
         self._prefixes = tuple(e[:-1] for e in entries if e.endswith(".*"))  # keep the dot
 

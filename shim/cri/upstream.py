@@ -17,8 +17,8 @@ from typing import AsyncIterator
 
 import grpc
 
-from ..observability import logs
 from ..errors import Metadata, RpcError
+from ..observability import logs
 
 _log = logs.get("upstream")
 

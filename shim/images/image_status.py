@@ -9,10 +9,10 @@ and passes through as it is.
 
 from __future__ import annotations
 
+from ..cri.call import Call
 from ..errors import check_image_name
-from ..runtime_handlers.resolver import inject_image_handler
 from ..proto.runtime.v1 import api_pb2
-from ..grpc_engine import Call
+from ..runtime_handlers.resolver import inject_image_handler
 from .pinned import mark_status
 from .service import ImageService, counting_upstream_errors, decode
 

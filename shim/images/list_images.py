@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
+from ..cri.call import Call
 from ..proto.runtime.v1 import api_pb2
-from ..grpc_engine import Call
 from .pinned import mark_images
 from .service import ImageService, counting_upstream_errors, decode
 

@@ -13,10 +13,10 @@ import logging
 
 from google.protobuf.message import DecodeError
 
-from ..observability import logs
 from ..cri import protowire as wire
-from .pins import PinSet
+from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
+from .pins import PinSet
 
 _log = logs.get("pins")
 

@@ -12,14 +12,14 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from ..observability import logs
 from .. import reference
 from ..cri import protowire as wire
+from ..cri.call import Call
 from ..errors import RpcError, check_image_name, invalid_request
-from ..runtime_handlers.resolver import with_runtime_handler
+from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from ..grpc_engine import Call
 from ..pulls.scheduler import Priority, PullKey
+from ..runtime_handlers.resolver import with_runtime_handler
 from .service import PULL_IMAGE, ImageService, auth_key, decode
 
 _log = logs.get("pull")
@@ -83,14 +83,13 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
                 raise
 
     try:
-        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.context.time_remaining(),
+        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.time_remaining(),
                                            listener=span.add_event if span.is_recording() else None)
     except RpcError as e:
         _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)
         raise
     except asyncio.CancelledError:  # the caller went away, or (relay engine) its deadline passed
-        remaining = call.context.time_remaining()
-        if remaining is not None and remaining <= 0.001:
+        if call.deadline.expired():
             _failed(span, image, handler, "DEADLINE_EXCEEDED", "cri-shim: the caller's deadline passed")
         else:
             _failed(span, image, handler, "CANCELLED", "cancelled by the caller")

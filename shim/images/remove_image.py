@@ -26,13 +26,13 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..observability import logs
 from .. import reference
 from ..cri import protowire as wire
+from ..cri.call import Call
 from ..errors import RpcError, check_image_name
-from ..runtime_handlers.resolver import IMAGE_FIELD, inject_image_handler
+from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from ..grpc_engine import Call
+from ..runtime_handlers.resolver import IMAGE_FIELD, inject_image_handler
 from .pinned import pin_of
 from .service import IMAGE_STATUS, ImageService, counting_upstream_errors, decode
 
@@ -57,7 +57,7 @@ async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageR
     """The image a RemoveImage request names, as the runtime knows it; None if it does not."""
     with counting_upstream_errors(svc, "ImageStatus"):
         raw = await svc.upstream.unary(IMAGE_STATUS, status_request(request, parsed), metadata=call.metadata,
-                                       timeout=call.context.time_remaining())
+                                       timeout=call.time_remaining())
     try:
         resp = api_pb2.ImageStatusResponse.FromString(raw)
     except DecodeError:

@@ -12,14 +12,14 @@ from typing import Callable, Iterable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ..observability import logs
-from ..errors import RpcError, invalid_request
 from ..cri.methods import cri_method
-from ..observability.metrics import Metrics
-from .pins import PinSet
-from ..pulls.scheduler import PullScheduler
-from ..observability.tracing import Tracing
 from ..cri.upstream import Upstream
+from ..errors import RpcError, invalid_request
+from ..observability import logs
+from ..observability.metrics import Metrics
+from ..observability.tracing import Tracing
+from ..pulls.scheduler import PullScheduler
+from .pins import PinSet
 
 PULL_IMAGE = cri_method("ImageService", "PullImage")
 IMAGE_STATUS = cri_method("ImageService", "ImageStatus")

@@ -33,8 +33,8 @@ from typing import Any, Mapping
 import yaml
 
 from .. import reference, safeyaml
-from ..observability.logs import QUOTE_MAX_CHARS, cut, shown
 from ..images.pins import normalize_pattern
+from ..observability.logs import QUOTE_MAX_CHARS, cut, shown
 
 MCO_GROUP = "machineconfiguration.openshift.io"
 MCO_VERSIONS = (f"{MCO_GROUP}/v1", f"{MCO_GROUP}/v1alpha1")

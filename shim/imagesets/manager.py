@@ -7,12 +7,12 @@ import dataclasses
 import logging
 from typing import Any, Callable
 
-from ..observability import logs
 from ..config import ImageSetsConfig
-from ..observability.metrics import Metrics
-from ..images.pins import PinSet
-from ..pulls.scheduler import PullScheduler
 from ..cri.upstream import Upstream
+from ..images.pins import PinSet
+from ..observability import logs
+from ..observability.metrics import Metrics
+from ..pulls.scheduler import PullScheduler
 from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
 from .watcher import POLL_SECONDS, DirWatcher

@@ -42,18 +42,18 @@ from typing import Any, Callable
 
 import grpc
 
-from ..observability import logs
 from ..config import ImageSetsConfig
 from ..credentials import Credential, DockerConfigFiles, Keyring
 from ..credentials.plugins import PluginProviders, ProviderConfigError
+from ..cri.upstream import Upstream
 from ..errors import RpcError
-from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
-from ..observability.metrics import Metrics
 from ..images.pins import PinSet
+from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
+from ..observability import logs
+from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.scheduler import Priority, PullKey, PullScheduler
 from ..reference import ReferenceError, normalize, pull_name
-from ..cri.upstream import Upstream
 from .loader import ImageSet
 
 _log = logs.get("imagesets")

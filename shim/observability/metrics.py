@@ -10,10 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from .metrics_http import MetricsServer
 from ..pulls.scheduler import Priority, PullKey
+from .metrics_http import MetricsServer
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _THROUGHPUT_BUCKETS = tuple(float(2**i) for i in range(14, 32, 2))  # 16 KiB/s .. 1 GiB/s

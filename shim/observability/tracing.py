@@ -44,9 +44,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from . import logs
-from ..errors import Metadata, RpcError
 from ..cri.methods import canonical
+from ..errors import Metadata, RpcError
+from . import logs
 
 _log = logs.get("tracing")
 
@@ -293,9 +293,13 @@ def _exporters_from_env(env: Mapping[str, str]) -> tuple[list[SpanExporter], dic
 
 def _otlp_exporter(protocol: str) -> SpanExporter:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter,
+        )
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,  # type: ignore[assignment]
+        )
     try:
         return OTLPSpanExporter()
     except (ValueError, TypeError) as e:  # e.g. a malformed header or certificate setting

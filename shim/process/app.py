@@ -6,23 +6,34 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config, ConfigError
-from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..cri.call import Handler, Observation
+from ..cri.routing import Router
+from ..cri.upstream import Upstream
 from ..images import image_status, list_images, pull_image, remove_image
-from ..images.service import IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE, REMOVE_IMAGE, STREAM_IMAGES, ImageService
+from ..images.service import (
+    IMAGE_STATUS,
+    LIST_IMAGES,
+    PULL_IMAGE,
+    REMOVE_IMAGE,
+    STREAM_IMAGES,
+    ImageService,
+)
 from ..imagesets import ImageSets
 from ..observability.metrics import Metrics
-from ..grpc_engine import Handler, Proxy
+from ..observability.tracing import Tracing
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
-from ..runtime_handlers.sandboxes import REMOVE_POD_SANDBOX, RUN_POD_SANDBOX, remove_pod_sandbox, run_pod_sandbox
+from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..runtime_handlers.sandboxes import (
+    REMOVE_POD_SANDBOX,
+    RUN_POD_SANDBOX,
+    remove_pod_sandbox,
+    run_pod_sandbox,
+)
 from .status import AdminServer, StatusSource, collect
-from ..observability.tracing import Tracing
-from ..cri.upstream import Upstream
 
 if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
     from ..cluster.source import ClusterSource
@@ -53,9 +64,10 @@ class App:
         self.status_sources["image_sets"] = self.image_sets_status
         self.status_sources["cluster"] = self.cluster_status
         self._configure(cfg)
-        self.proxy = Proxy(self.upstream, self.table(), on_call=self.metrics.observe_call, tracing=self.tracing,
-                           allowed_services=cfg.server.allowed_services)
-        self.images.on_pins_changed = lambda: self.proxy.set_table(self.table())
+        # The interception table, looked up once per call by either engine (as the runtime routes it).
+        self.router: Router[Handler] = Router(self.table(), cfg.server.allowed_services)
+        self.observation = Observation(self.metrics.observe_call, self.tracing)
+        self.images.on_pins_changed = lambda: self.router.set_table(self.table())
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
@@ -173,8 +185,8 @@ class App:
 
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)
-        self.proxy.set_table(self.table())
-        self.proxy.set_allowed_services(cfg.server.allowed_services)
+        self.router.set_table(self.table())
+        self.router.set_allowed_services(cfg.server.allowed_services)
         await self._apply_image_sets(cfg)
 
     def begin_shutdown(self) -> None:

@@ -24,11 +24,11 @@ from typing import Any, Iterator
 import grpc
 
 from .. import config as config_mod
+from ..config import Config, ConfigError
 from ..observability import logs
+from ..relay.listener import Relay, RelaySettings
 from . import sdnotify
 from .app import App
-from ..config import Config, ConfigError
-from ..relay.listener import Relay, RelaySettings
 from .unixsock import StartupError, claim
 
 _log = logs.get("server")
@@ -141,13 +141,17 @@ class ShimServer:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
-                                       app.proxy.router, self.cfg.server.max_message_bytes,
-                                       observe=app.proxy.observe, settings=relay_settings(self.cfg))
+                                       app.router, self.cfg.server.max_message_bytes,
+                                       observe=app.observation.observe, settings=relay_settings(self.cfg))
                     await self.relay.start(self.path)
                     app.status_sources["relay"] = self.relay.status
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
-                    self.server.add_generic_rpc_handlers((app.proxy,))
+                    from ..grpc_engine import (
+                        Proxy,  # the fallback engine, only when chosen
+                    )
+
+                    self.server.add_generic_rpc_handlers((Proxy(app.upstream, app.router, app.observation),))
                     self.server.add_insecure_port(f"unix:{self.path}")
                     await self.server.start()
         except (RuntimeError, OSError) as e:  # grpc raises RuntimeError, asyncio OSError

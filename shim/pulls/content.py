@@ -14,9 +14,9 @@ from typing import Callable
 
 import grpc
 
+from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..proto.containerd.services.content.v1 import content_pb2 as pb
-from ..cri.upstream import Upstream
 
 SERVICE = "/containerd.services.content.v1.Content/"
 LIST_STATUSES = SERVICE + "ListStatuses"

@@ -43,15 +43,27 @@ from typing import Any, Callable
 
 import grpc
 
-from ..observability import logs
 from .. import reference
 from ..config import PullsConfig
-from ..errors import RpcError
-from ..observability.metrics import Metrics
 from ..cri.upstream import Upstream
+from ..errors import RpcError
+from ..observability import logs
+from ..observability.metrics import Metrics
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
-from .progress import RATE_WINDOW_SECONDS, FlightProgress, Manifest, StoredManifest, Unresolved, human_bytes, ingest_digest, \
-    no_progress_message, parse_manifest, resolve, stall_message, stall_window
+from .progress import (
+    RATE_WINDOW_SECONDS,
+    FlightProgress,
+    Manifest,
+    StoredManifest,
+    Unresolved,
+    human_bytes,
+    ingest_digest,
+    no_progress_message,
+    parse_manifest,
+    resolve,
+    stall_message,
+    stall_window,
+)
 from .scheduler import Flight, PullScheduler
 
 _log = logs.get("progress")

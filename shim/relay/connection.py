@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ..observability import logs
+from ..cri.call import Deadline
 from ..errors import RpcError
+from ..observability import logs
 from . import core as core_mod
 from . import grpcwire, h2
 from .admission import Peer, peer_of
@@ -52,20 +53,6 @@ FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
 @dataclass
-class LocalContext:
-    """The part of a servicer context an interception handler uses."""
-
-    deadline: float | None
-    md: tuple[tuple[str, str | bytes], ...]
-    loop: asyncio.AbstractEventLoop
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - self.loop.time())
-
-    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        return self.md
-
-
 class _Upstream(asyncio.Protocol):
     def __init__(self, conn: "ClientConnection") -> None:
         self.conn = conn
@@ -381,8 +368,8 @@ class ClientConnection(asyncio.Protocol):
         hdr = dict(s.headers)
         try:  # everything read from the client is parsed inside: the stream is answered whatever it holds
             timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
-            deadline = None if timeout is None else self.loop.time() + timeout
-            ctx = LocalContext(deadline, grpcwire.metadata(s.headers), self.loop)
+            deadline = Deadline.after(timeout)
+            metadata = grpcwire.metadata(s.headers)
             sent_as = hdr[b":path"].decode("latin-1")
             body, s.body = bytes(s.body), bytearray()
             messages = grpcwire.unframe_messages(body, hdr.get(b"grpc-encoding"), s.limit)
@@ -394,7 +381,7 @@ class ClientConnection(asyncio.Protocol):
             if len(messages) != 1:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cri-shim: {s.path} expects one request message, got {len(messages)}")
-            coro = self.relay.serve(s.path, handler, messages[0], ctx, self._sender(s),
+            coro = self.relay.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
                                     sent_as="" if sent_as == s.path else sent_as)
             del messages
             if timeout is None:

@@ -80,11 +80,11 @@ from typing import Callable, Mapping
 
 import grpc
 
-from ..observability import logs
 from ..cri.routing import Refusal
+from ..observability import logs
 from . import grpcwire, h2, memory
-from .h2 import H2Error
 from .bucket import TokenBucket
+from .h2 import H2Error
 from .hpack_decoder import Decoder, HeaderListTooLarge
 from .memory import Pool
 

@@ -10,10 +10,11 @@ from urllib.parse import quote
 
 import grpc
 
+from ..cri.call import HOP_HEADERS
+
 _UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 # Request headers that describe the hop, not the call: not passed to handlers as metadata.
-_NOT_METADATA = frozenset({b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding",
-                           b"user-agent", b"host"})
+_NOT_METADATA = frozenset(h.encode() for h in HOP_HEADERS if not h.startswith(":"))  # pseudo-headers: skipped
 RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
 

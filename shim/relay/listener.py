@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, ContextManager, Mapping
 
 from ..config import DEFAULT_MAX_REQUEST_BYTES
-
-from ..observability import logs
+from ..cri.call import Call, Deadline, Handler
 from ..cri.methods import Cardinality, cardinality
-from ..grpc_engine import Call, Handler
 from ..cri.routing import Router
 from ..cri.upstream import Upstream
+from ..errors import Metadata
+from ..observability import logs
 from .admission import Admission
-from .connection import FD_ERRNOS, ClientConnection, LocalContext
+from .connection import FD_ERRNOS, ClientConnection
 from .core import Limits
 from .memory import Pool
 
@@ -87,7 +87,7 @@ class Relay:
         self.upstream_path = upstream_path
         self.upstream = upstream  # grpc channel for the handlers' own calls
         self.router = router
-        self._observe = observe or contextlib.nullcontext  # span and rpc duration (Proxy.observe)
+        self._observe = observe or contextlib.nullcontext  # span and rpc duration (cri.call.Observation)
         self.max_message_bytes = max_message_bytes
         self.settings = s = settings or RelaySettings()
         self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
@@ -167,10 +167,9 @@ class Relay:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
-    async def serve(self, method: str, handler: Any, request: bytes, ctx: LocalContext, send: Send,
-                    sent_as: str = "") -> None:
-        call = Call(method, ctx.md, ctx.time_remaining(), ctx, self.upstream,  # type: ignore[arg-type]
-                    sent_as=sent_as)
+    async def serve(self, method: str, handler: Any, request: bytes, metadata: Metadata, deadline: Deadline,
+                    send: Send, sent_as: str = "") -> None:
+        call = Call(method, metadata, deadline, self.upstream, sent_as=sent_as)
         with self._observe(call):
             if cardinality(method) is Cardinality.SERVER_STREAM:
                 async for msg in handler(request, call):

@@ -29,19 +29,19 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from google.protobuf.message import DecodeError
 
-from ..observability import logs
-from ..images import pins
 from .. import reference
-from ..cri import protowire as wire
 from ..config import ConfigError, HandlerRule, RuntimeHandlersConfig
-from ..errors import Metadata, RpcError, check_image_name
+from ..cri import protowire as wire
 from ..cri.methods import cri_method
-from ..proto.runtime.v1 import api_pb2
 from ..cri.upstream import Upstream
+from ..errors import Metadata, RpcError, check_image_name
+from ..images import pins
+from ..observability import logs
+from ..proto.runtime.v1 import api_pb2
 
 if TYPE_CHECKING:
+    from ..cri.call import Call
     from ..images.service import ImageService
-    from ..grpc_engine import Call
 
 _log = logs.get("handlers")
 
@@ -341,7 +341,7 @@ class HandlerResolver:
         task = self._inflight.get(uid)
         if task is None:
             timeout = self.lookup_timeout
-            remaining = call.context.time_remaining()
+            remaining = call.time_remaining()
             if remaining is not None:
                 timeout = max(0.0, min(timeout, remaining))
             task = asyncio.get_running_loop().create_task(self._list(uid, call.metadata, timeout),

@@ -11,11 +11,11 @@ import logging
 
 from google.protobuf.message import DecodeError
 
-from ..observability import logs
-from .resolver import HandlerResolver
+from ..cri.call import Call
 from ..cri.methods import cri_method
+from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from ..grpc_engine import Call
+from .resolver import HandlerResolver
 
 _log = logs.get("handlers")
 

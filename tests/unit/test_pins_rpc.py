@@ -195,14 +195,14 @@ async def test_image_set_pins_switch_interception_on_and_off(serve, runtime, sto
     async with serve(runtime.endpoint) as shim:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
-            assert REMOVE not in shim.app.proxy.table  # no pins: relayed, never decoded
+            assert REMOVE not in shim.app.router.table  # no pins: relayed, never decoded
             shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
             assert (await listed(ch))[image_id(2)] is True
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, "quay.io/org/app:v1")
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             shim.app.images.set_declared_pins([])
-            assert REMOVE not in shim.app.proxy.table
+            assert REMOVE not in shim.app.router.table
             assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
             await remove(ch, "quay.io/org/app:v1")
     assert store.resolve("quay.io/org/app:v1") is None

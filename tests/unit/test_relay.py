@@ -31,7 +31,7 @@ async def test_big_local_and_relayed_responses_share_the_connection(runtime: Fak
         await asyncio.sleep(0)
         return local + request
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: big_local})
+        shim.app.router.set_table({LOCAL: big_local})
         async with grpc.aio.insecure_channel(shim.endpoint, options=OPTS) as ch:
             calls = []
             for i in range(4):
@@ -48,10 +48,10 @@ async def test_handler_sees_metadata_and_deadline(runtime: FakeRuntime) -> None:
 
     async def handler(request: bytes, call) -> bytes:
         seen["md"] = dict(call.metadata)
-        seen["timeout"] = call.context.time_remaining()
+        seen["timeout"] = call.time_remaining()
         return b"ok"
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: handler})
+        shim.app.router.set_table({LOCAL: handler})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             md = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"), ("x-id-bin", b"\x00\xff"))
             assert await ch.unary_unary(LOCAL)(b"", metadata=md, timeout=4) == b"ok"
@@ -66,7 +66,7 @@ async def test_local_error_carries_code_details_and_trailers(runtime: FakeRuntim
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "cri-shim: image is pinned (100% sure)",
                        (("grpc-status-details-bin", b"\x08\x09"), ("x-pin", "a")))
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: refuse})
+        shim.app.router.set_table({LOCAL: refuse})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary(LOCAL)(b"", timeout=5)
@@ -88,7 +88,7 @@ async def test_local_handler_deadline_and_cancel(runtime: FakeRuntime) -> None:
             raise
         return b""
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: slow})
+        shim.app.router.set_table({LOCAL: slow})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await ch.unary_unary(LOCAL)(b"", timeout=0.2)
@@ -107,7 +107,7 @@ async def test_streaming_handler(runtime: FakeRuntime) -> None:
         for i in range(3):
             yield bytes([i]) * 70000  # larger than a default stream window over three messages
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({STREAM: stream})
+        shim.app.router.set_table({STREAM: stream})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             got = [m async for m in ch.unary_stream(STREAM)(b"", timeout=10)]
     assert got == [bytes([i]) * 70000 for i in range(3)]
@@ -171,7 +171,7 @@ async def test_runtime_connection_lost_fails_relayed_calls_but_finishes_local_on
         return b"answered by the shim"
     runtime.unary[BIG] = hang
     async with running_shim(runtime.endpoint, engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: local})
+        shim.app.router.set_table({LOCAL: local})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             relayed = asyncio.ensure_future(ch.unary_unary(BIG)(b"", timeout=20))
             mine = asyncio.ensure_future(ch.unary_unary(LOCAL)(b"", timeout=20))

@@ -71,7 +71,7 @@ async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_clien
         yield b"from the shim"
 
     async with running_shim(f"unix://{tmp_path / 'runtime.sock'}", engine="relay") as shim:
-        shim.app.proxy.set_table({STREAM: answer})
+        shim.app.router.set_table({STREAM: answer})
         reader, writer = await asyncio.open_unix_connection(shim.path)
         # a first header block that inserts into the HPACK table (incremental indexing)
         block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),

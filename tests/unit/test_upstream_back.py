@@ -25,7 +25,7 @@ async def test_intercepted_call_right_after_the_runtime_returns(tmp_path) -> Non
         return b"via shim:" + await call.forward(request)
 
     async with running_shim(f"unix://{path}", engine="relay") as shim:
-        shim.app.proxy.set_table({LOCAL: forward})
+        shim.app.router.set_table({LOCAL: forward})
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
