@@ -12,15 +12,15 @@ import logging
 import grpc
 from opentelemetry.trace import Span
 
-from .. import reference
 from ..cri import protowire as wire
 from ..cri.call import Call
 from ..errors import RpcError, check_image_name, invalid_request
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from ..pulls.scheduler import Priority, PullKey
-from ..runtime_handlers.resolver import with_runtime_handler
-from .service import PULL_IMAGE, ImageService, auth_key, decode
+from ..pulls.key import pull_key
+from ..pulls.scheduler import Priority
+from ..runtime_handlers.resolver import inject
+from .service import PULL_IMAGE, ImageService, decode
 
 _log = logs.get("pull")
 # Length-delimited fields (strings, messages, maps) the shim reads or appends to.
@@ -55,17 +55,12 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     check_image_name(image, "PullImageRequest.image.image")
     handler, how = req.image.runtime_handler, "request" if req.image.runtime_handler else "none"
     if not handler and svc.handlers is not None:
-        decision = await svc.handlers.for_pull(req, call)  # type: ignore[attr-defined]
+        decision = await svc.handlers.for_pull(req, call)
         if decision is not None:
             handler, how = decision.handler, decision.source
-            request = with_runtime_handler(request, handler)
-            svc.metrics.handler_injected.labels(decision.kind).inc()
-            logs.log(_log, logging.INFO, "runtime handler injected", image=image, handler=handler, source=how)
+            request = inject(request, image, decision, svc.metrics, logging.INFO)
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
-    # Collapsed under the normalized name (nginx = docker.io/library/nginx:latest); the
-    # runtime still gets the request as the client sent it.
-    key = PullKey(image=reference.pull_name(image), handler=handler, auth=auth_key(req.auth), namespace=namespace,
-                  sent_as=call.sent_as)
+    key = pull_key(req, handler, namespace=namespace, sent_as=call.sent_as)
     svc.metrics.pull_requests_total.labels("foreground").inc()
     span = call.span
     if span.is_recording():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -20,6 +19,9 @@ from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pulls.scheduler import PullScheduler
 from .pins import PinSet
+
+if TYPE_CHECKING:  # the resolver uses this service's types too
+    from ..runtime_handlers.resolver import HandlerResolver
 
 PULL_IMAGE = cri_method("ImageService", "PullImage")
 IMAGE_STATUS = cri_method("ImageService", "ImageStatus")
@@ -40,7 +42,7 @@ class ImageService:
     pins: PinSet = field(default_factory=lambda: PinSet.build(()))
     pins_enforce: bool = True
     dedup_per_namespace: bool = False
-    handlers: object | None = None  # shim.handlers.HandlerResolver, when configured
+    handlers: HandlerResolver | None = None  # runtime_handlers (KEP-4216), when configured
     tracing: Tracing = field(default_factory=Tracing.off)
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
@@ -97,16 +99,6 @@ def decode(cls: type[M], data: bytes) -> M:
         return cls.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as e:
         raise invalid_request(cls.DESCRIPTOR.name, e) from None
-
-
-def auth_key(auth: Message) -> str:
-    """A hash of the full AuthConfig (never the secret itself); '' when there is none.
-
-    Credentials are equal when every AuthConfig field is: a pull is never shared between
-    credentials that merely look alike (``auth`` versus username and password).
-    """
-    raw = auth.SerializeToString(deterministic=True)
-    return hashlib.sha256(raw).hexdigest() if raw else ""
 
 
 @contextlib.contextmanager

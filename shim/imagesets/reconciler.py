@@ -48,12 +48,13 @@ from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..images.pins import PinSet
-from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE, auth_key
+from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
-from ..pulls.scheduler import Priority, PullKey, PullScheduler
-from ..reference import ReferenceError, normalize, pull_name
+from ..pulls.key import pull_key
+from ..pulls.scheduler import Priority, PullScheduler
+from ..reference import ReferenceError, normalize
 from .loader import ImageSet
 
 _log = logs.get("imagesets")
@@ -474,7 +475,7 @@ class Reconciler:
             async def run(request: bytes = request) -> bytes:
                 return await self.upstream.unary(PULL_IMAGE, request)
 
-            key = PullKey(image=pull_name(img.spelled), handler=handler, auth=auth_key(req.auth))
+            key = pull_key(req, handler)
             try:
                 outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND)
             except RpcError as e:

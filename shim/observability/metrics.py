@@ -19,7 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..pulls.scheduler import Priority, PullKey
+from ..pulls.scheduler import Flight, PullEvents
 from .metrics_http import MetricsServer
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -27,8 +27,8 @@ _THROUGHPUT_BUCKETS = tuple(float(2**i) for i in range(14, 32, 2))  # 16 KiB/s .
 _RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
-class Metrics:
-    """Every metric the shim exports. Implements the scheduler's PullObserver."""
+class Metrics(PullEvents):
+    """Every metric the shim exports. Observes the scheduler (PullEvents) and intercepted calls (CallObserver)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -74,21 +74,21 @@ class Metrics:
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 
-    # PullObserver
+    # PullEvents (the scheduler's)
     def queue_changed(self, queued: int, in_flight: int) -> None:
         self.queue_length.set(queued)
         self.pulls_in_flight.set(in_flight)
 
-    def started(self, key: PullKey, priority: Priority, waited: float) -> None:
-        self.queue_wait.labels(priority.name.lower()).observe(waited)
+    def flight_started(self, flight: Flight, waited: float) -> None:
+        self.queue_wait.labels(flight.priority.name.lower()).observe(waited)
 
-    def joined(self, key: PullKey) -> None:
+    def joined(self, flight: Flight) -> None:
         self.dedup_joins.inc()
 
-    def finished(self, key: PullKey, result: str, seconds: float) -> None:
-        self.pulls_total.labels(result).inc()
+    def flight_finished(self, flight: Flight, seconds: float) -> None:
+        self.pulls_total.labels(flight.result or "cancelled").inc()
 
-    # Proxy CallObserver (intercepted calls only: passthrough is not timed)
+    # cri.call.CallObserver (intercepted calls only: passthrough is not timed)
     def observe_call(self, method: str, seconds: float, code: grpc.StatusCode) -> None:
         child = self._rpc_children.get((method, code))
         if child is None:

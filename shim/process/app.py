@@ -53,9 +53,9 @@ class App:
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
-                                       dedup=cfg.pulls.dedup, observer=self.metrics)
+                                       dedup=cfg.pulls.dedup, observers=[self.metrics])
         self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
-        self.scheduler.hooks.append(self.progress)
+        self.scheduler.observers.append(self.progress)
         self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
         self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self.image_sets: ImageSets | None = None

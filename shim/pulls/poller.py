@@ -64,7 +64,7 @@ from .progress import (
     stall_message,
     stall_window,
 )
-from .scheduler import Flight, PullScheduler
+from .scheduler import Flight, PullEvents, PullScheduler
 
 _log = logs.get("progress")
 
@@ -100,7 +100,7 @@ class _Cleanup:
 
 
 @dataclass
-class ProgressPoller:
+class ProgressPoller(PullEvents):
     upstream: Upstream
     scheduler: PullScheduler
     metrics: Metrics
@@ -150,13 +150,13 @@ class ProgressPoller:
 
     # ------------------------------------------------------------------ scheduler hooks
 
-    def flight_started(self, flight: Flight) -> None:
+    def flight_started(self, flight: Flight, waited: float) -> None:
         try:
             self._started(flight)
         except Exception:  # never in the scheduler's way
             _log.exception("pull progress: cannot follow a pull")
 
-    def flight_finished(self, flight: Flight) -> None:
+    def flight_finished(self, flight: Flight, seconds: float) -> None:
         try:
             self._finished(flight)
         except Exception:  # the scheduler must get its slot back whatever happens here

@@ -39,28 +39,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 
 from ..errors import RpcError
+from .key import PullKey
 
 
 class Priority(IntEnum):
     FOREGROUND = 0
     BACKGROUND = 1
-
-
-@dataclass(frozen=True, slots=True)
-class PullKey:
-    """Who asks for which pull. ``image`` is the normalized reference
-    (``reference.pull_name``); ``auth`` is a hash, never the secret."""
-
-    image: str
-    handler: str = ""
-    auth: str = ""
-    namespace: str = ""
-    sent_as: str = ""  # the client's :path if not the canonical one: its flight goes upstream under it
 
 
 @dataclass(slots=True)
@@ -70,32 +59,30 @@ class PullOutcome:
     queued_seconds: float  # how long the flight waited for a slot before this caller got its answer
 
 
-class PullObserver(Protocol):
-    """Hooks for metrics and logs; all optional to implement meaningfully."""
+class PullEvents:
+    """What the scheduler tells its observers (metrics, pull progress), at the same points for all.
 
-    def queue_changed(self, queued: int, in_flight: int) -> None: ...
-    def started(self, key: PullKey, priority: Priority, waited: float) -> None: ...
-    def joined(self, key: PullKey) -> None: ...
-    def finished(self, key: PullKey, result: str, seconds: float) -> None: ...
+    Every method is a no-op here: an observer overrides what it follows. ``flight_started``
+    and ``flight_finished`` are called with the flight itself (its task is set when started).
+    An observer must not raise into the scheduler: the slot must come back whatever happens.
+    """
 
+    def queue_changed(self, queued: int, in_flight: int) -> None:
+        """The number of queued or running flights changed."""
 
-class _NullObserver:
-    def queue_changed(self, queued: int, in_flight: int) -> None: pass
-    def started(self, key: PullKey, priority: Priority, waited: float) -> None: pass
-    def joined(self, key: PullKey) -> None: pass
-    def finished(self, key: PullKey, result: str, seconds: float) -> None: pass
+    def joined(self, flight: Flight) -> None:
+        """A caller joined ``flight`` instead of starting its own."""
+
+    def flight_started(self, flight: Flight, waited: float) -> None:
+        """``flight`` went upstream after ``waited`` seconds in the queue."""
+
+    def flight_finished(self, flight: Flight, seconds: float) -> None:
+        """``flight`` ended (``flight.result``: success | error | cancelled) after ``seconds`` upstream."""
 
 
 Runner = Callable[[], Awaitable[bytes]]
 # A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
 Listener = Callable[[str, dict[str, object]], None]
-
-
-class FlightHooks(Protocol):
-    """Told when a flight goes upstream and when it ends (pull progress follows these)."""
-
-    def flight_started(self, flight: "Flight") -> None: ...
-    def flight_finished(self, flight: "Flight") -> None: ...
 
 
 @dataclass(eq=False)
@@ -122,18 +109,17 @@ class PullScheduler:
     ``background_max_parallel`` of those, and never all of them (one slot is foreground's)."""
 
     def __init__(self, max_parallel: int, background_max_parallel: int = 1, *, dedup: bool = True,
-                 observer: PullObserver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 observers: Iterable[PullEvents] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self.max_parallel = max_parallel
         self.background_max_parallel = background_max_parallel
         self.dedup = dedup
-        self._observer: PullObserver = observer or _NullObserver()
+        self.observers: list[PullEvents] = list(observers)  # metrics, progress: told in this order
         self._clock = clock
         self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
         self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
         self._running: set[Flight] = set()
         self._seq = itertools.count()
         self._closed: RpcError | None = None
-        self.hooks: list[FlightHooks] = []
 
     # ------------------------------------------------------------------ public
 
@@ -156,7 +142,8 @@ class PullScheduler:
         if flight is None:
             flight = self._new_flight(key, priority, run)
         else:
-            self._observer.joined(key)
+            for o in self.observers:
+                o.joined(flight)
             if priority < flight.priority:
                 self._lift(flight, priority)
         flight.waiters += 1
@@ -283,13 +270,13 @@ class PullScheduler:
     def _start(self, flight: Flight) -> None:
         flight.started_at = self._clock()
         self._running.add(flight)
-        self._observer.started(flight.key, flight.priority, flight.started_at - flight.enqueued_at)
         flight.task = asyncio.get_running_loop().create_task(self._run(flight), name=f"pull {flight.key.image}")
         # Cleanup in a done callback, not a finally: a task cancelled before its first
         # step never runs its body, and its slot must still come back.
         flight.task.add_done_callback(lambda task: self._finished(flight, task))
-        for hook in self.hooks:
-            hook.flight_started(flight)
+        waited = flight.started_at - flight.enqueued_at
+        for o in self.observers:
+            o.flight_started(flight, waited)
 
     async def _run(self, flight: Flight) -> None:
         try:
@@ -311,9 +298,9 @@ class PullScheduler:
             flight.result = "cancelled"
             self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
         self._running.discard(flight)
-        for hook in self.hooks:
-            hook.flight_finished(flight)
-        self._observer.finished(flight.key, flight.result, self._clock() - (flight.started_at or self._clock()))
+        seconds = self._clock() - (flight.started_at or self._clock())
+        for o in self.observers:
+            o.flight_finished(flight, seconds)
         self._dispatch()
         self._changed()
 
@@ -348,7 +335,8 @@ class PullScheduler:
             flight.task.cancel()
 
     def _changed(self) -> None:
-        self._observer.queue_changed(self.queued, self.in_flight)
+        for o in self.observers:
+            o.queue_changed(self.queued, self.in_flight)
 
 
 def _consume(fut: asyncio.Future[bytes]) -> None:

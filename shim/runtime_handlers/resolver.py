@@ -42,6 +42,7 @@ from ..proto.runtime.v1 import api_pb2
 if TYPE_CHECKING:
     from ..cri.call import Call
     from ..images.service import ImageService
+    from ..observability.metrics import Metrics
 
 _log = logs.get("handlers")
 
@@ -416,7 +417,7 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
     ``image`` ImageSpec), to save decoding it again.
     """
     resolver = svc.handlers
-    if not isinstance(resolver, HandlerResolver) or not resolver.applies_to_images:
+    if resolver is None or not resolver.applies_to_images:
         return request
     try:
         spec = decoded_req.image if decoded_req is not None else image_spec(request)  # type: ignore[attr-defined]
@@ -428,9 +429,14 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
     decision = resolver.for_image(spec)
     if decision is None:
         return request
-    svc.metrics.handler_injected.labels(decision.kind).inc()
-    logs.log(_log, logging.DEBUG, "runtime handler injected", image=spec.image, handler=decision.handler,
-             source=decision.source)
+    return inject(request, spec.image, decision, svc.metrics)
+
+
+def inject(request: bytes, image: str, decision: Decision, metrics: Metrics, level: int = logging.DEBUG) -> bytes:
+    """``request`` with ``decision.handler`` appended to its ImageSpec, counted
+    (cri_shim_runtime_handler_injected) and logged: the one place a handler is injected."""
+    metrics.handler_injected.labels(decision.kind).inc()
+    logs.log(_log, level, "runtime handler injected", image=image, handler=decision.handler, source=decision.source)
     return with_runtime_handler(request, decision.handler)
 
 

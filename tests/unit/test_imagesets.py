@@ -93,7 +93,7 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
     config = ImageSetsConfig(**settings)
     upstream = Upstream(runtime.endpoint, 16 << 20)
     metrics = Metrics()
-    scheduler = PullScheduler(scheduler_cap, config.max_parallel, observer=metrics)
+    scheduler = PullScheduler(scheduler_cap, config.max_parallel, observers=[metrics])
     pin_updates: list[list[tuple[str, str]]] = []
     disk = {"free": free_bytes}
 
