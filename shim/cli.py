@@ -105,7 +105,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .process.status import print_status
+    from .process.status_view import print_status
 
     admin_socket = args.admin_socket
     if admin_socket is None:
@@ -118,7 +118,7 @@ def _status(args: argparse.Namespace) -> int:
             print(f"cri-shim: status is off: server.admin_socket is empty in {args.config}", file=sys.stderr)
             return 1
     if args.watch:
-        from .process.status import watch_status
+        from .process.status_view import watch_status
 
         return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
     return print_status(admin_socket, as_json=args.json)

@@ -35,7 +35,7 @@ __all__ = [
     "DEFAULT_TAG",
     "MAX_LENGTH",
     "Reference",
-    "ReferenceError",
+    "InvalidReference",
     "is_image_id",
     "normalize",
     "normalize_image_id",
@@ -73,7 +73,7 @@ _HEX64 = re.compile(r"[a-f0-9]{64}", re.ASCII)
 _IMAGE_ID = re.compile(r"(?:sha256:)?[a-f0-9]{64}", re.ASCII)
 
 
-class ReferenceError(ValueError):
+class InvalidReference(ValueError):
     """An image reference is not valid."""
 
 
@@ -166,15 +166,15 @@ def split_domain(ref: str) -> tuple[str, str]:
 
 def _check_digest(ref: str, digest: str) -> None:
     if not _DIGEST_SHAPE.fullmatch(digest):
-        raise ReferenceError(f"invalid reference {shown(ref)}: malformed digest {shown(digest)}")
+        raise InvalidReference(f"invalid reference {shown(ref)}: malformed digest {shown(digest)}")
     algorithm, _, encoded = digest.partition(":")
     length = _DIGEST_HEX_LENGTH.get(algorithm)
     if length is None:
-        raise ReferenceError(
+        raise InvalidReference(
             f"invalid reference {shown(ref)}: unsupported digest algorithm {shown(algorithm)}"
         )
     if len(encoded) != length or encoded.lower() != encoded:
-        raise ReferenceError(
+        raise InvalidReference(
             f"invalid reference {shown(ref)}: {algorithm} digest must be "
             f"{length} lowercase hex characters"
         )
@@ -183,19 +183,19 @@ def _check_digest(ref: str, digest: str) -> None:
 def parse(ref: str) -> Reference:
     """Parse ``ref`` into a normalized :class:`Reference` (no default tag added).
 
-    Raises :class:`ReferenceError` for invalid references and for image IDs.
+    Raises :class:`InvalidReference` for invalid references and for image IDs.
     """
     if not ref:
-        raise ReferenceError("invalid reference: empty string")
+        raise InvalidReference("invalid reference: empty string")
     if len(ref) > MAX_LENGTH:
-        raise ReferenceError(f"invalid reference {shown(ref)}: longer than {MAX_LENGTH} characters")
+        raise InvalidReference(f"invalid reference {shown(ref)}: longer than {MAX_LENGTH} characters")
     if _HEX64.fullmatch(ref):
-        raise ReferenceError(
+        raise InvalidReference(
             f"invalid reference {shown(ref)}: a 64-character hex string is an image ID, "
             "not a repository name"
         )
     if is_image_id(ref):
-        raise ReferenceError(f"invalid reference {shown(ref)}: this is an image ID, not a name")
+        raise InvalidReference(f"invalid reference {shown(ref)}: this is an image ID, not a name")
 
     domain, remainder = split_domain(ref)
 
@@ -206,19 +206,19 @@ def parse(ref: str) -> Reference:
     path, colon, tag = remainder.partition(":")
 
     if path.lower() != path:
-        raise ReferenceError(
+        raise InvalidReference(
             f"invalid reference {shown(ref)}: repository name {shown(path)} must be lowercase"
         )
     if not _DOMAIN.fullmatch(domain):
-        raise ReferenceError(f"invalid reference {shown(ref)}: invalid registry host {shown(domain)}")
+        raise InvalidReference(f"invalid reference {shown(ref)}: invalid registry host {shown(domain)}")
     if not _PATH.fullmatch(path):
-        raise ReferenceError(f"invalid reference {shown(ref)}: invalid repository name {shown(path)}")
+        raise InvalidReference(f"invalid reference {shown(ref)}: invalid repository name {shown(path)}")
     if len(domain) + 1 + len(path) > NAME_TOTAL_LENGTH_MAX:
-        raise ReferenceError(
+        raise InvalidReference(
             f"invalid reference {shown(ref)}: repository name longer than {NAME_TOTAL_LENGTH_MAX} characters"
         )
     if colon and not _TAG.fullmatch(tag):
-        raise ReferenceError(f"invalid reference {shown(ref)}: invalid tag {shown(tag)}")
+        raise InvalidReference(f"invalid reference {shown(ref)}: invalid tag {shown(tag)}")
 
     return Reference(
         domain=domain,
@@ -232,7 +232,7 @@ def normalize(ref: str) -> str:
     """Fully qualified form of ``ref``: ``nginx`` -> ``docker.io/library/nginx:latest``.
 
     An image ID is returned in its ``sha256:<hex>`` form. Raises
-    :class:`ReferenceError` for invalid input.
+    :class:`InvalidReference` for invalid input.
     """
     image_id = normalize_image_id(ref)
     if image_id is not None:
@@ -249,5 +249,5 @@ def pull_name(ref: str) -> str:
     """
     try:
         return normalize(ref)
-    except ReferenceError:
+    except InvalidReference:
         return ref

@@ -113,7 +113,7 @@ class Keyring:
         """The credentials to try for ``image``, most specific first; [] for none (pull anonymously)."""
         try:
             ref = reference.parse(image)
-        except reference.ReferenceError:
+        except reference.InvalidReference:
             return []
         target = ref.name
         out: list[Credential] = []

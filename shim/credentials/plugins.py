@@ -178,7 +178,7 @@ class PluginProviders:
         """Keyring entries every matching provider gives for ``image`` (cached as the plugin says)."""
         try:
             ref = reference.parse(image)
-        except reference.ReferenceError:
+        except reference.InvalidReference:
             return []
         out: list[tuple[str, Credential]] = []
         for st in self._state:

@@ -23,7 +23,7 @@ from typing import Iterable
 
 from .. import reference
 from ..observability.logs import shown
-from ..reference import ReferenceError
+from ..reference import InvalidReference
 
 _GLOB_CHARS = frozenset("*?[")
 _SHORT_ID = re.compile(r"sha256:[0-9a-f]{1,63}", re.ASCII)
@@ -67,7 +67,7 @@ def normalize_pattern(p: str) -> str:
                          "(with or without 'sha256:')")
     try:
         ref = reference.parse(p)
-    except ReferenceError as e:
+    except InvalidReference as e:
         raise ValueError(str(e)) from None
     if ref.digest is not None:
         return f"{ref.name}@{ref.digest}"
@@ -95,7 +95,7 @@ def _normal(n: str) -> str:
         return n
     try:
         return reference.normalize(n)
-    except ReferenceError:
+    except InvalidReference:
         return n
 
 

@@ -54,7 +54,7 @@ from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
 from ..pulls.scheduler import Priority, PullScheduler
-from ..reference import ReferenceError, normalize
+from ..reference import InvalidReference, normalize
 from .loader import ImageSet
 
 _log = logs.get("imagesets")
@@ -342,7 +342,7 @@ class Reconciler:
                 if c is None:
                     try:
                         c = normalize(n)
-                    except ReferenceError:
+                    except InvalidReference:
                         c = n
                 new_cache[n] = c
                 names.add(c)

@@ -33,7 +33,8 @@ from ..runtime_handlers.sandboxes import (
     remove_pod_sandbox,
     run_pod_sandbox,
 )
-from .status import AdminServer, StatusSource, collect
+from .admin import AdminServer
+from .status import StatusSource, collect
 
 if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
     from ..cluster.source import ClusterSource
@@ -181,7 +182,8 @@ class App:
 
     def status(self) -> dict[str, Any]:
         """The `cri-shim status` document."""
-        return collect(self, self.started_at)
+        return collect(self.cfg, self.scheduler, self.progress, self.upstream, self.tracing, self.status_sources,
+                       self.started_at)
 
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)

@@ -170,7 +170,7 @@ class ProgressPoller(PullEvents):
             ref = reference.parse(flight.key.image)
             t.host, t.domain, t.repo, t.digest = _source_host(ref.domain), ref.domain, ref.path, ref.digest
             t.ref = str(ref.with_default_tag())
-        except reference.ReferenceError:
+        except reference.InvalidReference:
             t.progress.unknown = "not an image reference the runtime's records can be matched to"
         if not self.enabled:
             t.progress.unknown = "pull progress is off (pulls.progress_interval_seconds: 0)"

@@ -144,7 +144,7 @@ def reference_names(image: str) -> list[str]:
         return [reference.normalize(image)]
     try:
         ref = reference.parse(image)
-    except reference.ReferenceError:
+    except reference.InvalidReference:
         return [image]
     names = [str(ref.with_default_tag())]
     if ref.digest is not None:

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from shim.proto.containerd.services.content.v1 import content_pb2
-from shim.process.status import fetch_status
+from shim.process.admin import fetch_status
 from tests.support import cri, oci
 from tests.support.registry import free_port
 

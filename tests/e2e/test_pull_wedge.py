@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from shim.process.status import fetch_status
+from shim.process.admin import fetch_status
 from tests.support import cri, oci
 
 pytestmark = pytest.mark.e2e

@@ -51,7 +51,7 @@ from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
 from tests.support import cri
-from shim.process.status import fetch_status
+from shim.process.admin import fetch_status
 from tests.support.containerd import Containerd
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.h2raw import (

@@ -55,7 +55,7 @@ class FakeImageStore:
     def resolve(self, name: str) -> StoredImage | None:
         try:
             key = reference.normalize(name)
-        except reference.ReferenceError:
+        except reference.InvalidReference:
             key = name
         for img in self.images:
             if key in img.names() or name in img.names():

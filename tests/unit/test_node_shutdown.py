@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from shim.process.status import fetch_status
+from shim.process.admin import fetch_status
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim_process import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, pull_request

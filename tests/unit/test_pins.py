@@ -168,7 +168,7 @@ _name = st.builds(
 def test_image_names_agree_with_normalize(name: str) -> None:
     try:
         expected = reference.normalize(name)
-    except reference.ReferenceError:
+    except reference.InvalidReference:
         expected = name
     assert image_names("", [name], []) == [expected]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from shim.reference import Reference, ReferenceError, is_image_id, normalize, parse
+from shim.reference import Reference, InvalidReference, is_image_id, normalize, parse
 
 D1 = "sha256:" + "a" * 64
 D2 = "sha256:" + "0123456789abcdef" * 4
@@ -105,12 +105,12 @@ def test_normalize(ref: str, expected: str) -> None:
     ],
 )
 def test_invalid(ref: str, message: str) -> None:
-    with pytest.raises(ReferenceError, match=message):
+    with pytest.raises(InvalidReference, match=message):
         normalize(ref)
 
 
 def test_reference_error_is_value_error() -> None:
-    assert issubclass(ReferenceError, ValueError)
+    assert issubclass(InvalidReference, ValueError)
 
 
 def test_parse_fields_and_forms() -> None:
@@ -135,7 +135,7 @@ def test_parse_adds_no_default_tag() -> None:
 
 @pytest.mark.parametrize("ref", [D1, HEX])
 def test_parse_rejects_image_ids(ref: str) -> None:
-    with pytest.raises(ReferenceError, match="image ID"):
+    with pytest.raises(InvalidReference, match="image ID"):
         parse(ref)
 
 
@@ -187,7 +187,7 @@ def test_normalize_property(host: str, path: str, tag: str, digest: str) -> None
 
 def test_invalid_host_like_first_component_is_rejected() -> None:
     """Upstream would read "a_b.c/x" as a domain-less path; we reject it."""
-    with pytest.raises(ReferenceError, match="host"):
+    with pytest.raises(InvalidReference, match="host"):
         parse("a_b.c/x")
     assert normalize("a.b/x") == "a.b/x:latest"
 
