@@ -40,7 +40,7 @@ from shim.cluster.source import ClusterSource  # noqa: E402
 from shim.cluster.status import NodeStatus  # noqa: E402
 from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
 from shim.imagesets.manager import ImageSets  # noqa: E402
-from shim.images.service import LIST_IMAGES  # noqa: E402
+from shim.cri.methods import LIST_IMAGES  # noqa: E402
 from shim.observability.metrics import Metrics  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 from shim.pulls.scheduler import PullScheduler  # noqa: E402

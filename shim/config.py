@@ -115,7 +115,9 @@ def strings(*, none_is_empty: bool = False) -> Parse:
 
 def image_patterns(key: str, v: Any) -> tuple[str, ...]:
     """Image patterns, normalized as pins are (``images.pins.validate_pattern``)."""
-    from .images.pins import validate_pattern  # local import: pins needs reference parsing only
+    from .images.pins import (
+        validate_pattern,  # local import: pins needs reference parsing only
+    )
 
     patterns = () if v is None else _str_list(key, v)
     for i, pattern in enumerate(patterns):
@@ -454,7 +456,9 @@ def _rules(key: str, v: Any) -> tuple[HandlerRule, ...]:
 
 def _request_bytes(key: str, v: Any) -> tuple[tuple[str, int], ...]:
     """server.max_request_bytes as written: CRI method name -> size (merged over the defaults in _check_server)."""
-    from .cri.methods import KNOWN_METHODS  # local import: the proto module is only needed here
+    from .cri.methods import (
+        KNOWN_METHODS,  # local import: the proto module is only needed here
+    )
 
     names = {p.rsplit("/", 1)[1] for p in KNOWN_METHODS}
     out = {}
@@ -507,7 +511,10 @@ def _check_image_sets(cfg: ImageSetsConfig, d: Mapping[str, Any]) -> ImageSetsCo
         missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
         raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
     if cfg.credential_provider_config:
-        from .credentials.plugins import ProviderConfigError, load_config  # local import: only when used
+        from .credentials.plugins import (  # local import: only when used
+            ProviderConfigError,
+            load_config,
+        )
 
         try:
             load_config(cfg.credential_provider_config)

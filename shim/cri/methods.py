@@ -97,3 +97,15 @@ def cardinality(method: str) -> Cardinality | None:
     """
     routed = canonical(method)
     return KNOWN_METHODS.get(routed) if routed is not None else None
+
+
+# Every CRI method the shim answers or calls itself: each path defined here once, from the proto.
+PULL_IMAGE = cri_method("ImageService", "PullImage")
+IMAGE_STATUS = cri_method("ImageService", "ImageStatus")
+LIST_IMAGES = cri_method("ImageService", "ListImages")
+STREAM_IMAGES = cri_method("ImageService", "StreamImages")
+REMOVE_IMAGE = cri_method("ImageService", "RemoveImage")
+IMAGE_FS_INFO = cri_method("ImageService", "ImageFsInfo")
+RUN_POD_SANDBOX = cri_method("RuntimeService", "RunPodSandbox")
+REMOVE_POD_SANDBOX = cri_method("RuntimeService", "RemovePodSandbox")
+LIST_POD_SANDBOX = cri_method("RuntimeService", "ListPodSandbox")

@@ -14,13 +14,14 @@ from opentelemetry.trace import Span
 
 from ..cri import protowire as wire
 from ..cri.call import Call
+from ..cri.methods import PULL_IMAGE
 from ..errors import RpcError, check_image_name, invalid_request
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
 from ..pulls.scheduler import Priority
 from ..runtime_handlers.resolver import inject
-from .service import PULL_IMAGE, ImageService, decode
+from .service import ImageService, decode
 
 _log = logs.get("pull")
 # Length-delimited fields (strings, messages, maps) the shim reads or appends to.

@@ -29,12 +29,13 @@ from google.protobuf.message import DecodeError
 from .. import reference
 from ..cri import protowire as wire
 from ..cri.call import Call
+from ..cri.methods import IMAGE_STATUS
 from ..errors import RpcError, check_image_name
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..runtime_handlers.resolver import IMAGE_FIELD, inject_image_handler
 from .pinned import pin_of
-from .service import IMAGE_STATUS, ImageService, counting_upstream_errors, decode
+from .service import ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pins")
 

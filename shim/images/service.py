@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from ..cri.methods import cri_method
 from ..cri.upstream import Upstream
 from ..errors import RpcError, invalid_request
 from ..observability import logs
@@ -23,12 +22,6 @@ from .pins import PinSet
 if TYPE_CHECKING:  # the resolver uses this service's types too
     from ..runtime_handlers.resolver import HandlerResolver
 
-PULL_IMAGE = cri_method("ImageService", "PullImage")
-IMAGE_STATUS = cri_method("ImageService", "ImageStatus")
-LIST_IMAGES = cri_method("ImageService", "ListImages")
-STREAM_IMAGES = cri_method("ImageService", "StreamImages")
-REMOVE_IMAGE = cri_method("ImageService", "RemoveImage")
-IMAGE_FS_INFO = cri_method("ImageService", "ImageFsInfo")
 
 M = TypeVar("M", bound=Message)
 _log = logs.get("pins")

@@ -45,10 +45,10 @@ import grpc
 from ..config import ImageSetsConfig
 from ..credentials import Credential, DockerConfigFiles, Keyring
 from ..credentials.plugins import PluginProviders, ProviderConfigError
+from ..cri.methods import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..images.pins import PinSet
-from ..images.service import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2

@@ -10,29 +10,26 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config, ConfigError
 from ..cri.call import Handler, Observation
-from ..cri.routing import Router
-from ..cri.upstream import Upstream
-from ..images import image_status, list_images, pull_image, remove_image
-from ..images.service import (
+from ..cri.methods import (
     IMAGE_STATUS,
     LIST_IMAGES,
     PULL_IMAGE,
     REMOVE_IMAGE,
+    REMOVE_POD_SANDBOX,
+    RUN_POD_SANDBOX,
     STREAM_IMAGES,
-    ImageService,
 )
+from ..cri.routing import Router
+from ..cri.upstream import Upstream
+from ..images import image_status, list_images, pull_image, remove_image
+from ..images.service import ImageService
 from ..imagesets import ImageSets
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
 from ..runtime_handlers.resolver import HandlerResolver, compile_rules
-from ..runtime_handlers.sandboxes import (
-    REMOVE_POD_SANDBOX,
-    RUN_POD_SANDBOX,
-    remove_pod_sandbox,
-    run_pod_sandbox,
-)
+from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
 from .status import StatusSource, collect
 

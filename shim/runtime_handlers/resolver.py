@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 from .. import reference
 from ..config import ConfigError, HandlerRule, RuntimeHandlersConfig
 from ..cri import protowire as wire
-from ..cri.methods import cri_method
+from ..cri.methods import LIST_POD_SANDBOX
 from ..cri.upstream import Upstream
 from ..errors import Metadata, RpcError, check_image_name
 from ..images import pins
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 _log = logs.get("handlers")
 
-LIST_POD_SANDBOX = cri_method("RuntimeService", "ListPodSandbox")
 IMAGE_FIELD = 1  # ImageStatusRequest.image, RemoveImageRequest.image, PullImageRequest.image
 RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
 LOOKUP_TIMEOUT_SECONDS = 2.0

@@ -12,15 +12,12 @@ import logging
 from google.protobuf.message import DecodeError
 
 from ..cri.call import Call
-from ..cri.methods import cri_method
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from .resolver import HandlerResolver
 
 _log = logs.get("handlers")
 
-RUN_POD_SANDBOX = cri_method("RuntimeService", "RunPodSandbox")
-REMOVE_POD_SANDBOX = cri_method("RuntimeService", "RemovePodSandbox")
 
 
 async def run_pod_sandbox(resolver: HandlerResolver, request: bytes, call: Call) -> bytes:
