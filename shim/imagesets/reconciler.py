@@ -53,6 +53,7 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
+from ..pulls.progress import human_bytes
 from ..pulls.scheduler import Priority, PullScheduler
 from ..reference import InvalidReference, normalize
 from .loader import ImageSet
@@ -110,14 +111,6 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
             await event.wait()
     except TimeoutError:
         pass
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 class Reconciler:
@@ -381,8 +374,8 @@ class Reconciler:
             return "cannot check free space: no image filesystem known yet"
         self.free_bytes = lowest[0]
         if lowest[0] < need:
-            return (f"free space on {lowest[1]} is {_fmt_bytes(lowest[0])}, below image_sets.min_free_bytes "
-                    f"{_fmt_bytes(need)}; not pulling until space is freed")
+            return (f"free space on {lowest[1]} is {human_bytes(lowest[0])}, below image_sets.min_free_bytes "
+                    f"{human_bytes(need)}; not pulling until space is freed")
         return ""
 
     def _backoff(self, attempts: int) -> float:

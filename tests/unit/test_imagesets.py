@@ -264,7 +264,7 @@ async def test_disk_guard_holds_pulls_and_says_why(runtime, store, tmp_path) -> 
     async with image_sets(runtime, tmp_path, free_bytes=1 << 30, min_free_bytes=5 << 30) as h:
         await eventually(lambda: h.status()["disk"]["blocked"] != "", what="disk guard to block")
         status = h.status()
-        assert "free space on /var/lib/fake-runtime/images is 1.0 GiB, below image_sets.min_free_bytes 5.0 GiB" \
+        assert "free space on /var/lib/fake-runtime/images is 1 GiB, below image_sets.min_free_bytes 5 GiB" \
             in status["disk"]["blocked"]
         assert status["sets"]["warm"]["queued"] == 2 and "below" in status["sets"]["warm"]["last_error"]
         await asyncio.sleep(0.2)  # several rechecks: still short, still nothing pulled
