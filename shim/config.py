@@ -328,10 +328,14 @@ def _size(key: str, v: Any, minimum: int = 0) -> int:
     return n
 
 
-def _str_list(key: str, v: Any) -> tuple[str, ...]:
+def _list_of(key: str, v: Any, item: Parse, what: str) -> tuple[Any, ...]:
     if not isinstance(v, list):
-        raise ConfigError(key, f"expected a list of strings, got {shown(v)}")
-    return tuple(_str(f"{key}[{i}]", item) for i, item in enumerate(v))
+        raise ConfigError(key, f"expected a list of {what}, got {shown(v)}")
+    return tuple(item(f"{key}[{i}]", x) for i, x in enumerate(v))
+
+
+def _str_list(key: str, v: Any) -> tuple[str, ...]:
+    return _list_of(key, v, _str, "strings")
 
 
 def _str_map(key: str, v: Any) -> tuple[tuple[str, str], ...]:
@@ -388,9 +392,7 @@ def _host_port(key: str, v: Any) -> str:
 
 
 def _uids(key: str, v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise ConfigError(key, f"expected a list of numeric uids, got {v!r}")
-    return tuple(_int(f"{key}[{i}]", uid) for i, uid in enumerate(v))
+    return _list_of(key, v, _int, "numeric uids")
 
 
 def _allowed_services(key: str, v: Any) -> tuple[str, ...]:
