@@ -65,7 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
     # A reload request (SIGHUP) before the server installs its handler must not kill
     # us; the config is read below, after this, so nothing is missed.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    from .process.server import ShimServer, StartupError
+    from .process.server import ShimServer
+    from .process.unixsock import StartupError
 
     overrides = {"listen": args.listen, "upstream": args.upstream,
                  "level": args.log_level, "format": args.log_format}

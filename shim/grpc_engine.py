@@ -21,7 +21,7 @@ one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeAlias, cast
 
 import grpc
 
@@ -41,6 +41,10 @@ from .errors import Metadata, RpcError
 from .observability import logs
 
 _log = logs.get("proxy")
+
+# Requests and responses are bytes: no serializers on either side.
+Context: TypeAlias = "grpc.aio.ServicerContext[bytes, bytes]"
+MethodHandler: TypeAlias = "grpc.RpcMethodHandler[bytes, bytes]"
 
 # What grpc.aio puts in place of a call's status when writing a request message fails.
 _WRITE_FAILED = "Internal error from Core"
@@ -98,18 +102,19 @@ def _now(coro: Any) -> Any:
     return None
 
 
-def forward_metadata(context: grpc.aio.ServicerContext) -> Metadata:
+def forward_metadata(context: Context) -> Metadata:
     return forwardable(tuple(context.invocation_metadata() or ()))
 
 
-async def _fail(context: grpc.aio.ServicerContext, e: RpcError) -> None:
+async def _fail(context: Context, e: RpcError) -> None:
     await context.abort(e.code, e.details, e.trailing_metadata)
 
 
 def _refuse(refusal: Refusal) -> Callable[[Any, Any], AsyncIterator[bytes]]:
-    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def refuse(requests: Any, context: Context) -> AsyncIterator[bytes]:
+        for _ in ():  # never runs: the yield makes this an async generator, as stream_stream handlers are
+            yield b""
         await context.abort(refusal.code, refusal.message)
-        yield b""  # never reached: makes this an async generator, as stream_stream handlers are
 
     return refuse
 
@@ -120,14 +125,14 @@ class Proxy(grpc.GenericRpcHandler):
     def __init__(self, upstream: Upstream, router: Router[Handler], observation: Observation) -> None:
         self.upstream = upstream
         self.router = router  # the App's: its table and allowed services, changed on reload
-        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+        self._cache: dict[str, MethodHandler] = {}
         self._generation = router.generation
         self.observation = observation
         self.tracing = observation.tracing
 
     # grpc.GenericRpcHandler
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method: str = details.method  # type: ignore[attr-defined]  # grpc's stubs omit the attribute
+    def service(self, details: grpc.HandlerCallDetails) -> MethodHandler:
+        method = details.method
         if self._generation != self.router.generation:  # the table changed (reload, pins)
             self._cache.clear()
             self._generation = self.router.generation
@@ -138,7 +143,7 @@ class Proxy(grpc.GenericRpcHandler):
                 self._cache[method] = h
         return h
 
-    def _build(self, method: str) -> grpc.RpcMethodHandler:
+    def _build(self, method: str) -> MethodHandler:
         route = self.router.route(method)
         if isinstance(route, Refusal):
             return grpc.stream_stream_rpc_method_handler(_refuse(route))
@@ -168,7 +173,7 @@ class Proxy(grpc.GenericRpcHandler):
     def _passthrough_unary(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         mc = self.upstream.unary_callable(method)
 
-        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def unary(request: bytes, context: Context) -> bytes:
             call = mc(request, metadata=forward_metadata(context), timeout=context.time_remaining())
             try:
                 response = await call
@@ -185,7 +190,7 @@ class Proxy(grpc.GenericRpcHandler):
     def _passthrough_server_stream(self, method: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
         mc = self.upstream.stream_callable(method)
 
-        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def server_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
             call = mc(request, metadata=forward_metadata(context), timeout=context.time_remaining())
             try:
                 async for msg in call:
@@ -201,9 +206,9 @@ class Proxy(grpc.GenericRpcHandler):
         return server_stream
 
     def _passthrough_client_stream(self, method: str) -> Callable[[Any, Any], Awaitable[bytes]]:
-        mc = self.upstream.channel.stream_unary(method)
+        mc: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = self.upstream.channel.stream_unary(method)
 
-        async def client_stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async def client_stream(requests: AsyncIterator[bytes], context: Context) -> bytes:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
             status = StreamedCallStatus(call)
             try:
@@ -219,9 +224,9 @@ class Proxy(grpc.GenericRpcHandler):
         return client_stream
 
     def _passthrough_bidi(self, method: str) -> Callable[[Any, Any], AsyncIterator[bytes]]:
-        mc = self.upstream.channel.stream_stream(method)
+        mc: grpc.aio.StreamStreamMultiCallable[bytes, bytes] = self.upstream.channel.stream_stream(method)
 
-        async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def bidi(requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[bytes]:
             call = mc(requests, metadata=forward_metadata(context), timeout=context.time_remaining())
             status = StreamedCallStatus(call)
             try:
@@ -250,7 +255,7 @@ class Proxy(grpc.GenericRpcHandler):
         tracing = self.tracing
         assert tracing is not None
 
-        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def unary(request: bytes, context: Context) -> bytes:
             md = forward_metadata(context)
             if not tracing.wants_passthrough_span(md):
                 return await plain(request, context)
@@ -282,7 +287,7 @@ class Proxy(grpc.GenericRpcHandler):
         tracing = self.tracing
         assert tracing is not None
 
-        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def server_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
             md = forward_metadata(context)
             if not tracing.wants_passthrough_span(md):
                 async for msg in plain(request, context):
@@ -311,15 +316,15 @@ class Proxy(grpc.GenericRpcHandler):
 
     # ------------------------------------------------------------------ interception
 
-    def _call(self, method: str, context: grpc.aio.ServicerContext, sent_as: str) -> Call:
+    def _call(self, method: str, context: Context, sent_as: str) -> Call:
         return Call(method, forward_metadata(context), Deadline.after(context.time_remaining()), self.upstream,
                     sent_as=sent_as)
 
     def _intercepted_unary(self, method: str, handler: Handler,
                            sent_as: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
-        h: UnaryHandler = handler  # type: ignore[assignment]
+        h = cast(UnaryHandler, handler)  # the route's method is unary (cardinality, in _build)
 
-        async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def unary(request: bytes, context: Context) -> bytes:
             try:
                 with self.observation.observe(self._call(method, context, sent_as)) as call:
                     return await h(request, call)
@@ -335,9 +340,9 @@ class Proxy(grpc.GenericRpcHandler):
 
     def _intercepted_stream(self, method: str, handler: Handler,
                             sent_as: str) -> Callable[[bytes, Any], AsyncIterator[bytes]]:
-        h: StreamHandler = handler  # type: ignore[assignment]
+        h = cast(StreamHandler, handler)  # the route's method is server-streaming (cardinality, in _build)
 
-        async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def server_stream(request: bytes, context: Context) -> AsyncIterator[bytes]:
             try:
                 with self.observation.observe(self._call(method, context, sent_as)) as call:
                     async for msg in h(request, call):

@@ -57,18 +57,18 @@ class Upstream:
         self.target = target
         self.path = target[len("unix://"):] if target.startswith("unix://") else target.removeprefix("unix:")
         self.channel = grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
-        self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
-        self._stream: dict[str, grpc.aio.UnaryStreamMultiCallable] = {}
+        self._unary: dict[str, grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]] = {}
+        self._stream: dict[str, grpc.aio.UnaryStreamMultiCallable[bytes, bytes]] = {}
         self.state: str = "connecting"
         self._watcher: asyncio.Task[None] | None = None
 
-    def unary_callable(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+    def unary_callable(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable[bytes, bytes]:
         mc = self._unary.get(method)
         if mc is None:
             mc = self._unary[method] = self.channel.unary_unary(method)
         return mc
 
-    def stream_callable(self, method: str) -> grpc.aio.UnaryStreamMultiCallable:
+    def stream_callable(self, method: str) -> grpc.aio.UnaryStreamMultiCallable[bytes, bytes]:
         mc = self._stream.get(method)
         if mc is None:
             mc = self._stream[method] = self.channel.unary_stream(method)

@@ -32,7 +32,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
@@ -41,7 +41,7 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span as Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..cri.methods import canonical
@@ -243,12 +243,16 @@ class Tracing:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
 
+        def finish() -> None:
+            if not done.done():
+                done.set_result(None)
+
         def run() -> None:
             try:
                 self.shutdown()
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop may be gone already
-                    loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                    loop.call_soon_threadsafe(finish)
 
         threading.Thread(target=run, name="otel-shutdown", daemon=True).start()
         try:
@@ -293,15 +297,15 @@ def _exporters_from_env(env: Mapping[str, str]) -> tuple[list[SpanExporter], dic
 
 def _otlp_exporter(protocol: str) -> SpanExporter:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter,
-        )
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        exporter: Callable[[], SpanExporter] = GrpcExporter
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-            OTLPSpanExporter,  # type: ignore[assignment]
-        )
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+        exporter = HttpExporter
     try:
-        return OTLPSpanExporter()
+        return exporter()
     except (ValueError, TypeError) as e:  # e.g. a malformed header or certificate setting
         raise TracingConfigError(f"OTLP {protocol} exporter: {e}") from None
 
