@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import aiohttp
 from kubernetes_asyncio.client import ApiClient
@@ -35,7 +35,7 @@ ListFn = Callable[..., Any]
 
 def backoff(failures: int, initial: float, maximum: float, rng: Callable[[], float] = random.random) -> float:
     """Full jitter: uniform in [0, min(max, initial * 2^(failures-1))], at least initial/10."""
-    cap = min(maximum, initial * (2 ** max(failures - 1, 0)))
+    cap = min(maximum, initial * (2.0 ** max(failures - 1, 0)))
     return max(initial / 10, cap * rng())
 
 
@@ -107,8 +107,9 @@ class Informer:
                     else:
                         self.items[name] = obj
                     self._on_change()
-                if w.resource_version:
-                    self.resource_version = w.resource_version
+                rv = cast("str | None", w.resource_version)  # Watch sets it, but its __init__ types it None
+                if rv:
+                    self.resource_version = rv
                 if self.failures:
                     self._recovered()
         finally:

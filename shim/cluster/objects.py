@@ -16,7 +16,7 @@ Written: ``NodeImageSetStatus`` (``cri-shim.io/v1``, cluster-scoped, named after
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..imagesets.loader import (
     HANDLER_ANNOTATION,
@@ -134,7 +134,7 @@ def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | Non
     return Selected(s, str((obj.get("metadata") or {}).get("uid", "")), tuple(secrets), tuple(overrides))
 
 
-def pool_sets(pools: list[Mapping[str, Any]], labels: Mapping[str, str]) -> tuple[set[str], list[str]]:
+def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> tuple[set[str], list[str]]:
     """Names of the PinnedImageSets the pools of this node list, and errors of unreadable pools."""
     names: set[str] = set()
     errors = []
@@ -156,7 +156,7 @@ def pool_sets(pools: list[Mapping[str, Any]], labels: Mapping[str, str]) -> tupl
 
 def pinned_set(obj: Mapping[str, Any]) -> Selected:
     meta = obj.get("metadata") or {}
-    doc = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+    doc: dict[str, Any] = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
            "metadata": {k: v for k, v in meta.items() if k in ("name", "generation", "annotations")},
            "spec": {k: v for k, v in (obj.get("spec") or {}).items() if k == "pinnedImages"}}
     if HANDLER_ANNOTATION not in (meta.get("annotations") or {}):
@@ -164,8 +164,8 @@ def pinned_set(obj: Mapping[str, Any]) -> Selected:
     return Selected(parse_document(doc, f"PinnedImageSet {meta.get('name')}", source_of(obj)), str(meta.get("uid", "")))
 
 
-def select(node_labels: Mapping[str, str], own: list[Mapping[str, Any]], pinned: list[Mapping[str, Any]],
-           pools: list[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
+def select(node_labels: Mapping[str, str], own: Sequence[Mapping[str, Any]], pinned: Sequence[Mapping[str, Any]],
+           pools: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
     """Every set that applies to this node, by set name, and errors by object.
 
     An ImageSet and a PinnedImageSet of the same name: the ImageSet is used, the other reported.

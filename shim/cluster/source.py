@@ -220,6 +220,8 @@ class ClusterSource:
 
     async def _start_mco(self, custom: CustomObjectsApi, common: dict[str, Any]) -> None:
         pis = await self._pinned_version(custom)
+        if self.api is None:  # stopped while asking which version the API server serves
+            return
         mcp = objects.MACHINE_CONFIG_POOL
         loop = asyncio.get_running_loop()
         for key, kind in (("pinnedimagesets", pis), ("machineconfigpools", mcp)):

@@ -189,7 +189,7 @@ class NodeStatus:
         if doc == self.last_written:
             return False
         try:
-            resp = await custom.patch_cluster_custom_object(
+            resp = await custom.patch_cluster_custom_object(  # type: ignore[call-arg]  # .pyi lacks _content_type
                 NODE_STATUS.group, NODE_STATUS.version, NODE_STATUS.plural, self.source.node_name, doc,
                 field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
                 _request_timeout=self.request_timeout)
@@ -233,8 +233,9 @@ class NodeStatus:
                     "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
                 }
                 try:
-                    await core.create_namespaced_event(self.event_namespace, body,
-                                                       _request_timeout=self.request_timeout)
+                    await core.create_namespaced_event(
+                        self.event_namespace, body,  # type: ignore[arg-type]  # .pyi: a CoreV1Event; a dict works
+                        _request_timeout=self.request_timeout)
                     self.events_sent += 1
                 except Exception as e:
                     logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
