@@ -125,10 +125,11 @@ def parse_config(text: str, source: str) -> list[Provider]:
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ProviderConfigError(f"{key}.args: expected a list of strings")
         env: list[tuple[str, str]] = []
-        for j, e in enumerate(p.get("env") or []):
-            if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not isinstance(e.get("value"), str):
+        for j, var in enumerate(p.get("env") or []):
+            if (not isinstance(var, dict) or not isinstance(var.get("name"), str)
+                    or not isinstance(var.get("value"), str)):
                 raise ProviderConfigError(f"{key}.env[{j}]: expected {{name: <string>, value: <string>}}")
-            env.append((e["name"], e["value"]))
+            env.append((var["name"], var["value"]))
         out.append(Provider(name, tuple(match_images),
                             go_duration(p.get("defaultCacheDuration"), f"{key}.defaultCacheDuration"),
                             api, tuple(args), tuple(env)))
@@ -226,26 +227,31 @@ class PluginProviders:
                                                         stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.DEVNULL, env=env)
         except OSError as e:
-            return "", self._failed(p, f"cannot run {exe}: {e.strerror}")
+            self._failed(p, f"cannot run {exe}: {e.strerror}")
+            return "", None
         try:
             async with asyncio.timeout(self.timeout):
                 out = await _answer(proc, request.encode())
         except TimeoutError:
             proc.kill()
             await proc.wait()
-            return "", self._failed(p, f"no answer within {self.timeout:g} s; killed")
+            self._failed(p, f"no answer within {self.timeout:g} s; killed")
+            return "", None
         except asyncio.CancelledError:
             proc.kill()
             await proc.wait()
             raise
         if out is None:
-            return "", self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed")
+            self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed")
+            return "", None
         if proc.returncode != 0:
-            return "", self._failed(p, f"exited with status {proc.returncode}")
+            self._failed(p, f"exited with status {proc.returncode}")
+            return "", None
         try:
             return self._parse_response(p, out, image, ref)
         except (ValueError, ProviderConfigError) as e:
-            return "", self._failed(p, str(e))
+            self._failed(p, str(e))
+            return "", None
 
     def _parse_response(self, p: Provider, out: bytes, image: str,
                         ref: reference.Reference) -> tuple[str, _Cached | None]:
@@ -283,7 +289,6 @@ class PluginProviders:
         self.last_error[p.name] = why
         logs.log(_log, logging.WARNING, "credential provider failed; its credentials are not used", provider=p.name,
                  error=why)
-        return None
 
     def status(self) -> dict[str, Any]:
         return {st.provider.name: {"match_images": list(st.provider.match_images), "cached": len(st.cache),

@@ -147,9 +147,9 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
         refs, spelled, handlers = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"), handler)
         pin = True
     elif kind == "ImageSet" and api in OWN_VERSIONS:
-        extra = set(spec) - {"images", "pin", "nodeSelector", "runtimeHandler"}
-        if extra:
-            raise SetFileError(f"{where}.spec.{cut(sorted(map(str, extra))[0], QUOTE_MAX_CHARS)}: unknown key "
+        unknown = set(spec) - {"images", "pin", "nodeSelector", "runtimeHandler"}
+        if unknown:
+            raise SetFileError(f"{where}.spec.{cut(sorted(map(str, unknown))[0], QUOTE_MAX_CHARS)}: unknown key "
                                "(known: images, nodeSelector, pin, runtimeHandler)")
         pin = spec.get("pin", False)
         if not isinstance(pin, bool):
@@ -229,8 +229,8 @@ class SetDirectory:
         except FileNotFoundError:
             self.dir_error = f"{self.path}: no such directory"
             return out
-        except OSError as e:
-            self.dir_error = f"{self.path}: {e.strerror}"
+        except OSError as exc:
+            self.dir_error = f"{self.path}: {exc.strerror}"
             return out
         self.dir_error = ""
         with entries:
@@ -278,13 +278,13 @@ class SetDirectory:
                 continue
             self.files[path] = FileState(stamp, sets)
             changed = True
-        sets, dup_errors = self._merge()
+        merged, dup_errors = self._merge()
         new_errors += [err for p, err in dup_errors.items() if self._dup_errors.get(p) != err]
         self._dup_errors = dup_errors
         errors = {p: f.error for p, f in self.files.items() if f.error}
         for p, err in dup_errors.items():
             errors.setdefault(p, err)
-        return ScanResult(changed or bool(new_errors), sets, errors, new_errors)
+        return ScanResult(changed or bool(new_errors), merged, errors, new_errors)
 
     def _merge(self) -> tuple[dict[str, ImageSet], dict[str, str]]:
         """All sets by name; a name taken by an earlier file (path order) is refused in later ones."""

@@ -144,8 +144,11 @@ def fetch_status(admin_socket: str, timeout: float = 10.0) -> dict[str, Any]:
     if resp.status != 200:
         raise StatusError(f"{admin_socket} answered HTTP {resp.status}: {body[:200]!r}")
     try:
-        return json.loads(body)
+        doc = json.loads(body)
     except ValueError:
         raise StatusError(f"{admin_socket} answered something that is not JSON") from None
+    if not isinstance(doc, dict):
+        raise StatusError(f"{admin_socket} answered JSON that is not an object")
+    return doc
 
 
