@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, cast
 
 from .. import reference
 from ..observability.logs import shown
@@ -159,8 +159,8 @@ class PinSet:
         if self._regex is not None:
             for n in names:
                 m = self._regex.match(n)
-                if m is not None:
-                    return self.globs[int(m.lastgroup[3:])]  # type: ignore[index]
+                if m is not None and m.lastgroup is not None:  # the outer group that matched: pin<i>
+                    return self.globs[int(m.lastgroup[3:])]
         return None
 
     def _match_name(self, name: str) -> str | None:
@@ -168,12 +168,13 @@ class PinSet:
         if pin is _MISSING:
             n = _normal(name)
             pin = n if n in self.exact else None
-            if pin is None and self._regex is not None and (m := self._regex.match(n)) is not None:
-                pin = self.globs[int(m.lastgroup[3:])]  # type: ignore[index]
+            if (pin is None and self._regex is not None and (m := self._regex.match(n)) is not None
+                    and m.lastgroup is not None):
+                pin = self.globs[int(m.lastgroup[3:])]
             if len(self._by_name) >= _NAME_CACHE_SIZE:
                 self._by_name.clear()
             self._by_name[name] = pin
-        return pin  # type: ignore[return-value]
+        return cast("str | None", pin)  # not _MISSING: a miss was replaced above
 
     def match_image(self, image_id: str, repo_tags: Iterable[str], repo_digests: Iterable[str]) -> str | None:
         """The pin protecting an image as a runtime reports it (ID, repo tags, repo digests), or None.

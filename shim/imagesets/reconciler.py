@@ -196,11 +196,11 @@ class Reconciler:
                 logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=key[0],
                          handler=key[1])
         for key, (spelled, names) in declared.items():
-            img = self.images.get(key)
-            if img is None:
+            known = self.images.get(key)
+            if known is None:
                 self.images[key] = _Image(key[0], spelled, names, handler=key[1], since=now)
             else:
-                img.sets = names
+                known.sets = names
         self._queue = deque(i for i in self._queue if self.images.get(i.key) is i)
         for name, s in sets.items():
             old = self.sets.get(name)
@@ -379,7 +379,7 @@ class Reconciler:
         return ""
 
     def _backoff(self, attempts: int) -> float:
-        return min(self.cfg.retry_initial_seconds * (2 ** max(attempts - 1, 0)), self.cfg.retry_max_seconds)
+        return min(self.cfg.retry_initial_seconds * (2.0 ** max(attempts - 1, 0)), self.cfg.retry_max_seconds)
 
     def _set(self, img: _Image, state: State, now: float) -> None:
         img.state, img.since = state, now
@@ -482,16 +482,15 @@ class Reconciler:
             break
         img.task = None
         if error is not None:
-            e = error
             if self.images.get(img.key) is not img:
                 return  # dropped meanwhile
             img.attempts += 1
-            img.error = f"{e.code.name}: {e.details}"
+            img.error = f"{error.code.name}: {error.details}"
             delay = self._backoff(img.attempts)
             img.retry_at = self._clock() + delay
             self._set(img, State.FAILED, self._clock())
             logs.log(_log, logging.WARNING, "image set pull failed; will retry", image=img.ref, handler=handler,
-                     sets=",".join(sorted(img.sets)), code=e.code.name, error=e.details, attempts=img.attempts,
+                     sets=",".join(sorted(img.sets)), code=error.code.name, error=error.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
         img.attempts, img.error = 0, ""

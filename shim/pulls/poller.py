@@ -413,7 +413,7 @@ class ProgressPoller(PullEvents):
 
     def _step(self, t: Tracked, step: int, now: float) -> None:
         p = t.progress
-        attrs: dict[str, object] = {"cri_shim.pull.percent": step, "cri_shim.pull.bytes_done": p.bytes_done,
+        attrs: dict[str, int] = {"cri_shim.pull.percent": step, "cri_shim.pull.bytes_done": p.bytes_done,
                                     "cri_shim.pull.bytes_total": p.bytes_total,
                                     "cri_shim.pull.layers_done": p.layers_done,
                                     "cri_shim.pull.layers_total": p.layers_total}

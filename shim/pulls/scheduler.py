@@ -39,7 +39,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Mapping
 
 import grpc
 
@@ -82,7 +82,7 @@ class PullEvents:
 
 Runner = Callable[[], Awaitable[bytes]]
 # A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
-Listener = Callable[[str, dict[str, object]], None]
+Listener = Callable[[str, Mapping[str, int]], None]
 
 
 @dataclass(eq=False)

@@ -408,7 +408,8 @@ def image_spec(request: bytes) -> api_pb2.ImageSpec:
     return api_pb2.ImageSpec.FromString(payload)
 
 
-def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object | None = None) -> bytes:
+def inject_image_handler(svc: ImageService, request: bytes,
+                         decoded_req: api_pb2.ImageStatusRequest | api_pb2.RemoveImageRequest | None = None) -> bytes:
     """ImageStatus / RemoveImage request bytes with a rule's handler appended to ImageSpec.
 
     Unchanged (the same bytes) when there is no resolver, the client set a handler, or
@@ -419,7 +420,7 @@ def inject_image_handler(svc: ImageService, request: bytes, decoded_req: object 
     if resolver is None or not resolver.applies_to_images:
         return request
     try:
-        spec = decoded_req.image if decoded_req is not None else image_spec(request)  # type: ignore[attr-defined]
+        spec = decoded_req.image if decoded_req is not None else image_spec(request)
     except (wire.WireError, DecodeError):
         return request  # malformed: the runtime (or the pins check) answers it as it is
     if spec.runtime_handler:
