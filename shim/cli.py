@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-config", help="validate a config file; exit 1 with the offending key")
     c.add_argument("file")
 
-    st = sub.add_parser("status", help="show pull queue, in-flight pulls with their progress, image sets and upstream state")
+    st = sub.add_parser("status",
+                        help="show pull queue, in-flight pulls with their progress, image sets and upstream state")
     st.add_argument("--admin-socket", help="the shim's server.admin_socket (default: read from --config, "
                                            f"else {config_mod.DEFAULT_ADMIN_SOCKET})")
     st.add_argument("--config", default=DEFAULT_CONFIG, help=f"config file to read the admin socket from "

@@ -24,7 +24,7 @@ class RpcError(Exception):
         self.from_upstream = from_upstream
 
     @classmethod
-    def from_aio(cls, e: grpc.aio.AioRpcError) -> "RpcError":
+    def from_aio(cls, e: grpc.aio.AioRpcError) -> RpcError:
         md = e.trailing_metadata() or ()
         return cls(e.code(), e.details() or "", tuple((k, v) for k, v in md) if md else (),
                    from_upstream=True)

@@ -212,7 +212,8 @@ class ClusterSource:
                                   kind=(objects.IMAGE_SET.api_version, objects.IMAGE_SET.kind), **common),
         }
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}") for name, inf in self.informers.items()]
+        self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
+                       for name, inf in self.informers.items()]
         self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
         if self.cfg.mco:  # in the background: the shim serves before any API request is answered

@@ -227,7 +227,8 @@ class NodeStatus:
                                        "name": self.source.node_name, "uid": self.uid},
                     "reason": f"ImageSet{_CONDITION_REASON[reason]}", "type": "Warning",
                     "message": f"image set {row['name']} generation {row['desiredGeneration']}: "
-                               f"{row['failedReasons'][reason]} image(s) failed ({reason}): {row.get('error', '')}"[:1024],
+                               f"{row['failedReasons'][reason]} image(s) failed ({reason}): "
+                               f"{row.get('error', '')}"[:1024],
                     "source": {"component": FIELD_MANAGER, "host": self.source.node_name},
                     "reportingComponent": FIELD_MANAGER, "reportingInstance": self.source.node_name,
                     "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,

@@ -172,7 +172,7 @@ class PluginProviders:
         self.last_error: dict[str, str] = {}
 
     @classmethod
-    def from_files(cls, config_path: str, bin_dir: str) -> "PluginProviders":
+    def from_files(cls, config_path: str, bin_dir: str) -> PluginProviders:
         return cls(load_config(config_path), bin_dir)
 
     async def entries(self, image: str) -> list[tuple[str, Credential]]:
@@ -262,7 +262,8 @@ class PluginProviders:
         if not isinstance(doc, dict) or doc.get("kind") != "CredentialProviderResponse":
             raise ValueError("answer is not a CredentialProviderResponse")
         if doc.get("apiVersion") != p.api_version:
-            raise ValueError(f"answer has apiVersion {logs.shown(doc.get('apiVersion'))}, expected {logs.shown(p.api_version)}")
+            raise ValueError(f"answer has apiVersion {logs.shown(doc.get('apiVersion'))}, "
+                             f"expected {logs.shown(p.api_version)}")
         key_type = doc.get("cacheKeyType")
         cache_key = {"Image": f"image:{image}", "Registry": f"registry:{ref.domain}", "Global": "global"}.get(
             key_type if isinstance(key_type, str) else "")

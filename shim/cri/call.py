@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Union
+from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
@@ -89,7 +89,7 @@ class Call:
 
 UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
 StreamHandler = Callable[[bytes, Call], AsyncIterator[bytes]]
-Handler = Union[UnaryHandler, StreamHandler]
+Handler = UnaryHandler | StreamHandler
 CallObserver = Callable[[str, float, grpc.StatusCode], None]  # method, seconds, final code
 
 

@@ -27,7 +27,7 @@ class Cardinality(enum.Enum):
     BIDI_STREAM = "bidi_stream"
 
     @classmethod
-    def of(cls, method: MethodDescriptor) -> "Cardinality":
+    def of(cls, method: MethodDescriptor) -> Cardinality:
         """Cardinality of a protobuf method descriptor."""
         match (method.client_streaming, method.server_streaming):
             case (False, False):
@@ -70,7 +70,10 @@ def canonical(path: str) -> str | None:
 
 
 def service_of(method: str) -> str:
-    """The service of a method in canonical form: ``/runtime.v1.ImageService/PullImage`` -> ``runtime.v1.ImageService``."""
+    """The service of a method in canonical form.
+
+    ``/runtime.v1.ImageService/PullImage`` -> ``runtime.v1.ImageService``.
+    """
     return method[1:].rpartition("/")[0]
 
 

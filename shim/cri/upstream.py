@@ -44,7 +44,7 @@ async def _accepts(path: str) -> bool:
     """Does the unix socket at ``path`` accept a connection right now?"""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), 0.5)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     writer.close()
     return True
@@ -103,7 +103,7 @@ class Upstream:
             return False
         try:
             await asyncio.wait_for(self.channel.channel_ready(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         logs.log(_log, logging.DEBUG, "runtime back; call sent after the channel reconnected", target=self.target)
         return True

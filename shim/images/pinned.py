@@ -29,7 +29,8 @@ def pin_of(pins: PinSet, image: api_pb2.Image) -> str | None:
     return pins.match_image(image.id, image.repo_tags, image.repo_digests)
 
 
-def mark_images(pins: PinSet, data: bytes, cls: type[api_pb2.ListImagesResponse] | type[api_pb2.StreamImagesResponse]) -> bytes:
+def mark_images(pins: PinSet, data: bytes,
+                cls: type[api_pb2.ListImagesResponse] | type[api_pb2.StreamImagesResponse]) -> bytes:
     """A ListImagesResponse / StreamImagesResponse with every protected image marked pinned."""
     if not pins:
         return data
@@ -38,7 +39,8 @@ def mark_images(pins: PinSet, data: bytes, cls: type[api_pb2.ListImagesResponse]
         spans = [(start, value_start, end) for number, wtype, start, value_start, end in wire.fields(data)
                  if number == IMAGES_FIELD and wtype == wire.LEN]
     except (DecodeError, wire.WireError):
-        logs.log(_log, logging.WARNING, "cannot parse runtime response; passed on unmarked", message=cls.DESCRIPTOR.name)
+        logs.log(_log, logging.WARNING, "cannot parse runtime response; passed on unmarked",
+                 message=cls.DESCRIPTOR.name)
         return data
     if len(spans) != len(msg.images):  # cannot happen for a valid message; never guess
         return data

@@ -125,7 +125,7 @@ class PinSet:
     _by_name: dict[str, str | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, patterns: Iterable[str], declared: Iterable[tuple[str, str]] = ()) -> "PinSet":
+    def build(cls, patterns: Iterable[str], declared: Iterable[tuple[str, str]] = ()) -> PinSet:
         """``patterns`` from config (pins.images); ``declared``: (image ref, set name) from image sets."""
         exact: set[str] = set()
         globs: list[str] = []

@@ -79,7 +79,7 @@ class ImageService:
             return
         try:
             await asyncio.wait_for(self.declared_read.wait(), self.pins_wait_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RpcError(grpc.StatusCode.UNAVAILABLE,
                            f"cri-shim: the image sets in image_sets.dir are not read yet (waited "
                            f"{self.pins_wait_seconds:g}s, image_sets.pins_wait_seconds); not removing an image "

@@ -53,7 +53,7 @@ class _Inotify:
         self.wd = -1
 
     @classmethod
-    def open(cls) -> "_Inotify | None":
+    def open(cls) -> _Inotify | None:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             init = libc.inotify_init1

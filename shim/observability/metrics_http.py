@@ -4,8 +4,9 @@ Bounds (README "Limits"): at most ``metrics.max_connections`` connections at onc
 the cap, a new connection closes the oldest one still sending its request (so a scraper
 gets in however many half-sent requests are open), and is closed itself only when every
 open connection is being answered. A connection that has not sent its request head (at
-most MAX_HEAD_BYTES) and read its answer within ``metrics.timeout_seconds`` is closed. One request per connection (``Connection: close``). ``GET`` (or ``HEAD``) of
-any path answers the Prometheus text format, as prometheus_client's own server does.
+most MAX_HEAD_BYTES) and read its answer within ``metrics.timeout_seconds`` is closed.
+One request per connection (``Connection: close``). ``GET`` (or ``HEAD``) of any path answers
+the Prometheus text format, as prometheus_client's own server does.
 """
 
 from __future__ import annotations

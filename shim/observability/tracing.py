@@ -41,7 +41,8 @@ from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.trace import Span as Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span as Span
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ..cri.methods import canonical
@@ -127,11 +128,11 @@ class Tracing:
             .startswith("parentbased_")
 
     @classmethod
-    def off(cls) -> "Tracing":
+    def off(cls) -> Tracing:
         return cls()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Tracing":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Tracing:
         """Build from OTEL_* variables (see module doc). Never raises: a bad value logs and gives ``off()``.
 
         The OpenTelemetry SDK reads some variables (sampler, exporter options) from
@@ -257,7 +258,7 @@ class Tracing:
         threading.Thread(target=run, name="otel-shutdown", daemon=True).start()
         try:
             await asyncio.wait_for(done, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logs.log(_log, logging.WARNING, "tracing: the last spans were not exported in time",
                      timeout_seconds=timeout, **self.description)
 

@@ -92,7 +92,8 @@ def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, A
 
 def keep_restart_only(running: Config, new: Config) -> Config:
     """``new`` with every restart-only key set back to its running value."""
-    server = dataclasses.replace(running.server, **{k: getattr(new.server, k) for k in config_mod.RELOADABLE_SERVER_KEYS})
+    server = dataclasses.replace(running.server,
+                                 **{k: getattr(new.server, k) for k in config_mod.RELOADABLE_SERVER_KEYS})
     return dataclasses.replace(new, listen=running.listen, upstream=running.upstream, server=server,
                                metrics=running.metrics)
 

@@ -60,7 +60,7 @@ def claim(path: str) -> None:
         return
     except FileNotFoundError:
         return
-    except (socket.timeout, OSError) as e:
+    except (TimeoutError, OSError) as e:
         # Someone holds it but does not answer (a stuck shim, a full backlog): don't steal it.
         reason = "timed out" if isinstance(e, socket.timeout) else (e.strerror or str(e))
         raise StartupError(f"{path} is held by a process that does not answer ({reason}); "

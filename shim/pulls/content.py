@@ -125,7 +125,8 @@ class ContentClient:
     async def read(self, digest: str, size: int = 0) -> bytes:
         """A blob's bytes (manifests only: at most MAX_MANIFEST_BYTES)."""
         self._count(READ)
-        req = pb.ReadContentRequest(digest=digest, size=min(size, MAX_MANIFEST_BYTES) if size else 0).SerializeToString()
+        req = pb.ReadContentRequest(digest=digest,
+                                    size=min(size, MAX_MANIFEST_BYTES) if size else 0).SerializeToString()
         chunks: list[bytes] = []
         got = 0
         try:

@@ -108,7 +108,7 @@ class StoredManifest:
         return bool(self.children) and not self.blobs
 
     @classmethod
-    def from_labels(cls, digest: str, labels: Mapping[str, str], touched: float, host: str) -> "StoredManifest":
+    def from_labels(cls, digest: str, labels: Mapping[str, str], touched: float, host: str) -> StoredManifest:
         repos = frozenset(r for r in labels.get(SOURCE_LABEL + host, "").split(",") if r)
         blobs = frozenset(v for k, v in labels.items() if k == CONFIG_LABEL or k.startswith(LAYER_LABEL))
         children = frozenset(v for k, v in labels.items() if k.startswith(CHILD_MANIFEST_LABEL))
