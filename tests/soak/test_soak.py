@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 

@@ -30,7 +30,7 @@ import time
 import grpc
 
 from shim.relay import h2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.shim_process import REPO, ShimProcess, default_settings, shim_command, shim_env, write_config
 

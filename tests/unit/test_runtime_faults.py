@@ -107,7 +107,6 @@ async def test_shim_started_before_the_runtime(tmp_path, engine: str) -> None:
                 assert shim.app.scheduler.queued == 0 and shim.app.scheduler.in_flight == 0
 
                 rt.start()
-                t0 = time.monotonic()
                 versions = asyncio.ensure_future(until_ok(ch, VERSION, b""))
                 t_pull = await until_ok(ch, PULL, pull_request("reg/first:1"))
                 t_version = await versions

@@ -88,7 +88,7 @@ async def test_bg_joins_bg() -> None:
 async def test_bg_prefers_the_flight_with_its_own_credentials() -> None:
     up, s = Upstream(), PullScheduler(max_parallel=4, background_max_parallel=2)
     pod = start(s, up, key("pod"), FG, "pod")
-    node = start(s, up, key("node"), FG, "node")
+    _node = start(s, up, key("node"), FG, "node")
     await settle()
     prefetch = start(s, up, key("node"), BG, "prefetch")
     await settle()
