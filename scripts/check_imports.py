@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Import rules of shim/ that import-linter cannot express (scripts/lint.sh runs both).
+
+1. No import cycles between modules of shim/ (shim/proto excluded). Only imports that run
+   when a module is loaded count: those at module level, in class bodies and in module-level
+   if/try/with blocks. Imports inside functions (deferred on purpose) and under
+   ``if TYPE_CHECKING:`` do not.
+2. shim/relay/ never uses grpc.aio (``import grpc.aio``, ``from grpc import aio``,
+   ``from grpc.aio import ...`` or ``grpc.aio.<...>``) nor grpc's thread-pool server
+   (``grpc.server``), at any level: the relay engine is independent of the grpc engine.
+
+The package rules (relay -> grpc_engine, images -> relay, cri -> relay/images/process) are
+import-linter contracts in pyproject.toml ([tool.importlinter]).
+
+Usage: scripts/check_imports.py [--root DIR] [--graph]. Exit status 1 when a rule is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = "shim"
+EXCLUDED = ("shim.proto",)
+RELAY = "shim.relay"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def excluded(name: str) -> bool:
+    return any(name == e or name.startswith(e + ".") for e in EXCLUDED)
+
+
+def discover(root: Path) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        name = module_name(path, root)
+        if not excluded(name):
+            out[name] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def load_time_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements that run when the module is loaded."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node.test):
+                yield from load_time_imports(node.body)
+            yield from load_time_imports(node.orelse)
+        elif isinstance(node, ast.ClassDef):
+            yield from load_time_imports(node.body)
+        elif isinstance(node, (ast.Try, ast.TryStar)):
+            yield from load_time_imports(node.body)
+            for h in node.handlers:
+                yield from load_time_imports(h.body)
+            yield from load_time_imports(node.orelse)
+            yield from load_time_imports(node.finalbody)
+        elif isinstance(node, (ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)):
+            yield from load_time_imports(node.body)
+            yield from load_time_imports(getattr(node, "orelse", []))
+
+
+def _absolute(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = importer.split(".")
+    if not is_package:
+        base.pop()
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def targets(importer: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
+    """Fully qualified names a statement imports (a module, or a name in a module)."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+        return
+    mod = _absolute(importer, is_package, node)
+    for alias in node.names:
+        yield f"{mod}.{alias.name}" if alias.name != "*" else mod
+
+
+def resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The shim module a qualified name lives in: itself, or its nearest known parent."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def build_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """importer -> {imported module: line of the first such import}, load-time imports only."""
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for mod, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        for node in load_time_imports(tree.body):
+            for target in targets(mod, is_package, node):
+                if not (target == PACKAGE or target.startswith(PACKAGE + ".")) or excluded(target):
+                    continue
+                dep = resolve(target, modules)
+                if dep is not None and dep != mod:
+                    graph[mod].setdefault(dep, node.lineno)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative. Components of two or more modules, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    comp = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        comp.append(m)
+                        if m == node:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return sorted(out)
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], start: str, within: set[str]) -> list[str]:
+    """The shortest cycle through ``start`` inside one component (breadth first)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child not in within:
+                    continue
+                if child == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return list(reversed(path)) + [start]
+                if child not in parent:
+                    parent[child] = node
+                    nxt.append(child)
+        frontier = nxt
+    return [start]
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """For every component, the shortest cycle through each of its modules (duplicates dropped)."""
+    out: list[list[str]] = []
+    seen: set[tuple[str, ...]] = set()
+    for comp in strongly_connected(graph):
+        for m in comp:
+            cyc = shortest_cycle(graph, m, set(comp))
+            body = cyc[:-1]
+            i = body.index(min(body))
+            key = tuple(body[i:] + body[:i])
+            if key not in seen:
+                seen.add(key)
+                out.append(list(key) + [key[0]])
+    return out
+
+
+def relay_grpc_aio(modules: dict[str, Path]) -> list[str]:
+    """Uses of grpc.aio or grpc.server in shim/relay, at any level."""
+    found: list[str] = []
+    for mod, path in modules.items():
+        if not (mod == RELAY or mod.startswith(RELAY + ".")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            what = ""
+            if isinstance(node, ast.Import):
+                what = next((a.name for a in node.names if a.name == "grpc.aio" or a.name.startswith("grpc.aio.")), "")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module == "grpc.aio" or node.module.startswith("grpc.aio."):
+                    what = f"from {node.module} import ..."
+                elif node.module == "grpc" and any(a.name in ("aio", "server") for a in node.names):
+                    what = "from grpc import " + ", ".join(a.name for a in node.names if a.name in ("aio", "server"))
+            elif (isinstance(node, ast.Attribute) and node.attr in ("aio", "server")
+                  and isinstance(node.value, ast.Name) and node.value.id == "grpc"):
+                what = f"grpc.{node.attr}"
+            if what:
+                found.append(f"{path}:{node.lineno}: {what}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the repository")
+    ap.add_argument("--graph", action="store_true", help="print the load-time import graph")
+    args = ap.parse_args(argv)
+    root = Path(args.root)
+    modules = discover(root)
+    graph = build_graph(modules)
+    if args.graph:
+        for mod in sorted(graph):
+            print(mod, "->", ", ".join(sorted(graph[mod])) or "-")
+    failed = False
+    found = cycles(graph)
+    if found:
+        failed = True
+        print(f"check_imports: {len(found)} import cycle(s) among shim modules (load-time imports):")
+        for cyc in found:
+            steps = [f"{a} ({modules[a].relative_to(root)}:{graph[a][b]})" for a, b in zip(cyc, cyc[1:])]
+            print("  " + " -> ".join(steps) + f" -> {cyc[-1]}")
+    aio = relay_grpc_aio(modules)
+    if aio:
+        failed = True
+        print("check_imports: shim/relay uses grpc.aio or grpc.server (the relay engine must not):")
+        for line in aio:
+            print("  " + line)
+    if not failed:
+        print(f"check_imports: {len(modules)} modules, no import cycle; shim/relay uses no grpc.aio")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
