@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import yaml
 
@@ -233,7 +233,7 @@ class ClusterConfig:
     kubeconfig: str = knob("", text())  # empty: the cluster source is off
     node_name: str = knob("", text())  # empty: this host's name, lowercased (kubelet's default)
     state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())  # last applied sets, before the API
-    mco: bool = knob(True, boolean())  # also read PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
+    mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often
     event_namespace: str = knob("default", text())  # where the Events go (the status object is cluster-scoped)
@@ -419,13 +419,16 @@ def _group(key: str, v: Any) -> str:
 
 # --------------------------------------------------------------------------- sections
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance  # what dataclasses.fields() takes
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _section(cls: type[T], prefix: str, d: Mapping[str, Any]) -> T:
     """One dataclass from its mapping: unknown keys refused, each key given checked by its
     field's ``parse`` (an absent key keeps its default), then the section's cross-key checks."""
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]  # cls is a dataclass: every caller passes one
+    fields = dataclasses.fields(cls)
     _check_keys(prefix, d, {f.name for f in fields})
     values: dict[str, Any] = {}
     for f in fields:

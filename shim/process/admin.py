@@ -82,7 +82,7 @@ class AdminServer:
                 status, body = 200, self._collect()
             _respond(writer, status, body)
             await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
+        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
         except Exception:
             _log.error("admin request failed", exc_info=True)

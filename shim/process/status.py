@@ -33,7 +33,8 @@ def collect(cfg: Config, scheduler: PullScheduler, progress: ProgressPoller | No
     """The status document of a running shim."""
     pulls = scheduler.snapshot()
     for row in pulls["in_flight"]:
-        view = progress.view(int(row["id"])) if progress is not None else None
+        flight_id = row["id"]  # an int: PullScheduler.snapshot's rows are dict[str, object]
+        view = progress.view(flight_id) if progress is not None and isinstance(flight_id, int) else None
         if view is not None:
             row["progress"] = view
     out: dict[str, Any] = {
