@@ -27,6 +27,11 @@ The reconciler's own ListImages and ImageFsInfo calls have a deadline
 with backoff, never a stuck loop.
 
 Nothing here is on the path of a CRI call: kubelet never waits for a reconcile.
+
+Why one module of ~600 lines: every part here (the diff, the lanes, the disk guard, the
+retry clock, the per-set counts) reads and writes the same per-image state (``_Image``)
+under one rule: only ``_feed`` starts pulls. Split across modules, that state would have
+to be shared by reference and the rule would no longer be visible in one place.
 """
 
 from __future__ import annotations
