@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from shim.relay import h2  # noqa: E402
 from tests.support.fake_runtime import FakeRuntime  # noqa: E402
-from tests.support.shim_process import start_shim  # noqa: E402
+from tests.support.shim import start_shim  # noqa: E402
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -222,7 +222,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         out["gzip_bomb"]["honest_version_after"] = await honest_version(shim.endpoint)
         out["rss_mib_end"] = round(rss_mib(shim.pid), 1)
     finally:
-        await shim.stop()
+        await shim.astop()
         await rt.stop()
     return out
 

@@ -17,7 +17,7 @@ from shim.observability import logs
 from shim import reference
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.shim_process import shim_process
+from tests.support.shim import shim_process
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.slow_pulls import PULL, VERSION, pull_request
 
@@ -137,11 +137,11 @@ async def test_repeated_lines_are_rate_limited_with_a_count(runtime: FakeRuntime
                     await call(remove, timeout=10)
                 assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             took = time.monotonic() - t
-            end = await shim.wait_log("remove refused")
+            end = await shim.await_log("remove refused")
             await asyncio.sleep(window)
             with pytest.raises(grpc.aio.AioRpcError):
                 await call(remove, timeout=10)
-            await shim.wait_log("suppressed=", after=end)
+            await shim.await_log("suppressed=", after=end)
         lines = [ln for ln in shim.logs().splitlines() if "remove refused" in ln]
         windows = int(took // window) + 1  # windows the 90 calls took
         assert 21 <= len(lines) <= 20 * windows + 1, (len(lines), took)

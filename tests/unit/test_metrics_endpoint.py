@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.prom import free_port, scrape
-from tests.support.shim_process import shim_process
+from tests.support.shim import shim_process
 
 HALF_SENT = 1000
 

@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import resource
-import subprocess
-import tempfile
 import time
 
 import grpc
 
 from shim.relay import h2
-from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
-from tests.support.shim_process import REPO, ShimProcess, default_settings, shim_command, shim_env, write_config
+from tests.support.shim import ShimProcess, new_shim
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST = "/runtime.v1.RuntimeService/ListContainers"
@@ -177,25 +174,18 @@ async def test_silent_connections_open_no_runtime_connection_and_are_closed(runt
         writer.close()
 
 
-def shim_with_fd_limit(upstream: str, workdir, nofile: int) -> ShimProcess:
+def shim_with_fd_limit(upstream: str, workdir, sock_dir, nofile: int) -> ShimProcess:
     """A shim process whose RLIMIT_NOFILE is ``nofile``, soft and hard (it cannot raise it)."""
-    path = os.path.join(tempfile.mkdtemp(prefix="shim-", dir="/tmp"), "shim.sock")
-    config_path = workdir / "cri-shim.yaml"
-    write_config(config_path, default_settings({"server": {"engine": "relay"}}))
-    log_path = workdir / "shim.log"
-    log_file = open(log_path, "wb")
-    proc = subprocess.Popen(shim_command(f"unix://{path}", upstream, config_path), cwd=REPO, env=shim_env(),
-                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-    return ShimProcess(proc, path, config_path, log_path, log_file)
+    return new_shim(upstream, workdir, {"server": {"engine": "relay"}}, listen_path=sock_dir / "shim.sock",
+                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
 
 
 async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_recovers(runtime: FakeRuntime,
-                                                                                      tmp_path) -> None:
+                                                                                      tmp_path, short_tmp) -> None:
     runtime.unary[VERSION] = b"v"
-    shim = shim_with_fd_limit(runtime.endpoint, tmp_path, 96)
+    shim = await shim_with_fd_limit(runtime.endpoint, tmp_path, short_tmp, 96).astart(wait=False)
     try:
-        await shim.wait_ready()
+        await shim.await_ready()
         conns = []
         for _ in range(120):  # more than the shim has descriptors for, two per connection
             try:
@@ -204,7 +194,7 @@ async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_reco
                 break
             w.write(h2.PREFACE + h2.settings_frame({}))
             conns.append((r, w))
-        await shim.wait_log("out of file descriptors", timeout=10)
+        await shim.await_log("out of file descriptors", timeout=10)
         assert "runtime not reachable" not in shim.logs()
         for _, w in conns:
             w.close()
@@ -219,7 +209,7 @@ async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_reco
                 await asyncio.sleep(0.2)
         assert shim.proc.poll() is None
     finally:
-        await shim.stop()
+        await shim.astop()
 
 
 async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -> list[tuple[int, int, bytes]]:

@@ -21,7 +21,7 @@ from shim.config import ConfigError, load
 from shim.credentials.plugins import ProviderConfigError, parse_config
 from shim.imagesets.loader import SetDirectory, SetFileError, parse_text
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.shim_process import shim_process, start_shim
+from tests.support.shim import shim_process, start_shim
 from tests.support.slow_pulls import VERSION
 
 SHORT = 600  # an error line's length bound in these tests (file path and the list of known keys included)
@@ -71,8 +71,8 @@ def test_bad_config_file_is_one_short_line(tmp_path: Path, capsys, text: str, sa
 def test_serve_exits_with_one_short_line_on_an_alias_bomb(tmp_path: Path) -> None:
     async def run() -> tuple[int, str]:
         shim = await start_shim("unix:///nonexistent/rt.sock", tmp_path, alias_bomb(), wait=False)
-        code = await shim.wait_exit(30)
-        await shim.stop()
+        code = await shim.await_exit(30)
+        await shim.astop()
         return code, shim.logs()
 
     code, out = asyncio.run(run())
@@ -85,10 +85,10 @@ async def test_reload_with_an_alias_bomb_keeps_the_running_config(runtime: FakeR
     async with shim_process(runtime.endpoint, tmp_path, good) as shim:
         shim.write_config(alias_bomb())
         shim.reload()
-        await shim.wait_log("config reload rejected")
+        await shim.await_log("config reload rejected")
         shim.write_config(yaml.safe_dump({**good, "pulls": {"max_parallel": "x" * 1_000_000}}))
         shim.reload()
-        end = await shim.wait_log("got 'xxx")
+        end = await shim.await_log("got 'xxx")
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:  # still serving
             await ch.unary_unary(VERSION)(b"", timeout=10)
         log = shim.logs()
