@@ -18,7 +18,7 @@ from tests.support.slow_pulls import PULL, VERSION, SlowPulls, Storm, pull_reque
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering Version."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering Version."""
     runtime.unary[VERSION] = b"\x0a\x050.1.0"
     return runtime
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import stat
 import socket
+import stat
 from pathlib import Path
 
 import grpc
@@ -21,7 +21,7 @@ from tests.support.slow_pulls import VERSION
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering Version."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering Version."""
     runtime.unary[VERSION] = b"\x0a\x050.1.0"
     return runtime
 
