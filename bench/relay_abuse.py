@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 import zlib
@@ -23,8 +22,10 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from shim.relay import h2  # noqa: E402
 from tests.support.fake_runtime import FakeRuntime  # noqa: E402
