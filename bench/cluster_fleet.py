@@ -30,7 +30,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402

@@ -31,7 +31,10 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from shim.cri import protowire as wire  # noqa: E402
 from shim.images.pinned import mark_images  # noqa: E402

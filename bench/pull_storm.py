@@ -45,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from tests.support import cri, oci  # noqa: E402
 from tests.support.containerd import Containerd  # noqa: E402

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 import zlib
@@ -23,12 +22,14 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 
 from shim.relay import h2  # noqa: E402
 from tests.support.fake_runtime import FakeRuntime  # noqa: E402
-from tests.support.shim_process import start_shim  # noqa: E402
+from tests.support.shim import start_shim  # noqa: E402
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -222,7 +223,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         out["gzip_bomb"]["honest_version_after"] = await honest_version(shim.endpoint)
         out["rss_mib_end"] = round(rss_mib(shim.pid), 1)
     finally:
-        await shim.stop()
+        await shim.astop()
         await rt.stop()
     return out
 

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+
+if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see bench/_bootstrap.py
+    import _bootstrap
+
+    _bootstrap.run_as_module(__file__)
 VERSION = "/runtime.v1.RuntimeService/Version"
 PULL = "/runtime.v1.ImageService/PullImage"
 SAMPLED = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
@@ -69,7 +75,8 @@ async def child(method: str, traceparent: str | None, through_shim: bool, calls:
     from tests.support.fake_runtime import FakeRuntime, socket_in
     from tests.support.inproc import running_shim
 
-    rt = await FakeRuntime(socket_in(tempfile.mkdtemp(prefix="bench-"))).start()
+    workdir = tempfile.mkdtemp(prefix="bench-")
+    rt = await FakeRuntime(socket_in(workdir)).start()
     rt.unary[VERSION] = b"\x0a\x050.1.0\x12\x0acontainerd"
     rt.unary[PULL] = api_pb2.PullImageResponse(image_ref="sha256:" + "0" * 64).SerializeToString()
     request = (api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="docker.io/library/bench:1"))
@@ -103,10 +110,13 @@ async def child(method: str, traceparent: str | None, through_shim: bool, calls:
             return out
     finally:
         await rt.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def run_child(args: argparse.Namespace) -> None:
     root, method, traceparent, _ = MODES[args.child]
+    # The measured code: this child imports shim (and tests.support) from --root, this
+    # checkout or the --base export; the one place a benchmark picks its import path itself.
     sys.path.insert(0, str(args.root))
     os.chdir(args.root)
     if args.uvloop:
@@ -118,7 +128,6 @@ def run_child(args: argparse.Namespace) -> None:
 
 
 async def _collector_main() -> None:
-    sys.path.insert(0, str(HERE))
     from tests.support.otlp_collector import OtlpCollector
 
     col = await OtlpCollector().start()
@@ -134,7 +143,8 @@ def run_micro(args: argparse.Namespace) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
         env["OTEL_BSP_MAX_QUEUE_SIZE"] = "100000"  # measure export cost, not drops
-        code = MICRO.replace("HERE", repr(str(HERE))).replace("N_CALLS", str(args.calls * 10))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+        code = MICRO.replace("N_CALLS", str(args.calls * 10))
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
     finally:
         collector.terminate()
@@ -142,8 +152,7 @@ def run_micro(args: argparse.Namespace) -> None:
 
 
 MICRO = """
-import sys, time, grpc
-sys.path.insert(0, HERE)
+import time, grpc
 from shim.observability.tracing import Tracing
 from shim.grpc_engine import forward_metadata
 n = N_CALLS

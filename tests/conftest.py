@@ -1,7 +1,11 @@
 """Shared test configuration.
 
-* Tests under ``tests/e2e`` are marked ``e2e`` automatically, those under ``tests/node`` ``node``,
-  those under ``tests/cluster`` ``cluster``.
+* Test kinds live in folders named for what they need, and are marked by folder:
+  ``tests/unit`` (no processes), ``tests/process`` (``process``: the shim as a process in front
+  of a scripted runtime or none), ``tests/e2e`` (``e2e``: real containerd, registry, crictl),
+  ``tests/crio`` (``crio``, marked in its modules; the CRI-O case of a runtime-parametrized
+  test in ``tests/e2e`` is marked ``crio`` instead of ``e2e``), ``tests/node`` (``node``: real kubelet,
+  systemd), ``tests/cluster`` (``cluster``), ``tests/soak`` (``soak``).
 * When a test fails, the log tails of the fixtures it used (containerd,
   registry, shims: anything with ``log_tail()`` or ``log_tails()``) are
   attached to its report.
@@ -27,6 +31,7 @@ import pytest
 
 from tests.support import cri
 
+_PROCESS_DIR = Path(__file__).parent / "process"
 _E2E_DIR = Path(__file__).parent / "e2e"
 _NODE_DIR = Path(__file__).parent / "node"
 _CLUSTER_DIR = Path(__file__).parent / "cluster"
@@ -66,8 +71,11 @@ def short_tmp() -> Iterator[Path]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if _E2E_DIR in Path(str(item.path)).parents:
-            item.add_marker(pytest.mark.e2e)
+        if _PROCESS_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.process)
+        elif _E2E_DIR in Path(str(item.path)).parents:
+            if item.get_closest_marker("crio") is None:  # a runtime-parametrized test's CRI-O case
+                item.add_marker(pytest.mark.e2e)
         elif _NODE_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.node)
         elif _CLUSTER_DIR in Path(str(item.path)).parents:

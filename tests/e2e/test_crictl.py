@@ -1,6 +1,7 @@
-"""crictl, the real CRI client, against the shim gives what it gives against containerd.
+"""crictl, the real CRI client, against the shim gives what it gives against the runtime
+(containerd 1.6; CRI-O v1.34, the ``crio`` cases).
 
-Every command runs twice, against containerd and against the shim (default engine),
+Every command runs twice, against the runtime and against the shim (default engine),
 and the outputs are compared.  Normalized, because they differ by nature and not by
 the shim: the time and pid crictl writes in front of its log lines, and the time of
 the call that ``imagefsinfo`` reports.
@@ -15,12 +16,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.support.containerd import Containerd
 from tests.support.crictl import Crictl
-from tests.support.fixtures import ShimFactory
+from tests.support.fixtures import CRIO, CriRuntime, ShimFactory, runtime_named
 from tests.support.shim import ShimProcess
 
-pytestmark = pytest.mark.e2e
+# (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
 _KLOG_PREFIX = re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ", re.M)  # E1202 15:14:19.106612   17722
 _LOGRUS_TIME = re.compile(r'time="[^"]*"')
@@ -33,9 +33,16 @@ def normalized(text: str) -> str:
     return _FS_TIMESTAMP.sub(r'\1"<time>"', text)
 
 
+@pytest.fixture(scope="module", params=["containerd-1.6", CRIO])
+def runtime(request: pytest.FixtureRequest) -> CriRuntime:
+    """The session containerd, then the session CRI-O (a test takes a subset with
+    ``@pytest.mark.parametrize("runtime", [...], indirect=True)``)."""
+    return runtime_named(request, request.param)
+
+
 @pytest.fixture(scope="module")
-def shim(containerd: Containerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
-    factory = ShimFactory(lambda: str(containerd.socket), tmp_path_factory.mktemp("crictl-shim"))
+def shim(runtime: CriRuntime, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
+    factory = ShimFactory(lambda: str(runtime.socket), tmp_path_factory.mktemp("crictl-shim"))
     try:
         shim = factory({"server": {"admin_socket": ""}})  # (its default path is one per machine)
         yield shim
@@ -47,8 +54,14 @@ def shim(containerd: Containerd, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture
+def crictl(crictl_factory: Callable[..., Crictl], runtime: CriRuntime) -> Crictl:
+    """crictl talking directly to the runtime."""
+    return crictl_factory(runtime.socket)
+
+
+@pytest.fixture
 def both(crictl: Crictl, crictl_factory: Callable[..., Crictl], shim: ShimProcess) -> Callable[..., tuple]:
-    """``both(*args)``: run ``crictl ARGS`` against containerd, then the shim; assert the
+    """``both(*args)``: run ``crictl ARGS`` against the runtime, then the shim; assert the
     same exit code, stdout and stderr (normalized); return both results."""
     via_shim = crictl_factory(shim.socket)
 
@@ -62,11 +75,12 @@ def both(crictl: Crictl, crictl_factory: Callable[..., Crictl], shim: ShimProces
     return run
 
 
-def test_version(both) -> None:
+def test_version(both, runtime: CriRuntime) -> None:
     direct, _ = both("version")
-    assert direct.returncode == 0 and "RuntimeName:  containerd" in direct.stdout
+    assert direct.returncode == 0 and f"RuntimeName:  {runtime.runtime_name}" in direct.stdout
 
 
+@pytest.mark.parametrize("runtime", ["containerd-1.6"], indirect=True)
 def test_info(crictl: Crictl, crictl_factory, shim: ShimProcess) -> None:
     # containerd writes the info map in random order; crictl prints what it gets.
     direct, shimmed = crictl.run("info"), crictl_factory(shim.socket).run("info")
@@ -75,22 +89,31 @@ def test_info(crictl: Crictl, crictl_factory, shim: ShimProcess) -> None:
     assert json.loads(direct.stdout)["status"]["conditions"][0]["type"] == "RuntimeReady"
 
 
-def test_pull_images_inspecti_rmi(both, crictl: Crictl, crictl_factory, shim: ShimProcess, make_image) -> None:
+def test_pull_images_inspecti_rmi(both, crictl: Crictl, crictl_factory, shim: ShimProcess, make_image,
+                                  runtime: CriRuntime) -> None:
     img = make_image()
+    image_id = runtime.image_id(img)  # CRI-O: the bare hex
+    bare_id = img.image_id.removeprefix("sha256:")
     via_shim = crictl_factory(shim.socket)
     pulled = via_shim.pull(img.ref)
     assert pulled.returncode == 0, pulled.stderr
-    assert pulled.stdout == f"Image is up to date for {img.image_id}\n"
+    assert pulled.stdout == f"Image is up to date for {runtime.pulled_ref(img)}\n"  # CRI-O: repo@digest
     both("pull", img.ref)  # present now: the same answer both ways
 
-    for args in (("images",), ("images", "-q"), ("images", "--digests"), ("images", "-v"),
-                 ("images", "-o", "json"), ("images", img.ref)):
+    listings = [("images",), ("images", "-q"), ("images", "--digests"), ("images", "-v"),
+                ("images", "-o", "json"), ("images", img.ref)]
+    if runtime.is_crio:  # (the session CRI-O's listing is filtered to this image)
+        listings = [(*args, img.ref) for args in listings[:-1]]
+    for args in listings:
         direct, _ = both(*args)
         assert direct.returncode == 0
-        assert img.image_id.split(":")[1][:13] in direct.stdout, args
-    for ref in (img.ref, img.digest_ref, img.image_id):
+        assert bare_id[:13] in direct.stdout, args
+    refs = [img.ref, img.digest_ref, image_id]
+    if runtime.is_crio:
+        refs += [bare_id[:13]]  # a bare ID prefix is a name to CRI-O
+    for ref in refs:
         direct, _ = both("inspecti", ref)
-        assert json.loads(direct.stdout)["status"]["id"] == img.image_id
+        assert json.loads(direct.stdout)["status"]["id"] == image_id
     both("imagefsinfo")
 
     removed = via_shim.rmi(img.ref)
@@ -106,7 +129,7 @@ def test_pull_images_inspecti_rmi(both, crictl: Crictl, crictl_factory, shim: Sh
     assert again.stdout == removed.stdout and again.returncode == 0
 
 
-def test_errors(both, registry) -> None:
+def test_errors(both, registry, runtime: CriRuntime) -> None:
     for args in (
         ("pull", f"{registry.host}/e2e/never-pushed:v1"),
         ("pull", "garbage!!!"),
@@ -118,9 +141,10 @@ def test_errors(both, registry) -> None:
     ):
         both(*args)
     direct, _ = both("pull", f"{registry.host}/e2e/never-pushed:v1")
-    assert direct.returncode != 0 and "not found" in direct.stderr
+    assert direct.returncode != 0 and ("manifest unknown" if runtime.is_crio else "not found") in direct.stderr
 
 
+@pytest.mark.parametrize("runtime", ["containerd-1.6"], indirect=True)
 def test_pods_containers_stats(both) -> None:
     # (json output: the table form samples CPU for a second first)
     for args in (("pods",), ("ps", "-a"), ("stats", "-o", "json"), ("statsp", "-o", "json"),

@@ -1,5 +1,6 @@
-"""The shim as a process in front of Debian's containerd 1.6: every answer is the one
-containerd gives directly.
+"""The shim as a process in front of Debian's containerd 1.6 (and, for the checks that hold
+for every runtime, CRI-O v1.34: the ``crio`` cases): every answer is the one the runtime
+gives directly.
 
 Each check makes the same call against containerd and through the shim and compares
 the outcome: response bytes, status code, details and trailing metadata.  The core
@@ -10,6 +11,12 @@ Where containerd itself is not deterministic the comparison says so and normaliz
 exactly that: ``Status(verbose)`` serializes its ``info`` map and ``ListImages`` its
 images in Go map order (two direct calls differ too), and ``ImageFsInfo`` stamps each
 answer with the time of the call.
+
+What CRI-O answers differently from containerd, and the shim passes on as it is:
+image IDs are the bare 64 hex (``sha256:<hex>`` is no name to CRI-O, a bare ID prefix is);
+PullImage answers ``repo@sha256:<manifest digest>``; a pull of a missing image is UNKNOWN
+("manifest unknown"), not NOT_FOUND; its ListImages order is stable. (CRI-O's own:
+tests/crio/test_crio_passthrough.py.)
 
 Not covered here: 16 MiB messages (containerd can't be made to answer that big; the
 unit tests cover it against the fake runtime) and the contents of a real event
@@ -32,13 +39,12 @@ import pytest
 from shim.proto.runtime.v1 import api_pb2
 from tests.support import cri
 from tests.support.containerd import Containerd
-from tests.support.fixtures import ShimFactory
+from tests.support.fixtures import CRIO, CriRuntime, ShimFactory, runtime_named
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy
 from tests.support.shim import ShimProcess
 
-pytestmark = pytest.mark.e2e
-
+# (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
 
 def settings(**server: object) -> dict[str, object]:
@@ -56,18 +62,40 @@ ENGINES: dict[str, dict[str, object]] = {"relay": settings(allowed_services=[IMA
 # --------------------------------------------------------------------------- fixtures
 
 
+class ShimSets:
+    """One shim per engine in front of each session runtime, started on first use and kept
+    for the whole module."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.factories: dict[str, ShimFactory] = {}
+        self.sets: dict[str, dict[str, ShimProcess]] = {}
+
+    def get(self, name: str, socket: str | os.PathLike[str]) -> dict[str, ShimProcess]:
+        if name not in self.sets:
+            factory = self.factories[name] = ShimFactory(lambda: str(socket), self.log_dir / name)
+            self.sets[name] = {engine: factory(config) for engine, config in ENGINES.items()}
+        return self.sets[name]
+
+    def close(self) -> None:
+        problems = [p for f in self.factories.values() for p in f.close()]
+        assert not problems, problems
+        for running in self.sets.values():
+            for s in running.values():
+                assert_clean_log(s)
+
+
 @pytest.fixture(scope="module")
-def shims(containerd: Containerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
+def shim_sets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimSets]:
+    sets = ShimSets(tmp_path_factory.mktemp("shims"))
+    yield sets
+    sets.close()
+
+
+@pytest.fixture
+def shims(shim_sets: ShimSets, containerd: Containerd) -> dict[str, ShimProcess]:
     """One shim per engine in front of the session containerd, for the whole module."""
-    factory = ShimFactory(lambda: str(containerd.socket), tmp_path_factory.mktemp("shims"))
-    try:
-        running = {name: factory(config) for name, config in ENGINES.items()}
-        yield running
-    finally:
-        problems = factory.close()
-    assert not problems, problems
-    for s in running.values():
-        assert_clean_log(s)
+    return shim_sets.get("containerd-1.6", containerd.socket)
 
 
 @pytest.fixture(params=list(ENGINES))
@@ -75,6 +103,20 @@ def shim(request: pytest.FixtureRequest, shims: dict[str, ShimProcess]) -> ShimP
     """The shared shim of each engine in turn (default engine first)."""
     s = shims[request.param]
     assert s.running, f"the {request.param} shim died:\n{s.log_tail()}"
+    return s
+
+
+@pytest.fixture(params=["containerd-1.6", CRIO])
+def runtime(request: pytest.FixtureRequest) -> CriRuntime:
+    """The session containerd, then the session CRI-O."""
+    return runtime_named(request, request.param)
+
+
+@pytest.fixture(params=list(ENGINES))
+def runtime_shim(request: pytest.FixtureRequest, shim_sets: ShimSets, runtime: CriRuntime) -> ShimProcess:
+    """The shared shim of each engine in turn, in front of ``runtime``."""
+    s = shim_sets.get(runtime.name, runtime.socket)[request.param]
+    assert s.running, f"the {request.param} shim in front of {runtime.name} died:\n{s.log_tail()}"
     return s
 
 
@@ -100,13 +142,13 @@ def outcome(res: cri.CallResult) -> tuple[str, str | None, bytes | None, cri.Met
 
 
 def same_call(
-    shim: ShimProcess, containerd: Containerd, method: str, request: bytes, timeout: float = 10,
+    shim: ShimProcess, runtime: Containerd | CriRuntime, method: str, request: bytes, timeout: float = 10,
     metadata: tuple[tuple[str, str], ...] | None = None,
 ) -> tuple[cri.CallResult, cri.CallResult]:
-    """Call containerd directly, then through the shim; assert identical outcomes."""
-    direct = cri.call(containerd.socket, method, request, timeout, metadata=metadata)
+    """Call the runtime directly, then through the shim; assert identical outcomes."""
+    direct = cri.call(runtime.socket, method, request, timeout, metadata=metadata)
     via = cri.call(shim.socket, method, request, timeout, metadata=metadata)
-    assert outcome(via) == outcome(direct), f"{method}: shim and containerd differ"
+    assert outcome(via) == outcome(direct), f"{method}: shim and runtime differ"
     return direct, via
 
 
@@ -166,19 +208,27 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
 # --------------------------------------------------------------------------- runtime service
 
 
-def test_version_identical(shim: ShimProcess, containerd: Containerd) -> None:
-    direct, _ = same_call(shim, containerd, "Version", cri.version_request())
-    assert cri.decode_version_response(direct.unwrap())["runtime_name"] == "containerd"
+def test_version_identical(runtime_shim: ShimProcess, runtime: CriRuntime) -> None:
+    shim = runtime_shim
+    direct, _ = same_call(shim, runtime, "Version", cri.version_request())
+    version = cri.decode_version_response(direct.unwrap())
+    assert version["runtime_name"] == runtime.runtime_name
+    if runtime.is_crio:
+        assert version["runtime_version"] == "1.34.0"
+        return
     # The older CRI version containerd 1.6 still serves: the shim answers as containerd 2.x does.
     v1alpha2 = "/runtime.v1alpha2.RuntimeService/Version"
-    assert cri.call(containerd.socket, v1alpha2, cri.version_request(), 10).ok
+    assert cri.call(runtime.socket, v1alpha2, cri.version_request(), 10).ok
     via = cri.call(shim.socket, v1alpha2, cri.version_request(), 10)
     assert via.error_tuple() == (grpc.StatusCode.UNIMPLEMENTED, "unknown service runtime.v1alpha2.RuntimeService")
 
 
-def test_status_identical(shim: ShimProcess, containerd: Containerd) -> None:
-    direct, _ = same_call(shim, containerd, "Status", b"")
+def test_status_identical(runtime_shim: ShimProcess, runtime: CriRuntime) -> None:
+    shim, containerd = runtime_shim, runtime
+    direct, _ = same_call(shim, runtime, "Status", b"")
     assert b"RuntimeReady" in direct.unwrap()
+    if runtime.is_crio:
+        return
     # verbose: containerd writes the info map in Go's random map order (two direct
     # calls differ in byte order too), so entries are compared as a set.
     verbose = cri.field_varint(1, 1)
@@ -210,40 +260,54 @@ def test_runtime_calls_identical(shim: ShimProcess, containerd: Containerd, meth
 
 
 def test_image_lifecycle_identical(
-    shim: ShimProcess, containerd: Containerd, make_image, proxy: CountingProxy
+    runtime_shim: ShimProcess, runtime: CriRuntime, make_image, proxy: CountingProxy
 ) -> None:
+    shim, containerd = runtime_shim, runtime
     img = make_image()
+    image_id = runtime.image_id(img)  # CRI-O: the bare hex
     # Pull through the shim: the real download happens via the shim.
     pulled = pull(shim.socket, img.ref)
     assert pulled.ok, pulled
-    assert cri.decode_pull_image_response(pulled.response) == img.image_id
+    assert cri.decode_pull_image_response(pulled.response) == runtime.pulled_ref(img)  # CRI-O: repo@digest
     assert proxy.stats().blob_requests_for(img.repository, img.tag) == 2  # config + layer, once
     # The same pull directly (image present now) answers the same bytes.
     assert pull(containerd.socket, img.ref).response == pulled.response
     # ...and the same pull through the shim again: also identical.
     assert pull(shim.socket, img.ref).response == pulled.response
 
-    for ref in (img.ref, img.digest_ref, img.image_id):
+    names = (img.ref, img.digest_ref, image_id, image_id[:12]) if runtime.is_crio else (img.ref, img.digest_ref, image_id)
+    for ref in names:
         for verbose in (False, True):
             direct, _ = same_call(shim, containerd, "ImageStatus", cri.image_status_request(ref, verbose))
             info = cri.decode_image_status_response(direct.unwrap())
-            assert info is not None and info.id == img.image_id
+            assert info is not None and info.id == image_id, ref
+            if runtime.is_crio:
+                assert info.repo_tags == [img.ref] and info.repo_digests == [img.digest_ref]
+    if runtime.is_crio:  # "sha256:<hex>" is not an ID to CRI-O: no such image, directly and through the shim
+        direct, _ = same_call(shim, containerd, "ImageStatus", cri.image_status_request(img.image_id))
+        assert cri.decode_image_status_response(direct.unwrap()) is None
 
     # containerd lists images in Go map order (two direct calls differ once there are
-    # several): the same Image messages, byte for byte, in any order.
+    # several): the same Image messages, byte for byte, in any order. (CRI-O: in order.)
     for request in (cri.list_images_request(), cri.list_images_request(img.ref)):
-        direct = cri.call(containerd.socket, "ListImages", request, 10)
-        via = cri.call(shim.socket, "ListImages", request, 10)
-        assert direct.ok and via.ok, (direct, via)
-        assert repeated_entries(via.unwrap()) == repeated_entries(direct.unwrap())
-        assert img.image_id in {i.id for i in cri.decode_list_images_response(direct.unwrap())}
+        if runtime.is_crio:
+            direct, _ = same_call(shim, containerd, "ListImages", request)
+        else:
+            direct = cri.call(containerd.socket, "ListImages", request, 10)
+            via = cri.call(shim.socket, "ListImages", request, 10)
+            assert direct.ok and via.ok, (direct, via)
+            assert repeated_entries(via.unwrap()) == repeated_entries(direct.unwrap())
+        assert image_id in {i.id for i in cri.decode_list_images_response(direct.unwrap())}
 
     # ImageFsInfo carries the time of the call; everything else must match.
     direct = cri.call(containerd.socket, "ImageFsInfo", b"", 10)
     via = cri.call(shim.socket, "ImageFsInfo", b"", 10)
     assert direct.ok and via.ok, (direct, via)
     assert without_timestamps(via.unwrap()) == without_timestamps(direct.unwrap())
-    assert api_pb2.ImageFsInfoResponse.FromString(via.unwrap()).image_filesystems[0].fs_id.mountpoint
+    mount = api_pb2.ImageFsInfoResponse.FromString(via.unwrap()).image_filesystems[0].fs_id.mountpoint
+    assert mount
+    if runtime.is_crio:
+        assert mount.startswith(str(runtime.instance.root))
 
     # RemoveImage through the shim removes it for everyone.
     removed = cri.call(shim.socket, "RemoveImage", cri.remove_image_request(img.ref), 10)
@@ -254,31 +318,49 @@ def test_image_lifecycle_identical(
     same_call(shim, containerd, "RemoveImage", cri.remove_image_request(img.ref))
 
 
-@pytest.mark.parametrize("case", [
-    "pull-missing-tag", "pull-missing-repo", "pull-bad-reference", "status-undecodable",
-    "remove-undecodable", "remove-bad-reference", "list-undecodable", "status-absent",
-])
+#: case -> the runtime's own code, per runtime (a case is run for the runtimes it names)
+ERROR_CODES: dict[str, dict[str, str]] = {
+    "pull-missing-tag": {"containerd-1.6": "NOT_FOUND", "crio": "UNKNOWN"},
+    "pull-missing-repo": {"containerd-1.6": "NOT_FOUND", "crio": "UNKNOWN"},
+    "pull-bad-reference": {"containerd-1.6": "UNKNOWN", "crio": "UNKNOWN"},
+    "status-undecodable": {"containerd-1.6": "INTERNAL"},
+    "remove-undecodable": {"containerd-1.6": "INTERNAL"},
+    "remove-bad-reference": {"containerd-1.6": "OK"},
+    "list-undecodable": {"containerd-1.6": "INTERNAL", "crio": "INTERNAL"},
+    "status-absent": {"containerd-1.6": "OK", "crio": "OK"},
+    "remove-absent": {"crio": "OK"},
+    "remove-sha256-id": {"crio": "OK"},
+}
+
+
+@pytest.mark.parametrize("runtime, case", [
+    pytest.param(rt, case, marks=[pytest.mark.crio] if rt == "crio" else [], id=f"{case}-{rt}")
+    for case, codes in ERROR_CODES.items() for rt in codes
+], indirect=["runtime"])
 def test_runtime_errors_identical(
-    shim: ShimProcess, containerd: Containerd, registry: RegistryWithProxy, make_image, case: str
+    runtime_shim: ShimProcess, runtime: CriRuntime, registry: RegistryWithProxy, make_image, case: str
 ) -> None:
+    shim = runtime_shim
+
     def missing_tag() -> str:  # a repository that exists, a tag that doesn't
         return make_image(tag="present").ref.rsplit(":", 1)[0] + ":absent"
 
-    method, request, code = {
-        "pull-missing-tag": lambda: ("PullImage", cri.pull_image_request(missing_tag()), "NOT_FOUND"),
-        "pull-missing-repo": lambda: ("PullImage", cri.pull_image_request(f"{registry.host}/e2e/never-pushed:v1"),
-                                      "NOT_FOUND"),
-        "pull-bad-reference": lambda: ("PullImage", cri.pull_image_request("garbage!!!"), "UNKNOWN"),
-        "status-undecodable": lambda: ("ImageStatus", b"\xff\xff\xff", "INTERNAL"),
-        "remove-undecodable": lambda: ("RemoveImage", b"\x0a\x05\x0a", "INTERNAL"),
-        "remove-bad-reference": lambda: ("RemoveImage", cri.remove_image_request("garbage!!!"), "OK"),
-        "list-undecodable": lambda: ("ListImages", b"\x0a\x7f", "INTERNAL"),
-        "status-absent": lambda: ("ImageStatus", cri.image_status_request(missing_tag()), "OK"),
+    method, request = {
+        "pull-missing-tag": lambda: ("PullImage", cri.pull_image_request(missing_tag())),
+        "pull-missing-repo": lambda: ("PullImage", cri.pull_image_request(f"{registry.host}/e2e/never-pushed:v1")),
+        "pull-bad-reference": lambda: ("PullImage", cri.pull_image_request("garbage!!!")),
+        "status-undecodable": lambda: ("ImageStatus", b"\xff\xff\xff"),
+        "remove-undecodable": lambda: ("RemoveImage", b"\x0a\x05\x0a"),
+        "remove-bad-reference": lambda: ("RemoveImage", cri.remove_image_request("garbage!!!")),
+        "list-undecodable": lambda: ("ListImages", b"\x0a\x7f"),
+        "status-absent": lambda: ("ImageStatus", cri.image_status_request(missing_tag())),
+        "remove-absent": lambda: ("RemoveImage", cri.remove_image_request(missing_tag())),
+        "remove-sha256-id": lambda: ("RemoveImage", cri.remove_image_request("sha256:" + "ab" * 32)),
     }[case]()
-    direct, _ = same_call(shim, containerd, method, request, timeout=30)
-    assert direct.code.name == code, direct
+    direct, _ = same_call(shim, runtime, method, request, timeout=30)
+    assert direct.code.name == ERROR_CODES[case][runtime.name], direct
     if case.startswith("pull-missing"):
-        assert "not found" in (direct.details or "")
+        assert ("manifest unknown" if runtime.is_crio else "not found") in (direct.details or "")
 
 
 @pytest.mark.parametrize("request_bytes, containerd_code", [
@@ -305,8 +387,8 @@ def test_malformed_pull_is_refused_by_the_shim(
     "/runtime.v1.ImageService/NoSuchMethod",
     "/runtime.v1.RuntimeService/NoSuchMethod",
 ])
-def test_unknown_method_identical(shim: ShimProcess, containerd: Containerd, method: str) -> None:
-    direct, _ = same_call(shim, containerd, method, b"\x0a\x03abc")
+def test_unknown_method_identical(runtime_shim: ShimProcess, runtime: CriRuntime, method: str) -> None:
+    direct, _ = same_call(runtime_shim, runtime, method, b"\x0a\x03abc")
     assert direct.code == grpc.StatusCode.UNIMPLEMENTED, direct
 
 

@@ -21,9 +21,10 @@ import pytest
 from tests.support import cri
 from tests.support.containerd import Containerd
 from tests.support.crictl import Crictl
+from tests.support.fixtures import CRIO, CriRuntime
 from tests.support.oci import PushedImage
 
-pytestmark = pytest.mark.e2e
+# (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
 
 def free_port() -> int:
@@ -37,9 +38,9 @@ def pull(containerd: Containerd, img: PushedImage) -> None:
     assert res.ok, res
 
 
-def present(containerd: Containerd, name: str) -> bool:
-    """Asked of containerd itself, not through the shim."""
-    res = cri.call(containerd.socket, "ImageStatus", cri.image_status_request(name))
+def present(runtime: Containerd | CriRuntime, name: str) -> bool:
+    """Asked of the runtime itself, not through the shim."""
+    res = cri.call(runtime.socket, "ImageStatus", cri.image_status_request(name))
     return cri.decode_image_status_response(res.unwrap()) is not None
 
 
@@ -111,25 +112,32 @@ def test_pinned_image_survives_remove_by_tag_digest_and_id(containerd, make_imag
     assert not present(containerd, other.ref)
 
 
-def test_crictl_rmi_and_images_pinned(containerd, make_image, shim_factory, crictl_factory, engine) -> None:
+@pytest.mark.parametrize("cri_runtime", ["containerd-1.6", CRIO], indirect=True)
+def test_crictl_rmi_and_images_pinned(cri_runtime: CriRuntime, make_image, shim_factory, crictl_factory,
+                                      engine) -> None:
     img, other = make_image(), make_image()
-    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [f"{img.repo_ref}:*"]}})  # a glob
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [f"{img.repo_ref}:*"]}},  # a glob
+                        upstream=cri_runtime.socket)
     crictl = crictl_factory(shim.socket)
     for i in (img, other):
         out = crictl.pull(i.ref)
         assert out.returncode == 0, out.stderr
 
+    img_id, other_id = cri_runtime.image_id(img), cri_runtime.image_id(other)
     pinned = crictl_pinned(crictl)
-    assert pinned[img.image_id] is True and pinned[other.image_id] is False
+    assert pinned[img_id] is True and pinned[other_id] is False
+    assert crictl_pinned(crictl_factory(cri_runtime.socket))[img_id] is False  # the runtime alone: not pinned
 
-    out = crictl.rmi(img.ref)
-    assert out.returncode != 0
-    assert "FailedPrecondition" in out.stderr and "is pinned by pins.images entry" in out.stderr
-    assert present(containerd, img.ref)
+    short_id = img.image_id.removeprefix("sha256:")[:13]  # the ID `crictl images` shows
+    for name in (img.ref, short_id) if cri_runtime.is_crio else (img.ref,):
+        out = crictl.rmi(name)
+        assert out.returncode != 0, (name, out)
+        assert "FailedPrecondition" in out.stderr and "is pinned by pins.images entry" in out.stderr, out.stderr
+    assert present(cri_runtime, img.ref)
 
     out = crictl.rmi(other.ref)
     assert out.returncode == 0, out.stderr
-    assert not present(containerd, other.ref)
+    assert not present(cri_runtime, other.ref)
 
 
 def test_reload_unpins_and_bad_config_keeps_pins(containerd, make_image, shim_factory) -> None:

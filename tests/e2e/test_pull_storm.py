@@ -1,11 +1,16 @@
-"""Pull storms through the shim against real containerd and a registry that counts requests.
+"""Pull storms through the shim against real containerd (and CRI-O v1.34: the ``crio`` cases)
+and a registry that counts requests.
 
 Each test pulls fresh images (containerd has never seen them), holds blob downloads at
 the registry proxy until every caller has reached the shim (its metrics say so) or
 containerd (the proxy saw every resolve), so the pulls overlap for sure.
 
 A *resolve* is an answered manifest request by tag: containerd makes one per PullImage
-(an auth challenge, 401, does not count).
+(an auth challenge, 401, does not count). CRI-O reads the manifest by tag twice per pull
+(GET, once to look at the image, once to copy it), and collapses identical concurrent pulls
+by itself (same image string, credentials and pod namespace); the shim's collapsing adds
+per-caller deadlines on top. CRI-O has no cap on images pulled at once; the shim's
+``pulls.max_parallel`` holds for it as for containerd.
 """
 
 from __future__ import annotations
@@ -23,35 +28,49 @@ import pytest
 
 from tests.support import cri
 from tests.support.containerd import Containerd
-from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
+from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER, CRIO, CriRuntime
 from tests.support.oci import PushedImage
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy, free_port
 from tests.support.shim import ShimProcess
 
-pytestmark = pytest.mark.e2e
+# (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
+
+#: the runtimes of the runtime-parametrized storms
+STORM_RUNTIMES = pytest.mark.parametrize("cri_runtime", ["containerd-1.6", CRIO], indirect=True)
 
 _TAG_MANIFEST = re.compile(r"/manifests/[^/:?]+(?:\?.*)?$")
 
 
-def resolves(proxy: CountingProxy, image: PushedImage | None = None) -> int:
-    """Answered manifest requests by tag (for ``image``, or all)."""
+def resolves(proxy: CountingProxy, image: PushedImage | None = None, method: str | None = None) -> int:
+    """Answered manifest requests by tag (for ``image``, or all; only ``method`` ones if given)."""
     return sum(
         1
         for r in proxy.records()
         if r.kind == "manifest" and 200 <= r.status < 300 and _TAG_MANIFEST.search(r.path)
-        and (image is None or r.image == (image.repository, image.tag))
+        and (image is None or r.image == (image.repository, image.tag)) and (method is None or r.method == method)
     )
 
 
-def start_shim(shim_factory: Callable[..., ShimProcess], max_parallel: int = 4) -> tuple[ShimProcess, int]:
-    """A shim in front of the session containerd, with its metrics on a free port."""
+def pull_resolves(runtime: CriRuntime, proxy: CountingProxy, image: PushedImage) -> int:
+    """Resolves of ``image`` as the runtime makes them (CRI-O: GETs)."""
+    return resolves(proxy, image, "GET" if runtime.is_crio else None)
+
+
+def per_pull(runtime: CriRuntime) -> int:
+    """Resolves one pull makes: containerd 1, CRI-O 2."""
+    return 2 if runtime.is_crio else 1
+
+
+def start_shim(shim_factory: Callable[..., ShimProcess], max_parallel: int = 4,
+               upstream: object = None) -> tuple[ShimProcess, int]:
+    """A shim in front of ``upstream`` (default: the session containerd), with its metrics on a free port."""
     port = free_port()
     shim = shim_factory({
         "server": {"admin_socket": ""},
         "pulls": {"max_parallel": max_parallel},
         "metrics": {"address": f"127.0.0.1:{port}"},
-    })
+    }, upstream=upstream)
     wait_for(lambda: _answers(port), timeout=10, what="the shim's metrics endpoint")  # starts after the socket
     return shim, port
 
@@ -107,23 +126,31 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 # ---------------------------------------------------------------------------- collapse
 
 
+@STORM_RUNTIMES
 def test_identical_pulls_collapse_into_one_resolve(
-    containerd: Containerd, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
+    cri_runtime: CriRuntime, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
 ) -> None:
-    # Directly: 12 concurrent identical pulls, 12 resolves.
+    """One pull's resolves (containerd: one, CRI-O: two) for 12 identical calls through the shim."""
+    containerd = cri_runtime
+    # Directly: 12 concurrent identical pulls, 12 resolves (CRI-O collapses them itself: one pull).
     direct_img = make_image(filler_bytes=200_000)
     proxy.hold_blobs()
     direct = storm(pool, containerd.socket, [cri.pull_image_request(direct_img.ref)] * 12)
     try:
-        proxy.wait_until(lambda s: s.manifest_heads >= 12, timeout=30)
+        if cri_runtime.is_crio:
+            wait_for(lambda: cri_runtime.instance.log_text().count(f"Pulling image: {direct_img.ref}") >= 12,
+                     what="12 calls at CRI-O")
+            proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
+        else:
+            proxy.wait_until(lambda s: s.manifest_heads >= 12, timeout=30)
     finally:
         proxy.release_blobs()
     assert all(r.ok for r in results(direct))
-    assert resolves(proxy, direct_img) == 12
+    assert pull_resolves(cri_runtime, proxy, direct_img) == (per_pull(cri_runtime) if cri_runtime.is_crio else 12)
 
-    # Through the shim: the same storm on a fresh image, one resolve.
+    # Through the shim: the same storm on a fresh image, one pull.
     proxy.reset()
-    shim, port = start_shim(shim_factory)
+    shim, port = start_shim(shim_factory, upstream=cri_runtime.socket)
     img = make_image(filler_bytes=200_000)
     req = cri.pull_image_request(img.ref)
     proxy.hold_blobs()
@@ -136,15 +163,15 @@ def test_identical_pulls_collapse_into_one_resolve(
     answers = results(via_shim)
     assert all(r.ok for r in answers), [r.error_tuple() for r in answers if not r.ok]
     stats = proxy.stats()
-    assert resolves(proxy, img) == 1
+    assert pull_resolves(cri_runtime, proxy, img) == per_pull(cri_runtime)
     assert stats.blob_bytes == img.image.size
     assert metric(port, "cri_shim_pull_dedup_joins_total") == 11
 
-    # Every caller got the runtime's answer: what containerd says for the same pull.
+    # Every caller got the runtime's answer: what the runtime says for the same pull.
     runtime_answer = cri.call(str(containerd.socket), "PullImage", req, timeout=60)
     assert runtime_answer.ok
     assert {r.response for r in answers} == {runtime_answer.response}
-    assert cri.decode_pull_image_response(runtime_answer.response) == img.image_id
+    assert cri.decode_pull_image_response(runtime_answer.response) == cri_runtime.pulled_ref(img)
 
 
 def test_two_credential_groups_cause_two_resolves(
@@ -191,9 +218,11 @@ def test_two_credential_groups_cause_two_resolves(
 # ---------------------------------------------------------------------------- the cap
 
 
+@STORM_RUNTIMES
 def test_max_parallel_caps_images_downloading_at_once(
-    containerd: Containerd, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
+    cri_runtime: CriRuntime, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
 ) -> None:
+    containerd = cri_runtime
     def requests(images: list[PushedImage]) -> list[bytes]:
         return [cri.pull_image_request(img.ref) for _ in range(3) for img in images]
 
@@ -209,7 +238,7 @@ def test_max_parallel_caps_images_downloading_at_once(
     assert proxy.stats().max_concurrent_images == 4
 
     # Through the shim with max_parallel 2: two at a time, the others queued.
-    shim, port = start_shim(shim_factory, max_parallel=2)
+    shim, port = start_shim(shim_factory, max_parallel=2, upstream=cri_runtime.socket)
     imgs = [make_image(filler_bytes=100_000) for _ in range(4)]
     proxy.reset()
     proxy.hold_blobs()
@@ -226,8 +255,9 @@ def test_max_parallel_caps_images_downloading_at_once(
     stats = proxy.stats()
     assert stats.max_concurrent_images == 2
     assert stats.blob_bytes == sum(img.image.size for img in imgs)
-    assert [cri.decode_pull_image_response(r.response) for r in answers] == [img.image_id for img in imgs] * 3
-    assert [resolves(proxy, img) for img in imgs] == [1, 1, 1, 1]
+    assert [cri.decode_pull_image_response(r.response) for r in answers] == [cri_runtime.pulled_ref(img)
+                                                                             for img in imgs] * 3
+    assert [pull_resolves(cri_runtime, proxy, img) for img in imgs] == [per_pull(cri_runtime)] * 4
 
 
 # ---------------------------------------------------------------------------- lifetime
@@ -246,10 +276,15 @@ def test_finished_pull_is_not_cached(
     assert resolves(proxy, img) == 2  # the second pull asked the registry again
 
 
+@STORM_RUNTIMES
 def test_short_deadline_caller_leaves_others_get_the_image(
-    containerd: Containerd, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
+    cri_runtime: CriRuntime, shim_factory, make_image, proxy: CountingProxy, pool: ThreadPoolExecutor
 ) -> None:
-    shim, port = start_shim(shim_factory)
+    """The caller that started the pull gives up; through the shim the pull goes on for the
+    two that joined it. (Inside CRI-O alone the pull belongs to that call: they fail with it.)"""
+    if cri_runtime.is_crio:
+        crio_joiners_fail_with_the_first(cri_runtime, make_image, proxy, pool)
+    shim, port = start_shim(shim_factory, upstream=cri_runtime.socket)
     img = make_image(filler_bytes=100_000)
     req = cri.pull_image_request(img.ref)
     proxy.hold_blobs()
@@ -266,10 +301,33 @@ def test_short_deadline_caller_leaves_others_get_the_image(
         proxy.release_blobs()
     answers = results(patient)
     assert all(r.ok for r in answers), [r.error_tuple() for r in answers if not r.ok]
-    assert {cri.decode_pull_image_response(r.response) for r in answers} == {img.image_id}
-    assert resolves(proxy, img) == 1
+    assert {cri.decode_pull_image_response(r.response) for r in answers} == {cri_runtime.pulled_ref(img)}
+    assert pull_resolves(cri_runtime, proxy, img) == per_pull(cri_runtime)
     assert proxy.stats().blob_bytes == img.image.size  # the pull went on: downloaded once
     assert metric(port, "cri_shim_pulls_total") == 1
+
+
+def crio_joiners_fail_with_the_first(crio: CriRuntime, make_image, proxy: CountingProxy,
+                                     pool: ThreadPoolExecutor) -> None:
+    """CRI-O alone: the first caller's pull times out and the two that joined it fail with it."""
+    direct_img = make_image(filler_bytes=100_000)
+    req = cri.pull_image_request(direct_img.ref)
+    proxy.hold_blobs()
+    try:
+        impatient = storm(pool, crio.socket, [req], [1.5])[0]
+        proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
+        patient = storm(pool, crio.socket, [req, req])
+        wait_for(lambda: crio.instance.log_text().count(f"Pulling image: {direct_img.ref}") >= 3,
+                 what="3 calls at CRI-O")
+        # CRI-O's gRPC server also times the call out and resets the stream (RST_STREAM CANCEL);
+        # whichever side's timer fires first decides the code the client sees
+        assert impatient.result(timeout=30).code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        joined = [f.result(timeout=60) for f in patient]
+    finally:
+        proxy.release_blobs()
+    # the first call's end, as CRI-O saw it first: its deadline or the client's cancel
+    ends = {grpc.StatusCode.DEADLINE_EXCEEDED: "context deadline exceeded", grpc.StatusCode.CANCELLED: "context canceled"}
+    assert all(r.code in ends and ends[r.code] in (r.details or "") for r in joined), joined
 
 
 # ---------------------------------------------------------------------------- one connection

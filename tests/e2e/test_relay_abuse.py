@@ -60,7 +60,7 @@ from tests.support.h2raw import (
     hpack_string, literal, request_block,
 )
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
-from tests.support.shim_process import ShimProcess, start_shim
+from tests.support.shim import ShimProcess, start_shim
 
 pytestmark = pytest.mark.e2e
 
@@ -443,7 +443,7 @@ async def test_attack_leaves_the_shim_serving_within_bounds(attack: Attack, cont
         assert growth <= RSS_BOUND_MIB, f"RSS grew {growth:.0f} MiB (bound {RSS_BOUND_MIB})"
         assert after is not None and after.ok, f"a new client after the attack: {after}"
     finally:
-        await shim.stop()
+        await shim.astop()
 
 
 @pytest.fixture
@@ -487,7 +487,7 @@ async def test_new_stream_after_goaway(containerd: Containerd, pinned_image: str
         assert answer is None or answer.type == RST_STREAM and answer.error_code == REFUSED_STREAM or status not in (None, b"0"), \
             f"stream 3 after GOAWAY got {answer} (grpc-status {status!r})"
     finally:
-        await shim.stop()
+        await shim.astop()
 
 
 # --------------------------------------------------------------------------- issue 21: memory and admission
@@ -646,7 +646,7 @@ async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_p
             st = await _back_to_idle(admin, 0)
             assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
         finally:
-            await shim.stop()
+            await shim.astop()
 
 
 def queue_big_pulls(path: str, n: int, size: int, hold_s: float) -> dict[str, int]:
@@ -725,5 +725,5 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
             assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
         finally:
             release.set()
-            await shim.stop()
+            await shim.astop()
             await rt.stop()

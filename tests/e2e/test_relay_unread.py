@@ -27,7 +27,7 @@ from tests.support import containerd2, cri
 from tests.support.containerd import Containerd
 from tests.support.h2raw import (SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, RawH2,
                                  frame, unary_calls)
-from tests.support.shim_process import start_shim
+from tests.support.shim import start_shim
 
 pytestmark = pytest.mark.e2e
 
@@ -153,7 +153,7 @@ async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
         for k in after:
             assert after[k] <= idle[k] + IDLE_MARGIN_MIB, f"{k} RSS {after[k]:.0f} MiB, idle was {idle[k]:.0f} MiB"
     finally:
-        await shim.stop()
+        await shim.astop()
 
 
 STATUS = "/runtime.v1.RuntimeService/Status"
@@ -187,4 +187,4 @@ async def test_a_client_that_pauses_then_reads_gets_every_answer(containerd: Con
         print(f"\n  pausing client: {n} verbose Status answers ({sum(s for s, _ in first.values()) >> 10} KiB) "
               f"read in {took * 1000:.0f} ms after a 3 s pause; {n} more answered after")
     finally:
-        await shim.stop()
+        await shim.astop()

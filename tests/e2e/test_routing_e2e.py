@@ -1,10 +1,11 @@
-"""Every spelling of a CRI method that containerd routes is enforced through the shim, and
+"""Every spelling of a CRI method that the runtime routes is enforced through the shim, and
 the shim serves CRI only (tests/support/routing_table.py has the table and what it asserts).
 
 containerd 1.6 (Debian's, grpc-go 1.4x) routes ``runtime.v1.ImageService/RemoveImage``
 without the leading ``/`` and serves runtime.v1alpha2; containerd 2.4 (grpc-go 1.83) answers
-both UNIMPLEMENTED. ``ctr`` pointed at the shim's socket is refused: containerd's own API
-(namespaces, images, content, ...) does not pass by default.
+both UNIMPLEMENTED; CRI-O v1.34 (grpc-go 1.72) routes a path without the leading ``/`` and
+has no runtime.v1alpha2 (the ``crio`` cases). ``ctr`` pointed at the shim's socket is
+refused: containerd's own API (namespaces, images, content, ...) does not pass by default.
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ import pytest
 
 from tests.support import cri, h2raw, routing_table
 from tests.support.containerd import Containerd
+from tests.support.fixtures import CRIO, CriRuntime, runtime_named
 
-pytestmark = pytest.mark.e2e
+# (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
 
-@pytest.fixture(params=["containerd-1.6", "containerd-2"])
-def runtime_socket(request: pytest.FixtureRequest) -> str:
-    fixture = {"containerd-1.6": "containerd", "containerd-2": "ctrd2"}[request.param]
-    return str(request.getfixturevalue(fixture).socket)
+@pytest.fixture(params=["containerd-1.6", "containerd-2", CRIO])
+def runtime(request: pytest.FixtureRequest) -> CriRuntime:
+    return runtime_named(request, request.param)
+
+
+@pytest.fixture
+def runtime_socket(runtime: CriRuntime) -> str:
+    return str(runtime.socket)
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
@@ -37,10 +43,11 @@ def test_pull_under_every_spelling_goes_through_the_scheduler(runtime_socket, ma
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])
-def test_removal_by_one_tag_leaves_what_containerd_leaves(runtime_socket, make_image, registry, shim_factory,
-                                                          engine) -> None:
-    assert routing_table.assert_removal_by_tag_as_the_runtime_does(
-        runtime_socket, shim_factory, make_image, registry, engine) == []  # containerd removes every tag
+def test_removal_by_one_tag_leaves_what_the_runtime_leaves(runtime: CriRuntime, make_image, registry, shim_factory,
+                                                           engine) -> None:
+    left = routing_table.assert_removal_by_tag_as_the_runtime_does(
+        str(runtime.socket), shim_factory, make_image, registry, engine)
+    assert left == (["v2"] if runtime.is_crio else [])  # CRI-O untags only; containerd removes every tag
 
 
 @pytest.mark.parametrize("engine", ["relay", "grpc"])

@@ -20,7 +20,7 @@ from tests.support.node import (  # noqa: F401
     short_dir,
 )
 from tests.support.prom import free_port
-from tests.support.shim_process import ShimProcess, start_shim
+from tests.support.shim import ShimProcess, start_shim
 
 StartShim = Callable[..., Awaitable[ShimProcess]]
 
@@ -47,5 +47,5 @@ async def node_shim(node_containerd: NodeContainerd, tmp_path: Path) -> AsyncIte
         yield start
     finally:
         for shim in started:
-            await shim.stop()
+            await shim.astop()
         shutil.rmtree(sock_dir, ignore_errors=True)

@@ -37,7 +37,7 @@ from tests.support.node import (
     wait_running,
 )
 from tests.support.registry import RegistryWithProxy
-from tests.support.shim_process import ShimProcess
+from tests.support.shim import ShimProcess
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
@@ -256,7 +256,7 @@ async def test_shim_restart_under_a_running_kubelet(
 
         offset = len(kubelet.log())
         shim.terminate()  # what `systemctl restart cri-shim` does first
-        assert await shim.wait_exit(30) == 0
+        assert await shim.await_exit(30) == 0
 
         def kubelet_noticed() -> str:
             deadline = time.monotonic() + 30
@@ -269,7 +269,7 @@ async def test_shim_restart_under_a_running_kubelet(
         print("kubelet while the shim is down:", await asyncio.to_thread(kubelet_noticed))
         again = await node_shim(listen_path=listen)
         # kubelet reconnects by itself (its gRPC backoff is capped at 3 s): its PLEG relists arrive.
-        await again.wait_log("msg=relayed method=/runtime.v1.RuntimeService/ListPodSandbox", timeout=30)
+        await again.await_log("msg=relayed method=/runtime.v1.RuntimeService/ListPodSandbox", timeout=30)
 
         kubelet.add_static_pod(static_pod("after", node_images.busybox.ref))
         after = kubelet.pod_name("after")

@@ -7,7 +7,10 @@
 * :mod:`.containerd` -- run a throw-away containerd with its CRI image service
 * :mod:`.crictl`     -- run crictl against any endpoints
 * :mod:`.cri`        -- raw (bytes in, bytes out) CRI gRPC calls + tiny protobuf codec
-* :mod:`.shim`       -- run the shim as a process
-* :mod:`.fixtures`   -- the pytest fixtures (re-exported by ``tests/e2e/conftest.py``)
+* :mod:`.shim`       -- run the shim as a process (one ShimProcess, sync and async waits)
+* :mod:`.fixtures`   -- the pytest fixtures (re-exported by ``tests/e2e/conftest.py``), CRI-O's
+  and ``cri_runtime`` (one test over containerd 1.6, containerd 2.x and CRI-O) included
+* :mod:`.fake_fixtures` -- ``runtime`` (a scripted runtime) and ``engine``, for tests/unit and
+  tests/process
 * :mod:`.passthrough_shim` -- a byte-forwarding stand-in for the shim
 """

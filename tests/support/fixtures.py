@@ -7,6 +7,13 @@ counters reset), ``make_image``, ``containerd_factory``, ``ctd_socket`` (a fresh
 containerd of each generation and pull path), ``shim_factory``, ``crictl``,
 ``crictl_factory``.  ``cri_call`` lives in ``tests/conftest.py``.
 
+CRI-O: ``crio`` (session, pulling through the registry's counting proxy) and
+``crio_factory`` (private ones, other config). Runtime-parametrized tests: ``cri_runtime``,
+one :class:`CriRuntime` per runtime (containerd 1.6, containerd 2.x, CRI-O; the CRI-O
+parameter carries the ``crio`` marker, see :data:`RUNTIMES`), so a test that holds for
+every runtime is written once; a test picks a subset with
+``@pytest.mark.parametrize("cri_runtime", [...], indirect=True)``.
+
 Any fixture value with a ``log_tails()`` method gets its logs attached to the
 report of a failing test (see ``tests/conftest.py``).
 """
@@ -21,14 +28,17 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support import binaries, containerd2, oci
+from tests.support import crio as crio_support
 from tests.support.containerd import Containerd, hosts_toml
 from tests.support.crictl import Crictl
+from tests.support.crio import Crio
 from tests.support.oci import PushedImage
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy
@@ -375,3 +385,114 @@ def ctrd2(tmp_path: Path, registry: RegistryWithProxy) -> Iterator[containerd2.C
                                                            {"fast": "overlayfs"}))
     yield c
     c.stop()
+
+
+# --------------------------------------------------------------------------
+# CRI-O
+# --------------------------------------------------------------------------
+
+
+def _new_crio(registry: RegistryWithProxy, log_path: Path, **kwargs: Any) -> Crio:
+    paths = crio_support.require()
+    workdir = tempfile.mkdtemp(prefix="e2e-crio-", dir="/tmp")  # short: unix socket paths
+    return Crio(workdir, binary=paths["crio"], pinns=paths["pinns"], conmon=paths["conmon"],
+                runc=paths.get("runc"), registries=[registry.host], log_path=log_path, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def crio(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Crio]:
+    """A session CRI-O pulling from ``registry.host`` (the counting proxy). Skipped without
+    its binaries, failed under CI."""
+    c = _new_crio(registry, tmp_path_factory.mktemp("crio") / "crio.log")
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(c.workdir, ignore_errors=True)
+
+
+class CrioFactory(_Logs):
+    def __init__(self, registry: RegistryWithProxy, log_dir: Path) -> None:
+        super().__init__()
+        self.registry = registry
+        self.log_dir = log_dir
+        self.instances: list[Crio] = []
+
+    def __call__(self, *, start: bool = True, **kwargs: Any) -> Crio:
+        c = _new_crio(self.registry, self.log_dir / f"crio-{len(self.instances) + 1}.log", **kwargs)
+        self.instances.append(c)
+        self.sources[f"crio {c.workdir}"] = c.log_tail
+        return c.start() if start else c
+
+    def close(self) -> None:
+        for c in self.instances:
+            c.stop()
+            shutil.rmtree(c.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def crio_factory(registry: RegistryWithProxy, tmp_path: Path) -> Iterator[CrioFactory]:
+    """``crio_factory(start=True, **Crio kwargs) -> Crio``: a private CRI-O, removed after the test."""
+    factory = CrioFactory(registry, tmp_path)
+    yield factory
+    factory.close()
+
+
+# --------------------------------------------------------------------------
+# one test, every runtime
+# --------------------------------------------------------------------------
+
+#: The CRI-O parameter of a runtime-parametrized test: marked ``crio`` (``pytest -m crio``
+#: selects it, and it is not marked ``e2e``: it needs no containerd).
+CRIO = pytest.param("crio", marks=pytest.mark.crio)
+#: Every runtime ``cri_runtime`` knows, by test id.
+RUNTIMES = ["containerd-1.6", "containerd-2.x", CRIO]
+
+_RUNTIME_FIXTURES = {"containerd-1.6": "containerd", "containerd-2": "ctrd2", "containerd-2.x": "ctrd2",
+                     "crio": "crio"}
+
+
+@dataclass
+class CriRuntime:
+    """A runtime behind a runtime-parametrized test, and where runtimes answer differently."""
+
+    name: str  # the test id: containerd-1.6, containerd-2.x (or containerd-2), crio
+    instance: Any  # Containerd, containerd2.Containerd2 or Crio
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.instance.socket)
+
+    @property
+    def is_crio(self) -> bool:
+        return self.name == "crio"
+
+    @property
+    def runtime_name(self) -> str:
+        """``Version``'s runtime_name."""
+        return "cri-o" if self.is_crio else "containerd"
+
+    def image_id(self, img: PushedImage) -> str:
+        """The image's ID as the runtime reports it: CRI-O the bare hex, containerd ``sha256:<hex>``."""
+        return img.image_id.removeprefix("sha256:") if self.is_crio else img.image_id
+
+    def pulled_ref(self, img: PushedImage) -> str:
+        """PullImage's answer: CRI-O ``repo@sha256:<manifest digest>``, containerd the image ID."""
+        return img.digest_ref if self.is_crio else img.image_id
+
+    def log_tail(self) -> str:
+        tail = getattr(self.instance, "log_tail", None)
+        return tail() if callable(tail) else ""
+
+
+def runtime_named(request: pytest.FixtureRequest, name: str) -> CriRuntime:
+    """The runtime with test id ``name`` (its fixture is requested now: skips without binaries)."""
+    return CriRuntime(name, request.getfixturevalue(_RUNTIME_FIXTURES[name]))
+
+
+@pytest.fixture(params=RUNTIMES)
+def cri_runtime(request: pytest.FixtureRequest) -> CriRuntime:
+    """The test's runtime, each in turn (containerd 1.6 and CRI-O: the session ones; containerd
+    2.x: a fresh ``ctrd2``). Skipped without a runtime's binaries, failed under CI."""
+    return runtime_named(request, request.param)

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from tests.support.shim_process import REPO, shim_env
+from tests.support.shim import REPO_ROOT, shim_env
 
 NOBODY = 65534  # uid and gid (nogroup) of Debian's nobody
 
@@ -67,7 +67,7 @@ def run_as(uid: int, fn: Callable[..., Any], *args: Any, timeout: float) -> Any:
     """``fn(*args)`` (a module-level function; JSON arguments and result) in a new interpreter
     that drops to ``uid`` (gid the same number, no supplementary groups) before calling it."""
     proc = subprocess.run([sys.executable, "-c", _BOOT, str(uid), f"{fn.__module__}:{fn.__qualname__}",
-                           json.dumps(args)], cwd=REPO, env=shim_env(), capture_output=True, text=True,
+                           json.dumps(args)], cwd=REPO_ROOT, env=shim_env(), capture_output=True, text=True,
                           timeout=timeout)
     marker = "\nRESULT "
     if proc.returncode != 0 or marker not in proc.stdout:

@@ -1,21 +1,4 @@
-"""Fixtures shared by the unit tests that run a shim in front of a scripted runtime."""
+"""Unit tests: no processes of their own; a shim runs in-process, in front of a scripted runtime
+where it needs one. (The shim as a process: tests/process.)"""
 
-from __future__ import annotations
-
-import pytest
-
-from tests.support.fake_runtime import FakeRuntime, socket_in
-
-
-@pytest.fixture(params=["relay", "grpc"])
-def engine(request) -> str:
-    """Both passthrough engines (server.engine) must behave the same."""
-    return request.param
-
-
-@pytest.fixture
-async def runtime(tmp_path):
-    """A scripted runtime on a unix socket; tests set its answers."""
-    rt = await FakeRuntime(socket_in(str(tmp_path))).start()
-    yield rt
-    await rt.stop()
+from tests.support.fake_fixtures import engine, runtime  # noqa: F401  (re-exported fixtures)

@@ -9,7 +9,7 @@ have a grammar (endpoints, modes, choices, patterns...) get explicit wrong value
 Each case is checked where an operator meets it:
 * ``cri-shim check-config`` exits 1 with one line naming the key;
 * ``cri-shim serve`` exits non-zero with one line naming the key, no traceback
-  (in-process for every case; as a real process for a sample);
+  (in-process for every case; as a real process for a sample: tests/process/test_bad_config.py);
 * a reload (SIGHUP or file change) keeps the running config and logs a line naming the key.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import subprocess
-import sys
 import typing
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,7 +31,6 @@ from shim.config import Config, ConfigError
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 from tests.support.logcapture import Lines
-from tests.support.shim import REPO_ROOT
 
 Path_ = tuple[str | int, ...]
 
@@ -277,27 +274,8 @@ def test_check_config_and_serve_refuse_it(tmp_path: Path, capsys, case: Case) ->
     assert err.count("\n") == 1 and case.key in err and "Traceback" not in err, err
 
 
-def one_per_section() -> list[Case]:
-    """The last case of each top-level key (the explicit ones come last)."""
-    return list({str(c.path[0]): c for c in CASES}.values())
 
 
-def test_serve_process_exits_with_one_line(tmp_path: Path) -> None:
-    """As an operator runs it: a real process per top-level key, at once."""
-    procs = []
-    for i, case in enumerate(one_per_section()):
-        d = tmp_path / str(i)
-        d.mkdir()
-        path = write(d, case)
-        procs.append((case, subprocess.Popen(
-            [sys.executable, "-m", "shim", "serve", "--config", str(path), "--listen", f"unix://{d}/s.sock",
-             "--upstream", f"unix://{d}/rt.sock"], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True)))
-    for case, p in procs:
-        out, err = p.communicate(timeout=30)
-        assert p.returncode != 0, case
-        assert err.count("\n") == 1 and case.key in err and "Traceback" not in err, err
-        print(f"\n{case.id}: exit {p.returncode}: {err.strip()}")
 
 
 async def test_reload_keeps_the_running_config(tmp_path: Path) -> None:
@@ -345,40 +323,6 @@ def test_malformed_yaml_is_one_line(tmp_path: Path, capsys, text: str, message: 
     assert err.count("\n") == 1 and message in err, err
 
 
-def test_startup_failures_are_one_line(tmp_path: Path) -> None:
-    """Values that parse but cannot be used on this machine: refused at start, one line, no traceback."""
-    import socket
-
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    live = socket.socket(socket.AF_UNIX)
-    live.bind(str(tmp_path / "live.sock"))
-    live.listen()
-    (tmp_path / "file").write_text("")
-    cases = [
-        ({"metrics": {"address": f"127.0.0.1:{taken.getsockname()[1]}"}}, "s1.sock", "metrics.address"),
-        ({}, "live.sock", "is already serving on"),
-        ({}, "file/s.sock", "cannot create the directory of"),
-    ]
-    procs = []
-    for i, (data, sock, message) in enumerate(cases):
-        path = tmp_path / f"config{i}.yaml"
-        path.write_text(yaml.safe_dump({"server": {"admin_socket": ""}, **data}))
-        procs.append((message, subprocess.Popen(
-            [sys.executable, "-m", "shim", "serve", "--config", str(path), "--listen", f"unix://{tmp_path}/{sock}",
-             "--upstream", f"unix://{tmp_path}/rt.sock"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)))
-    try:
-        for message, p in procs:
-            _, err = p.communicate(timeout=30)
-            lines = [line for line in err.splitlines() if not line.startswith("time=")]  # log lines
-            print(f"\nexit {p.returncode}: {lines}")
-            assert p.returncode == 1
-            assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
-    finally:
-        taken.close()
-        live.close()
 
 
 async def test_reload_names_keys_that_need_a_restart(tmp_path: Path) -> None:

@@ -11,9 +11,8 @@
   waits on a zero window, is ended, and what it held is given back.
 - A connection that sends no preface opens no runtime connection and is closed after
   server.preface_timeout_seconds.
-- Out of file descriptors (EMFILE) is logged as that, callers are told so, and the
-  listener accepts again once descriptors are free (a shim process with a low
-  RLIMIT_NOFILE).
+(Out of file descriptors, a shim process with a low RLIMIT_NOFILE:
+tests/process/test_relay_fd_limit.py.)
 (The sans-IO rules are in test_relay_core.py; bench/relay_abuse.py has RSS figures.)
 """
 
@@ -21,10 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import resource
-import subprocess
-import tempfile
 import time
 
 import grpc
@@ -32,7 +27,6 @@ import grpc
 from shim.relay import h2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
-from tests.support.shim_process import REPO, ShimProcess, default_settings, shim_command, shim_env, write_config
 
 VERSION = "/runtime.v1.RuntimeService/Version"
 LIST = "/runtime.v1.RuntimeService/ListContainers"
@@ -175,51 +169,6 @@ async def test_silent_connections_open_no_runtime_connection_and_are_closed(runt
             await asyncio.sleep(0.02)
         assert [c.upstream is not None for c in relay.connections] == [True]
         writer.close()
-
-
-def shim_with_fd_limit(upstream: str, workdir, nofile: int) -> ShimProcess:
-    """A shim process whose RLIMIT_NOFILE is ``nofile``, soft and hard (it cannot raise it)."""
-    path = os.path.join(tempfile.mkdtemp(prefix="shim-", dir="/tmp"), "shim.sock")
-    config_path = workdir / "cri-shim.yaml"
-    write_config(config_path, default_settings({"server": {"engine": "relay"}}))
-    log_path = workdir / "shim.log"
-    log_file = open(log_path, "wb")
-    proc = subprocess.Popen(shim_command(f"unix://{path}", upstream, config_path), cwd=REPO, env=shim_env(),
-                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
-    return ShimProcess(proc, path, config_path, log_path, log_file)
-
-
-async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_recovers(runtime: FakeRuntime,
-                                                                                      tmp_path) -> None:
-    runtime.unary[VERSION] = b"v"
-    shim = shim_with_fd_limit(runtime.endpoint, tmp_path, 96)
-    try:
-        await shim.wait_ready()
-        conns = []
-        for _ in range(120):  # more than the shim has descriptors for, two per connection
-            try:
-                r, w = await asyncio.open_unix_connection(shim.path)
-            except OSError:
-                break
-            w.write(h2.PREFACE + h2.settings_frame({}))
-            conns.append((r, w))
-        await shim.wait_log("out of file descriptors", timeout=10)
-        assert "runtime not reachable" not in shim.logs()
-        for _, w in conns:
-            w.close()
-        deadline = time.monotonic() + 10
-        while True:  # the listener accepts again once descriptors are free
-            try:
-                assert await version(shim.endpoint, timeout=2) == b"v"
-                break
-            except grpc.aio.AioRpcError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        assert shim.proc.poll() is None
-    finally:
-        await shim.stop()
 
 
 async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -> list[tuple[int, int, bytes]]:

@@ -47,7 +47,7 @@ def pulled(ref: str = "sha256:" + "1" * 64) -> bytes:
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering PullImage."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering PullImage."""
     runtime.unary[PULL] = pulled()
     return runtime
 

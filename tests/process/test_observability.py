@@ -18,7 +18,7 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
 from tests.support.prom import free_port, scrape
-from tests.support.shim_process import connectable
+from tests.support.shim import socket_accepts
 
 ROOT = Path(__file__).resolve().parents[2]
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -51,7 +51,7 @@ async def test_shim_process_traces_reports_and_keeps_secrets(tmp_path, short_tmp
         cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
     try:
         for _ in range(200):
-            if connectable(listen):
+            if socket_accepts(listen):
                 break
             assert proc.returncode is None, "shim exited early"
             await asyncio.sleep(0.05)

@@ -12,13 +12,13 @@ import pytest
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.shim_process import shim_process
+from tests.support.shim import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, Storm, pull_request
 
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering Version."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering Version."""
     runtime.unary[VERSION] = b"\x0a\x050.1.0"
     return runtime
 
@@ -42,7 +42,7 @@ async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: 
                 # SIGHUP raises the cap: queued pulls start at once.
                 shim.write_config(settings(5, engine))
                 shim.reload()
-                mark = await shim.wait_log('msg="config reloaded" reason=SIGHUP')
+                mark = await shim.await_log('msg="config reloaded" reason=SIGHUP')
                 await pulls.wait_current(5)
                 pulls.reset_max()
                 await asyncio.sleep(1.0)
@@ -50,7 +50,7 @@ async def test_reload_changes_cap_under_traffic_without_failing_a_call(runtime: 
 
                 # A changed file alone (no signal) lowers it: running pulls finish, no new ones start.
                 shim.write_config(settings(1, engine))
-                await shim.wait_log('msg="config reloaded" reason="config file changed"', after=mark)
+                await shim.await_log('msg="config reloaded" reason="config file changed"', after=mark)
                 await pulls.wait_at_most(1)
                 pulls.reset_max()
                 await asyncio.sleep(1.0)
@@ -71,13 +71,13 @@ async def test_bad_config_is_logged_and_ignored(runtime: FakeRuntime, tmp_path) 
                 await pulls.wait_current(2)
                 shim.write_config(settings(-1))
                 shim.reload()
-                await shim.wait_log("config reload rejected")
+                await shim.await_log("config reload rejected")
                 line = next(ln for ln in shim.logs().splitlines() if "config reload rejected" in ln)
                 assert "pulls.max_parallel" in line and "level=error" in line
 
                 shim.write_config("pulls: [unclosed\n")
                 shim.reload()
-                await shim.wait_log("is not valid YAML")
+                await shim.await_log("is not valid YAML")
 
                 pulls.reset_max()
                 await asyncio.sleep(1.0)
@@ -97,7 +97,7 @@ async def test_restart_only_keys_are_logged_and_keep_running_value(runtime: Fake
         new["metrics"] = {"address": "127.0.0.1:1"}
         shim.write_config(new)
         shim.reload()
-        await shim.wait_log('msg="config reloaded"')
+        await shim.await_log('msg="config reloaded"')
         logs = shim.logs()
         for key in ("server.shutdown_grace_seconds", "server.max_message_bytes", "metrics.address"):
             assert re.search(rf'needs a restart.* key={re.escape(key)} ', logs), logs
@@ -106,7 +106,7 @@ async def test_restart_only_keys_are_logged_and_keep_running_value(runtime: Fake
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await asyncio.gather(*(ch.unary_unary(PULL)(_req(i), timeout=10) for i in range(6)))
         assert pulls.max == 3
-        exit_code = await shim.stop()
+        exit_code = await shim.astop()
     assert exit_code == 0
     # the running grace (10 s default), not the configured 1 s, is what shutdown used
     assert "grace_seconds=10.0" in shim.logs()
@@ -121,7 +121,7 @@ async def test_config_file_deleted_keeps_running_config(runtime: FakeRuntime, tm
     async with shim_process(runtime.endpoint, tmp_path, settings(2)) as shim:
         shim.config_path.unlink()
         shim.reload()
-        await shim.wait_log("config file missing; keeping the running config")
+        await shim.await_log("config file missing; keeping the running config")
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             await asyncio.gather(*(ch.unary_unary(PULL)(_req(i), timeout=10) for i in range(6)))
     assert pulls.max == 2  # not the default of 4
@@ -153,7 +153,7 @@ async def test_reload_applies_pins_and_handler_rules(runtime: FakeRuntime, tmp_p
             new["runtime_handlers"] = {"rules": [{"handler": "kata", "images": ["registry.test/app:*"]}]}
             shim.write_config(new)
             shim.reload()
-            mark = await shim.wait_log('msg="config reloaded"')
+            mark = await shim.await_log('msg="config reloaded"')
 
             await ch.unary_unary(PULL)(pull_request("registry.test/app:1"), timeout=10)
             assert pulled[-1] == "kata"
@@ -163,7 +163,7 @@ async def test_reload_applies_pins_and_handler_rules(runtime: FakeRuntime, tmp_p
 
             shim.write_config(settings(2))  # both gone again
             shim.reload()
-            await shim.wait_log('msg="config reloaded"', after=mark)
+            await shim.await_log('msg="config reloaded"', after=mark)
             await ch.unary_unary(PULL)(pull_request("registry.test/app:1"), timeout=10)
             assert pulled[-1] == ""
             await ch.unary_unary(remove)(remove_req("keep:1"), timeout=10)

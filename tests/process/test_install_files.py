@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from shim import config as config_mod
-from tests.support.shim_process import REPO, shim_env
+from tests.support.shim import REPO_ROOT, shim_env
 
-SYSTEMD = REPO / "systemd"
+SYSTEMD = REPO_ROOT / "systemd"
 UNIT = SYSTEMD / "cri-shim.service"
 KUBELET_DROPIN = SYSTEMD / "kubelet.service.d" / "10-cri-shim.conf"
 EXAMPLE = SYSTEMD / "config.example.yaml"
@@ -121,7 +121,7 @@ def test_unit_runs_serve_with_the_config_and_is_safe_to_restart() -> None:
 
 def test_example_config_passes_check_config() -> None:
     r = subprocess.run([sys.executable, "-m", "shim", "check-config", str(EXAMPLE)],
-                       cwd=REPO, env=shim_env(), capture_output=True, text=True, timeout=60)
+                       cwd=REPO_ROOT, env=shim_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"{EXAMPLE}: ok"
 

@@ -34,7 +34,7 @@ VERSION = "/runtime.v1.RuntimeService/Version"
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering Version."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering Version."""
     runtime.unary[VERSION] = b"v"
     return runtime
 

@@ -13,7 +13,7 @@ import pytest
 
 from shim.process.admin import fetch_status
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.shim_process import shim_process
+from tests.support.shim import shim_process
 from tests.support.slow_pulls import PULL, VERSION, SlowPulls, pull_request
 
 
@@ -54,7 +54,7 @@ async def test_sigterm_during_storm(runtime: FakeRuntime, tmp_path, engine: str)
             t_term = time.monotonic()
             shim.terminate()
             results = await asyncio.wait_for(asyncio.gather(*calls), grace + 5)
-            code = await shim.wait_exit(grace + 5)
+            code = await shim.await_exit(grace + 5)
             exited_after = time.monotonic() - t_term
             version_result = await slow
 
@@ -89,7 +89,7 @@ async def test_in_flight_call_longer_than_grace_is_cut_at_grace(runtime: FakeRun
             await pulls.wait_current(1)
             t_term = time.monotonic()
             shim.terminate()
-            code = await shim.wait_exit(grace + 10)
+            code = await shim.await_exit(grace + 10)
             exited_after = time.monotonic() - t_term
             status, _ = await asyncio.wait_for(call, 5)
     assert code == 0
@@ -119,6 +119,6 @@ async def test_queued_pull_gets_retryable_message(runtime: FakeRuntime, tmp_path
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await queued
             await first
-            assert await shim.wait_exit(10) == 0
+            assert await shim.await_exit(10) == 0
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE
     assert e.value.details().startswith("cri-shim:") and "shutting down" in e.value.details()

@@ -7,21 +7,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import stat
 import socket
+import stat
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.support.fake_runtime import FakeRuntime
-from tests.support.shim_process import connectable, start_shim
+from tests.support.shim import socket_accepts, start_shim
 from tests.support.slow_pulls import VERSION
 
 
 @pytest.fixture
 def runtime(runtime: FakeRuntime) -> FakeRuntime:
-    """tests/unit/conftest.py's runtime, answering Version."""
+    """the runtime fixture (tests/support/fake_fixtures.py), answering Version."""
     runtime.unary[VERSION] = b"\x0a\x050.1.0"
     return runtime
 
@@ -36,14 +36,14 @@ def _stale_socket(path: str) -> None:
 async def test_stale_socket_from_a_crash_is_replaced(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
     path = str(short_tmp / "shim.sock")
     _stale_socket(path)
-    assert os.path.exists(path) and not connectable(path)
+    assert os.path.exists(path) and not socket_accepts(path)
     shim = await start_shim(runtime.endpoint, tmp_path, listen_path=path)
     try:
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary(VERSION)(b"", timeout=5) == b"\x0a\x050.1.0"
         assert "replaced stale socket" in shim.logs()
     finally:
-        assert await shim.stop() == 0
+        assert await shim.astop() == 0
     assert not os.path.exists(path)
 
 
@@ -51,15 +51,15 @@ async def test_killed_shim_restarts_on_same_path(runtime: FakeRuntime, tmp_path,
     path = str(short_tmp / "shim.sock")
     first = await start_shim(runtime.endpoint, tmp_path / "1", listen_path=path)
     first.send(signal.SIGKILL)
-    await first.wait_exit(5)
-    await first.stop()
+    await first.await_exit(5)
+    await first.astop()
     assert os.path.exists(path)  # nobody cleaned up
     second = await start_shim(runtime.endpoint, tmp_path / "2", listen_path=path)
     try:
         async with grpc.aio.insecure_channel(second.endpoint) as ch:
             assert await ch.unary_unary(VERSION)(b"", timeout=5) == b"\x0a\x050.1.0"
     finally:
-        assert await second.stop() == 0
+        assert await second.astop() == 0
 
 
 async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
@@ -67,7 +67,7 @@ async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime,
     first = await start_shim(runtime.endpoint, tmp_path / "1", listen_path=path)
     try:
         second = await start_shim(runtime.endpoint, tmp_path / "2", listen_path=path, wait=False)
-        assert await second.wait_exit(20) == 1
+        assert await second.await_exit(20) == 1
         out = second.logs()
         assert f"cri-shim: cannot start: another process (pid {first.pid}, " in out
         assert path in out and "Traceback" not in out
@@ -75,7 +75,7 @@ async def test_live_socket_is_refused_with_a_clear_message(runtime: FakeRuntime,
         async with grpc.aio.insecure_channel(first.endpoint) as ch:
             assert await ch.unary_unary(VERSION)(b"", timeout=5) == b"\x0a\x050.1.0"
     finally:
-        assert await first.stop() == 0
+        assert await first.astop() == 0
 
 
 async def test_listen_path_that_is_not_a_socket_is_refused(runtime: FakeRuntime, tmp_path, short_tmp: Path) -> None:
@@ -83,7 +83,7 @@ async def test_listen_path_that_is_not_a_socket_is_refused(runtime: FakeRuntime,
     with open(path, "w") as f:
         f.write("precious")
     shim = await start_shim(runtime.endpoint, tmp_path, listen_path=path, wait=False)
-    assert await shim.wait_exit(20) == 1
+    assert await shim.await_exit(20) == 1
     assert "exists and is not a socket" in shim.logs() and "Traceback" not in shim.logs()
     with open(path) as f:
         assert f.read() == "precious"
@@ -97,7 +97,7 @@ async def test_listen_path_that_is_not_a_socket_is_refused(runtime: FakeRuntime,
 ])
 async def test_bad_config_at_start_names_the_key(runtime: FakeRuntime, tmp_path, text: str, key: str) -> None:
     shim = await start_shim(runtime.endpoint, tmp_path, text, wait=False)
-    assert await shim.wait_exit(20) == 2
+    assert await shim.await_exit(20) == 2
     out = shim.logs()
     assert f"cri-shim: bad config {shim.config_path}: {key}:" in out
     assert "Traceback" not in out
@@ -106,7 +106,7 @@ async def test_bad_config_at_start_names_the_key(runtime: FakeRuntime, tmp_path,
 
 async def test_unusable_listen_directory_is_a_message_not_a_traceback(runtime: FakeRuntime, tmp_path) -> None:
     shim = await start_shim(runtime.endpoint, tmp_path, listen_path="/proc/cri-shim-test/shim.sock", wait=False)
-    assert await shim.wait_exit(20) == 1
+    assert await shim.await_exit(20) == 1
     assert "cri-shim: cannot start:" in shim.logs() and "Traceback" not in shim.logs()
 
 
@@ -118,7 +118,7 @@ async def test_metrics_port_in_use_is_a_message_not_a_traceback(runtime: FakeRun
     try:
         shim = await start_shim(runtime.endpoint, tmp_path, {"metrics": {"address": f"127.0.0.1:{port}"}},
                                 wait=False)
-        assert await shim.wait_exit(20) == 1
+        assert await shim.await_exit(20) == 1
     finally:
         held.close()
     out = shim.logs()
@@ -140,16 +140,16 @@ async def test_systemd_notifications(runtime: FakeRuntime, tmp_path, short_tmp: 
         shim = await start_shim(runtime.endpoint, tmp_path, env={"NOTIFY_SOCKET": notify_path}, wait=False)
         ready = await next_message()
         assert "READY=1" in ready.splitlines()
-        assert connectable(shim.path)  # READY only once kubelet can connect
+        assert socket_accepts(shim.path)  # READY only once kubelet can connect
         shim.reload()
         assert "RELOADING=1" in (await next_message()).splitlines()
         assert "READY=1" in (await next_message()).splitlines()
         shim.terminate()
         assert "STOPPING=1" in (await next_message()).splitlines()
-        assert await shim.wait_exit(15) == 0
+        assert await shim.await_exit(15) == 0
     finally:
         sink.close()
-        await shim.stop()
+        await shim.astop()
 
 
 async def test_socket_mode_and_group(runtime: FakeRuntime, tmp_path) -> None:
@@ -162,13 +162,13 @@ async def test_socket_mode_and_group(runtime: FakeRuntime, tmp_path) -> None:
         st = os.stat(shim.path)
         assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == group.gr_gid
     finally:
-        assert await shim.stop() == 0
+        assert await shim.astop() == 0
 
 
 async def test_unknown_socket_group_is_refused(runtime: FakeRuntime, tmp_path) -> None:
     shim = await start_shim(runtime.endpoint, tmp_path, {"server": {"socket_group": "no-such-group-xyz"}},
                             wait=False)
-    assert await shim.wait_exit(20) == 2  # a bad config value (check-config refuses it too)
+    assert await shim.await_exit(20) == 2  # a bad config value (check-config refuses it too)
     assert "server.socket_group: no such group 'no-such-group-xyz'" in shim.logs()
     assert not os.path.exists(shim.path)
 
@@ -179,10 +179,10 @@ async def test_connect_and_close_probes_leave_no_error(runtime: FakeRuntime, tmp
     shim = await start_shim(runtime.endpoint, tmp_path, {"server": {"engine": engine}})
     try:
         for _ in range(40):
-            assert connectable(shim.path)
+            assert socket_accepts(shim.path)
             await asyncio.sleep(0.005)
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary(VERSION)(b"", timeout=5) == b"\x0a\x050.1.0"
     finally:
-        assert await shim.stop() == 0
+        assert await shim.astop() == 0
     assert "Traceback" not in shim.logs() and "Fatal error" not in shim.logs(), shim.logs()
