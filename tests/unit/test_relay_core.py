@@ -12,6 +12,7 @@ import pytest
 from hpack import Encoder
 
 from shim.relay import h2
+from shim.relay.hpack_decoder import Decoder
 from shim.cri.routing import Router
 from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
                              Request)
@@ -101,7 +102,7 @@ def rst(frames: list[Frame], sid: int) -> int | None:
 def grpc_status(frames: list[Frame], sid: int) -> tuple[int, str] | None:
     for t, _, s, p in frames:
         if t == h2.HEADERS and s == sid:
-            hs = dict(h2.Decoder().decode(p, full=True)[1])
+            hs = dict(Decoder().decode(p, full=True)[1])
             if b"grpc-status" in hs:
                 return int(hs[b"grpc-status"]), hs.get(b"grpc-message", b"").decode()
     return None
@@ -472,7 +473,7 @@ def test_decoder_that_skips_undecodable_entries_stays_in_step_with_a_full_decode
     from hpack import Decoder as Reference
 
     rng = random.Random(13)
-    enc, ref, mine = Encoder(), Reference(), h2.Decoder()
+    enc, ref, mine = Encoder(), Reference(), Decoder()
     ref.max_allowed_table_size = mine.allowed_max = 8192
     for i in range(400):
         if rng.random() < 0.1:
