@@ -197,6 +197,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
     the runtime sends its SETTINGS: nothing is written to the closed client, so no
     transport error closes the runtime side (uvloop, the shim's loop, raises there)."""
     uvloop = pytest.importorskip("uvloop")
+    from shim.config import ServerConfig
     from shim.relay.listener import Relay
 
     async def scenario() -> list[str]:
@@ -210,7 +211,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
 
         up, listen = str(tmp_path / "runtime.sock"), str(tmp_path / "shim.sock")
         server = await asyncio.start_unix_server(runtime, up)
-        relay = Relay(up, None, Router(), 1 << 20)  # type: ignore[arg-type]
+        relay = Relay(up, None, Router(), ServerConfig(max_message_bytes=1 << 20))  # type: ignore[arg-type]
         await relay.start(listen)
         for _ in range(20):
             _, writer = await asyncio.open_unix_connection(listen)
