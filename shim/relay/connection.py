@@ -380,10 +380,8 @@ class ClientConnection(asyncio.Protocol):
             coro = self.host.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
                                    sent_as="" if sent_as == s.path else sent_as)
             del messages
-            if timeout is None:
+            async with asyncio.timeout_at(deadline.at):  # the caller's deadline (grpc-timeout), if any
                 await coro
-            else:
-                await asyncio.wait_for(coro, timeout)
             calls.send_trailers(s, grpcwire.trailers(grpc.StatusCode.OK))
         except RpcError as e:
             calls.answer_error(s, e.code, e.details, e.trailing_metadata)
