@@ -342,10 +342,12 @@ class ClientConnection(asyncio.Protocol):
             if not f.done():
                 f.set_result(None)
 
-    async def _writable(self) -> None:
+    def _writable(self) -> asyncio.Future[None]:
+        """Done at the next wake-up (_wake). Registered at once, not when an awaiting task
+        first runs: a WINDOW_UPDATE read in between must not be lost."""
         fut = self.loop.create_future()
         self._waiters.append(fut)
-        await fut
+        return fut
 
     # ------------------------------------------------------------------ locally answered streams
 
