@@ -32,6 +32,8 @@ CLOSED_LOCAL_MEMORY = 1024  # ids of streams the shim closed, remembered to cons
 
 
 class State(enum.Enum):
+    __hash__ = object.__hash__  # members are singletons: hash by identity, in C (Enum's own is Python code)
+
     RELAYED = "relayed"  # the request went to the runtime; its answer has not begun
     RESPONDING = "responding"  # the runtime's response HEADERS passed to the client
     RECEIVING = "receiving"  # intercepted: its request is still arriving
@@ -43,6 +45,8 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     RUNTIME_HEADERS = "runtime HEADERS"
     RUNTIME_END = "runtime END_STREAM or RST_STREAM"
     RUNTIME_LOST = "runtime connection lost"  # the shim answers UNAVAILABLE for it
@@ -76,6 +80,7 @@ TRANSITIONS: Mapping[tuple[State, Event], State] = {
 }
 del S, E
 OPEN_RELAYED = frozenset((State.RELAYED, State.RESPONDING))
+_GONE = State.GONE  # a global: Enum attribute lookups are slow on the per-frame path
 OPEN_LOCAL = frozenset((State.RECEIVING, State.HANDLING, State.ANSWERING))
 ENDED = frozenset((State.ANSWERED, State.CLOSED))
 
@@ -143,7 +148,7 @@ class StreamTable:
             self.relayed[sid] = new
             return
         del self.relayed[sid]
-        if new is not State.GONE:
+        if new is not _GONE:
             self.remember(sid, new)
 
     def local_event(self, s: LocalStream, event: Event) -> State:
