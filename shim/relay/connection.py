@@ -221,8 +221,9 @@ class ClientConnection(asyncio.Protocol):
     def _pump(self) -> None:
         """Write what the core produced and act on its events."""
         core = self.core
-        if core.to_client:
-            out = core.take_client()
+        output = core.output
+        if output.frames:
+            out = output.take()
             if self.client is not None and not self.client.is_closing():
                 # Never write to a closing transport: the peer may be gone before
                 # connection_lost has run, and uvloop raises there.
@@ -233,11 +234,13 @@ class ClientConnection(asyncio.Protocol):
                 self.upstream.write(up)
         if core.events:
             self._handle(core.take_events())
-        if core.window.held_bytes or core.deferred_bytes or self._paused["upstream"] or self._paused["client"]:
+        paused = self._paused
+        if core.window.held_bytes or output.deferred_bytes or paused["upstream"] or paused["client"]:
             self._held_backpressure()
-        if core.streams.local and self._body_timer is None and core.calls.incomplete:
+        local = core.streams.local
+        if local and self._body_timer is None and core.calls.incomplete:
             self._body_timer = self.loop.call_later(self.config.stream_stall_seconds, self._expire_bodies)
-        if self.orphaned and not core.local and not self.tasks and self.client is not None:
+        if self.orphaned and not local and not self.tasks and self.client is not None:
             self.client.close()
 
     def _handle(self, evs: list[events.Event]) -> None:
@@ -281,7 +284,7 @@ class ClientConnection(asyncio.Protocol):
     def _held_backpressure(self) -> None:
         """Runtime frames held for the client's window, and the shim's own frames held
         while a runtime header block is open, count like a write buffer."""
-        held, deferred, s = self.core.window.held_bytes, self.core.deferred_bytes, self.config
+        held, deferred, s = self.core.window.held_bytes, self.core.output.deferred_bytes, self.config
         if held > s.write_buffer_high_bytes:
             self.pause("upstream", "held")
         elif held <= s.write_buffer_low_bytes and "held" in self._paused["upstream"]:

@@ -44,7 +44,7 @@ decides:
   still forwarded to the runtime, with END_STREAM cleared and followed by RST_STREAM
   CANCEL: the runtime's table stays in step and it never gets a request body.
 - The shim's own frames never go inside a runtime header block left open: they wait
-  for its END_HEADERS (``deferred_bytes``).
+  for its END_HEADERS (output.py).
 
 Without a runtime (unreachable at connect, out of file descriptors, or lost with
 local calls still running) the core is the server: it acknowledges SETTINGS and
@@ -163,16 +163,6 @@ class RelayCore:
         out = self.events[:]
         self.events.clear()
         return out
-
-    @property
-    def to_client(self) -> list[bytes]:
-        """What waits for the client (take_client)."""
-        return self.output.frames
-
-    @property
-    def deferred_bytes(self) -> int:
-        """The shim's own frames waiting for a runtime header block to end (output.py)."""
-        return self.output.deferred_bytes
 
     @property
     def local(self) -> dict[int, LocalStream]:
