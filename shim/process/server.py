@@ -26,7 +26,7 @@ import grpc
 from .. import config as config_mod
 from ..config import Config, ConfigError
 from ..observability import logs
-from ..relay.listener import Relay, RelaySettings
+from ..relay.listener import Relay
 from . import sdnotify
 from .app import App
 from .unixsock import StartupError, claim
@@ -60,20 +60,6 @@ def server_options(cfg: Config) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", cfg.server.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-
-
-def relay_settings(cfg: Config) -> RelaySettings:
-    s = cfg.server
-    return RelaySettings(max_connections=s.max_connections, listen_backlog=s.listen_backlog,
-                         write_buffer_high=s.write_buffer_high_bytes, write_buffer_low=s.write_buffer_low_bytes,
-                         write_stall_seconds=s.write_stall_seconds, preface_timeout=s.preface_timeout_seconds,
-                         max_concurrent_streams=s.max_concurrent_streams,
-                         max_header_list_bytes=s.max_header_list_bytes,
-                         max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
-                         max_request_buffer_bytes=s.max_request_buffer_bytes,
-                         max_intercepted_calls=s.max_intercepted_calls, max_request_bytes=dict(s.max_request_bytes),
-                         stream_stall_seconds=s.stream_stall_seconds, trusted_uids=frozenset(s.trusted_uids),
-                         max_connections_per_uid=s.max_connections_per_uid)
 
 
 def restart_only_changes(running: Config, new: Config) -> list[tuple[str, Any, Any]]:
@@ -141,9 +127,8 @@ class ShimServer:
         try:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
-                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream,
-                                       app.router, self.cfg.server.max_message_bytes,
-                                       observe=app.observation.observe, settings=relay_settings(self.cfg))
+                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, app.router,
+                                       self.cfg.server, observe=app.observation.observe)
                     await self.relay.start(self.path)
                     app.status_sources["relay"] = self.relay.status
                 else:

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 from .memory import UNTRUSTED_SHARE
 

@@ -30,31 +30,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import cast
 
 import grpc
 
-from ..cri.call import Deadline
+from ..cri.call import Deadline, Handler
 from ..errors import RpcError
 from ..observability import logs
-from . import core as core_mod
-from . import grpcwire, h2
+from . import events, grpcwire, h2
 from .admission import Peer, peer_of
-from .core import LocalStream, RelayCore
-
-if TYPE_CHECKING:
-    from .listener import Relay
+from .core import Phase, RelayCore
+from .host import FD_ERRNOS, Host, Send
+from .streams import LocalStream
 
 _log = logs.get("relay")
-FD_ERRNOS = (errno.EMFILE, errno.ENFILE)
 
 
-@dataclass
 class _Upstream(asyncio.Protocol):
-    def __init__(self, conn: "ClientConnection") -> None:
+    def __init__(self, conn: ClientConnection) -> None:
         self.conn = conn
 
     def data_received(self, data: bytes) -> None:
@@ -71,10 +67,11 @@ class _Upstream(asyncio.Protocol):
 
 
 class ClientConnection(asyncio.Protocol):
-    def __init__(self, relay: "Relay") -> None:
-        self.relay = relay
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.config = host.limits.server  # server.* (shim/config.py)
         self.loop = asyncio.get_running_loop()
-        self.core = RelayCore(relay.limits, relay.router.relay_route)
+        self.core = RelayCore(host.limits, host.route)
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -92,19 +89,19 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------------ lifecycle
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.client = transport  # type: ignore[assignment]
-        s = self.relay.settings
+        self.client = cast(asyncio.Transport, transport)  # a stream server's transport
+        s = self.config
         self.peer = peer_of(transport, s.trusted_uids)
         self.core.trusted = self.peer.trusted
-        if not self.relay.admit(self):
+        if not self.host.admit(self):
             self._closed = True
             transport.close()
             return
-        self.client.set_write_buffer_limits(s.write_buffer_high, s.write_buffer_low)
-        self._preface_timer = self.loop.call_later(s.preface_timeout, self._no_preface)
+        self.client.set_write_buffer_limits(s.write_buffer_high_bytes, s.write_buffer_low_bytes)
+        self._preface_timer = self.loop.call_later(s.preface_timeout_seconds, self._no_preface)
 
     def _no_preface(self) -> None:
-        if self.core.phase == RelayCore.PREFACE and self.client is not None:
+        if self.core.phase is Phase.PREFACE and self.client is not None:
             self.client.close()
 
     def data_received(self, data: bytes) -> None:
@@ -113,7 +110,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self.relay.forget(self)
+        self.host.forget(self)
         for t in (self._stall, self._preface_timer, self._body_timer):
             if t is not None:
                 t.cancel()
@@ -122,57 +119,56 @@ class ClientConnection(asyncio.Protocol):
         for task in self.tasks.values():
             task.cancel()
         self.tasks.clear()
-        self.core.release_all()
+        self.core.calls.release_all()
         self.core.decoder.clear_cache()
         self._wake()
 
     async def _connect(self) -> None:
         try:
             transport, _ = await asyncio.wait_for(
-                self.loop.create_unix_connection(lambda: _Upstream(self), self.relay.upstream_path), 2.0)
-        except (OSError, asyncio.TimeoutError) as e:
+                self.loop.create_unix_connection(lambda: _Upstream(self), self.host.upstream_path), 2.0)
+        except (TimeoutError, OSError) as e:
             if self._closed:
                 return
             if isinstance(e, OSError) and e.errno in FD_ERRNOS:
-                self.relay.out_of_fds(e, "connecting to the runtime")
+                self.host.out_of_fds(e, "connecting to the runtime")
                 self.core.start_local(f"cri-shim: out of file descriptors ({errno.errorcode[e.errno]}); "
                                       "retry, or raise LimitNOFILE / lower server.max_connections")
                 self.loop.call_later(1.0, self.send_away, b"cri-shim: out of file descriptors")
             else:
-                self.relay.upstream_unreachable(e)
-                self.core.start_local(f"cri-shim: the container runtime at {self.relay.upstream_path} "
+                self.host.upstream_unreachable(e)
+                self.core.start_local(f"cri-shim: the container runtime at {self.host.upstream_path} "
                                       "is not reachable")
-                self.relay.watch_for_upstream()
+                self.host.watch_for_upstream()
             self.resume("client", "connecting")
             self._pump()
             return
         if self._closed:
             transport.close()
             return
-        self.upstream = transport  # type: ignore[assignment]
-        s = self.relay.settings
-        transport.set_write_buffer_limits(s.write_buffer_high, s.write_buffer_low)  # type: ignore[attr-defined]
-        self.relay.upstream_reachable()
+        self.upstream = transport
+        transport.set_write_buffer_limits(self.config.write_buffer_high_bytes, self.config.write_buffer_low_bytes)
+        self.host.upstream_reachable()
         self.core.start_relay()
         self.resume("client", "connecting")
         self._pump()
 
     def upstream_lost(self) -> None:
         """The runtime closed the connection (see RelayCore.runtime_lost)."""
-        if self._closed or self.core.phase == RelayCore.CLOSED:
+        if self._closed or self.core.phase is Phase.CLOSED:
             return
-        self.relay.upstream_unreachable(None)
+        self.host.upstream_unreachable(None)
         self.upstream = None
-        if self.core.relayed_open:
+        if self.core.streams.relayed:
             logs.log(_log, logging.WARNING, "runtime connection lost with calls in flight",
-                     calls=len(self.core.relayed_open))
+                     calls=len(self.core.streams.relayed))
         self.orphaned = True
         self.core.runtime_lost()
         self._pump()
 
     def send_away(self, debug: bytes) -> None:
         """GOAWAY now and close shortly: the client reconnects (runtime back, fds freed)."""
-        if self._closed or self.client is None or self.core.phase != RelayCore.LOCAL or self.orphaned:
+        if self._closed or self.client is None or self.core.phase is not Phase.LOCAL or self.orphaned:
             return
         self.core.begin_shutdown(debug)
         self._pump()
@@ -185,7 +181,7 @@ class ClientConnection(asyncio.Protocol):
         """Tell the client to open no new streams here; in-flight ones go on."""
         if self._closed or self.client is None:
             return
-        if self.core.phase in (RelayCore.PREFACE, RelayCore.WAITING):
+        if self.core.phase is Phase.PREFACE or self.core.phase is Phase.WAITING:
             self.client.close()
             return
         self.core.begin_shutdown()
@@ -198,13 +194,14 @@ class ClientConnection(asyncio.Protocol):
     @property
     def idle(self) -> bool:
         """Past the preface, with no call in flight: it can be sent away."""
-        return self.core.phase in (RelayCore.RELAY, RelayCore.LOCAL) and not self.core.busy and not self.tasks
+        return (self.core.phase is Phase.RELAY or self.core.phase is Phase.LOCAL) and not self.core.busy \
+            and not self.tasks
 
     def evict(self) -> None:
         """Make room under server.max_connections: GOAWAY (if past the preface), close."""
         if self.client is None or self._closed:
             return
-        if self.core.phase in (RelayCore.RELAY, RelayCore.LOCAL):
+        if self.core.phase is Phase.RELAY or self.core.phase is Phase.LOCAL:
             self.core.begin_shutdown(b"cri-shim: server.max_connections reached; reconnect")
             self._pump()
         self.client.close()
@@ -224,8 +221,9 @@ class ClientConnection(asyncio.Protocol):
     def _pump(self) -> None:
         """Write what the core produced and act on its events."""
         core = self.core
-        if core.to_client:
-            out = core.take_client()
+        output = core.output
+        if output.frames:
+            out = output.take()
             if self.client is not None and not self.client.is_closing():
                 # Never write to a closing transport: the peer may be gone before
                 # connection_lost has run, and uvloop raises there.
@@ -236,34 +234,36 @@ class ClientConnection(asyncio.Protocol):
                 self.upstream.write(up)
         if core.events:
             self._handle(core.take_events())
-        if core.held_bytes or core.deferred_bytes or self._paused["upstream"] or self._paused["client"]:
+        paused = self._paused
+        if core.window.held_bytes or output.deferred_bytes or paused["upstream"] or paused["client"]:
             self._held_backpressure()
-        if core.local and self._body_timer is None and core.incomplete:
-            self._body_timer = self.loop.call_later(self.relay.settings.stream_stall_seconds, self._expire_bodies)
-        if self.orphaned and not core.local and not self.tasks and self.client is not None:
+        local = core.streams.local
+        if local and self._body_timer is None and core.calls.incomplete:
+            self._body_timer = self.loop.call_later(self.config.stream_stall_seconds, self._expire_bodies)
+        if self.orphaned and not local and not self.tasks and self.client is not None:
             self.client.close()
 
-    def _handle(self, events: list[core_mod.Event]) -> None:
-        for ev in events:
-            if isinstance(ev, core_mod.Request):
+    def _handle(self, evs: list[events.Event]) -> None:
+        for ev in evs:
+            if isinstance(ev, events.Request):
                 self._dispatch(ev.stream)
-            elif isinstance(ev, core_mod.WindowOpened):
+            elif isinstance(ev, events.WindowOpened):
                 self._wake()
-            elif isinstance(ev, core_mod.Cancelled):
+            elif isinstance(ev, events.Cancelled):
                 task = self.tasks.pop(ev.sid, None)
                 if task is not None and task is not asyncio.current_task():
                     task.cancel()
-            elif isinstance(ev, core_mod.StreamRefused):
-                self.relay.stream_refused(limit=ev.limit)
-            elif isinstance(ev, core_mod.PrefaceReceived):
+            elif isinstance(ev, events.StreamRefused):
+                self.host.stream_refused(limit=ev.limit)
+            elif isinstance(ev, events.PrefaceReceived):
                 if self._preface_timer is not None:
                     self._preface_timer.cancel()
-                self.relay.preface_received(self)
+                self.host.preface_received(self)
                 self.pause("client", "connecting")
                 self._connecting = self.loop.create_task(self._connect(), name="relay-connect")
-            elif isinstance(ev, core_mod.ConnectionClosed):
+            elif isinstance(ev, events.ConnectionClosed):
                 if ev.reason:
-                    self.relay.protocol_error(error=ev.reason, code=ev.code)
+                    self.host.protocol_error(error=ev.reason, code=ev.code)
                 if self.client is not None:
                     self.client.close()
                 if self.upstream is not None:
@@ -274,9 +274,9 @@ class ClientConnection(asyncio.Protocol):
         self._body_timer = None
         if self._closed:
             return
-        stall = self.relay.settings.stream_stall_seconds
+        stall = self.config.stream_stall_seconds
         now = time.monotonic()  # the core's clock
-        oldest = self.core.expire_incomplete(now - stall, stall)
+        oldest = self.core.calls.expire_incomplete(now - stall, stall)
         if oldest is not None:
             self._body_timer = self.loop.call_later(max(0.0, oldest + stall - now), self._expire_bodies)
         self._pump()
@@ -284,14 +284,14 @@ class ClientConnection(asyncio.Protocol):
     def _held_backpressure(self) -> None:
         """Runtime frames held for the client's window, and the shim's own frames held
         while a runtime header block is open, count like a write buffer."""
-        held, deferred, s = self.core.held_bytes, self.core.deferred_bytes, self.relay.settings
-        if held > s.write_buffer_high:
+        held, deferred, s = self.core.window.held_bytes, self.core.output.deferred_bytes, self.config
+        if held > s.write_buffer_high_bytes:
             self.pause("upstream", "held")
-        elif held <= s.write_buffer_low and "held" in self._paused["upstream"]:
+        elif held <= s.write_buffer_low_bytes and "held" in self._paused["upstream"]:
             self.resume("upstream", "held")
-        if deferred > s.write_buffer_high:
+        if deferred > s.write_buffer_high_bytes:
             self.pause("client", "deferred")
-        elif deferred <= s.write_buffer_low and "deferred" in self._paused["client"]:
+        elif deferred <= s.write_buffer_low_bytes and "deferred" in self._paused["client"]:
             self.resume("client", "deferred")
 
     # ------------------------------------------------------------------ back-pressure
@@ -317,7 +317,7 @@ class ClientConnection(asyncio.Protocol):
         self.pause("upstream", "client-slow")
         self.pause("client", "client-slow")
         if self._stall is None:
-            self._stall = self.loop.call_later(self.relay.settings.write_stall_seconds, self._stalled)
+            self._stall = self.loop.call_later(self.config.write_stall_seconds, self._stalled)
 
     def resume_writing(self) -> None:
         self._client_write_paused = False
@@ -333,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
         if self.client is None or self._closed:
             return
         logs.log(_log, logging.WARNING, "closing connection: the client reads nothing",
-                 seconds=self.relay.settings.write_stall_seconds,
+                 seconds=self.config.write_stall_seconds,
                  buffered_bytes=self.client.get_write_buffer_size(), key="server.write_stall_seconds")
         self.client.abort()
         if self.upstream is not None:
@@ -345,26 +345,27 @@ class ClientConnection(asyncio.Protocol):
             if not f.done():
                 f.set_result(None)
 
-    async def _writable(self) -> None:
+    def _writable(self) -> asyncio.Future[None]:
+        """Done at the next wake-up (_wake). Registered at once, not when an awaiting task
+        first runs: a WINDOW_UPDATE read in between must not be lost."""
         fut = self.loop.create_future()
         self._waiters.append(fut)
-        await fut
+        return fut
 
     # ------------------------------------------------------------------ locally answered streams
 
     def _dispatch(self, s: LocalStream) -> None:
-        handler = self.relay.table.get(s.path)
-        if handler is None:  # the table changed (reload) after the call came in
-            self.core.answer_error(s, grpc.StatusCode.UNAVAILABLE, "cri-shim: configuration changed; retry")
-            self.core.handler_ended(s)
-            return
-        task = self.loop.create_task(self._serve_local(s, handler), name=f"cri {s.path}")
+        """Run the handler the call was routed to at its HEADERS (the table is not looked up again)."""
+        task = self.loop.create_task(self._serve_local(s, s.handler), name=f"cri {s.path}")
         # done, however it ends (also cancelled before it ran): the request's share is free
-        task.add_done_callback(lambda _, s=s: self.core.handler_ended(s))
+        task.add_done_callback(functools.partial(self._handler_ended, s))
         self.tasks[s.sid] = task
 
-    async def _serve_local(self, s: LocalStream, handler: Any) -> None:
-        core = self.core
+    def _handler_ended(self, s: LocalStream, _: asyncio.Task[None]) -> None:
+        self.core.calls.handler_ended(s)
+
+    async def _serve_local(self, s: LocalStream, handler: Handler) -> None:
+        calls = self.core.calls
         hdr = dict(s.headers)
         try:  # everything read from the client is parsed inside: the stream is answered whatever it holds
             timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
@@ -375,68 +376,66 @@ class ClientConnection(asyncio.Protocol):
             messages = grpcwire.unframe_messages(body, hdr.get(b"grpc-encoding"), s.limit)
             inflated = sum(map(len, messages)) - len(body)  # decompressed: the handler holds more than arrived
             del body
-            if inflated > 0 and not core.charge(s, inflated):
+            if inflated > 0 and not calls.charge(s, inflated):
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                "cri-shim: decompressed requests would pass server.max_request_buffer_bytes; retry")
             if len(messages) != 1:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cri-shim: {s.path} expects one request message, got {len(messages)}")
-            coro = self.relay.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
-                                    sent_as="" if sent_as == s.path else sent_as)
+            coro = self.host.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
+                                   sent_as="" if sent_as == s.path else sent_as)
             del messages
-            if timeout is None:
+            async with asyncio.timeout_at(deadline.at):  # the caller's deadline (grpc-timeout), if any
                 await coro
-            else:
-                await asyncio.wait_for(coro, timeout)
-            core.send_trailers(s, grpcwire.trailers(grpc.StatusCode.OK))
+            calls.send_trailers(s, grpcwire.trailers(grpc.StatusCode.OK))
         except RpcError as e:
-            core.answer_error(s, e.code, e.details, e.trailing_metadata)
+            calls.answer_error(s, e.code, e.details, e.trailing_metadata)
         except grpcwire.MessageTooLarge as e:
-            core.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} ({s.limit_key})")
+            calls.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"cri-shim: {e} ({s.limit_key})")
         except grpcwire.HeaderError as e:  # as grpc-go answers it
-            core.answer_error(s, grpc.StatusCode.INTERNAL, str(e))
+            calls.answer_error(s, grpc.StatusCode.INTERNAL, str(e))
         except grpcwire.MessageError as e:
-            core.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
-        except asyncio.TimeoutError:
-            core.answer_error(s, grpc.StatusCode.DEADLINE_EXCEEDED, "cri-shim: deadline exceeded")
+            calls.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
+        except TimeoutError:
+            calls.answer_error(s, grpc.StatusCode.DEADLINE_EXCEEDED, "cri-shim: deadline exceeded")
         except asyncio.CancelledError:
             pass  # the client went away (RST_STREAM or connection closed)
-        except Exception:
+        except Exception:  # noqa: BLE001  (a handler's bug: this call answers INTERNAL, logged with its traceback)
             _log.error("handler failed", extra={"fields": {"method": s.path}}, exc_info=True)
-            core.answer_error(s, grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {s.path}")
+            calls.answer_error(s, grpc.StatusCode.INTERNAL, f"cri-shim: internal error in {s.path}")
         finally:
             if self.tasks.get(s.sid) is asyncio.current_task():
                 del self.tasks[s.sid]
             if not self._closed:
                 self._pump()
 
-    def _sender(self, s: LocalStream) -> Any:
-        core = self.core
+    def _sender(self, s: LocalStream) -> Send:
+        core, calls = self.core, self.core.calls
 
         async def send(msg: bytes) -> None:
             if core.stream_gone(s):
                 raise asyncio.CancelledError()
-            core.send_headers(s)
+            calls.send_headers(s)
             view = memoryview(grpcwire.frame_message(msg))
             stalled_since = None
             while view:
                 if core.stream_gone(s) or self._closed:
                     raise asyncio.CancelledError()
-                room = 0 if self._client_write_paused else core.send_room(s)
+                room = 0 if self._client_write_paused else calls.send_room(s)
                 if room <= 0:
-                    stall = self.relay.settings.stream_stall_seconds
+                    stall = self.config.stream_stall_seconds
                     now = self.loop.time()
                     stalled_since = now if stalled_since is None else stalled_since
                     if now - stalled_since >= stall:  # the client opens no window: end the call
-                        self.relay.stream_stalled(method=s.path, seconds=stall, key="server.stream_stall_seconds")
-                        core.reset(s, h2.CANCEL)
+                        self.host.stream_stalled(method=s.path, seconds=stall, key="server.stream_stall_seconds")
+                        calls.reset(s, h2.CANCEL)
                         self._pump()
                         raise asyncio.CancelledError()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._writable(), stalled_since + stall - now)
                     continue
                 stalled_since = None
-                core.send_data(s, bytes(view[:room]))
+                calls.send_data(s, bytes(view[:room]))
                 view = view[room:]
                 self._pump()
         return send

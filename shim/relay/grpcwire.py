@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 from urllib.parse import quote
 
 import grpc

@@ -1,17 +1,15 @@
 """The small part of HTTP/2 (RFC 9113) and HPACK (RFC 7541) the relay needs.
 
-The relay forwards frames between kubelet and the runtime unchanged. It only has to
-find frame boundaries, read a request's ``:path``, and answer the streams it
-intercepts. Both peers are told, through the SETTINGS frames the relay forwards,
-that the other side's HPACK dynamic table is 0 bytes, so after the first header
-blocks every block is self-contained; until then this decoder mirrors the dynamic
-table exactly as the runtime's decoder does.
+Wire vocabulary only: frame types, flags, settings and error codes, ``H2Error``, and
+the builders of the frames the shim sends itself (``encode_headers`` writes literal
+fields that never touch a dynamic table). Decoding HPACK is hpack_decoder.py's job;
+this module imports nothing of the relay.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -104,9 +102,6 @@ def data_payload(flags: int, payload: bytes) -> bytes:
             raise H2Error("DATA frame padding exceeds its length")
         return payload[1:len(payload) - payload[0]]
     return payload
-
-
-from .hpack_decoder import Decoder, HeaderListTooLarge  # noqa: E402,F401  (part of this module's API)
 
 
 def _encode_int(value: int, prefix_bits: int, first: int) -> bytes:

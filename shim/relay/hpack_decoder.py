@@ -129,7 +129,7 @@ class Decoder:
             return raw
         try:
             return decode_huffman(raw)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001  (hpack raises several types for a bad string: all the peer's fault)
             raise H2Error(f"bad Huffman string: {e}", COMPRESSION_ERROR) from None
 
     def _path(self, data: bytes, i: int) -> tuple[bytes, int]:

@@ -13,53 +13,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import resource
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, ContextManager, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
-from ..config import DEFAULT_MAX_REQUEST_BYTES
+from ..config import ServerConfig
 from ..cri.call import Call, Deadline, Handler
 from ..cri.methods import Cardinality, cardinality
-from ..cri.routing import Router
+from ..cri.routing import Intercept, Refusal, Router
 from ..cri.upstream import Upstream
 from ..errors import Metadata
 from ..observability import logs
-from .admission import Admission
-from .connection import FD_ERRNOS, ClientConnection
-from .core import Limits
-from .memory import Pool
+from .admission import Admission, Conn
+from .connection import ClientConnection
+from .host import FD_ERRNOS, Send
+from .limits import Limits
 
 _log = logs.get("relay")
 
-Send = Callable[[bytes], Awaitable[None]]
 FDS_PER_CONNECTION = 2
 FDS_RESERVED = 64  # runtime channel, metrics, admin socket, logs, image-set watchers
 LOG_EVERY_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class RelaySettings:
-    """server.* keys the relay uses (see shim/config.py and the README's Limits table)."""
-
-    max_connections: int = 256
-    listen_backlog: int = 1024
-    write_buffer_high: int = 64 << 10
-    write_buffer_low: int = 16 << 10
-    write_stall_seconds: float = 30.0
-    preface_timeout: float = 10.0
-    max_header_list_bytes: int = 64 << 10
-    max_intercepted_streams: int = 100
-    max_concurrent_streams: int = 100
-    path_cache_bytes: int = 16 << 10
-    max_request_buffer_bytes: int = 64 << 20
-    max_intercepted_calls: int = 1024
-    max_request_bytes: Mapping[str, int] = dataclasses.field(default_factory=lambda: dict(DEFAULT_MAX_REQUEST_BYTES))
-    stream_stall_seconds: float = 30.0
-    trusted_uids: frozenset[int] = frozenset({0})
-    max_connections_per_uid: int = 64
 
 
 class _RateLimited:
@@ -79,22 +56,19 @@ class _RateLimited:
 
 
 class Relay:
-    """Accepts CRI clients on a unix socket; one runtime connection per client connection."""
+    """Accepts CRI clients on a unix socket; one runtime connection per client connection.
 
-    def __init__(self, upstream_path: str, upstream: Upstream, router: Router[Handler],
-                 max_message_bytes: int, observe: Callable[[Call], ContextManager[Call]] | None = None,
-                 settings: RelaySettings | None = None) -> None:
+    The connections' ``Host`` (host.py). Every bound comes from ``server`` (shim/config.py).
+    """
+
+    def __init__(self, upstream_path: str, upstream: Upstream, router: Router[Handler], server: ServerConfig,
+                 observe: Callable[[Call], AbstractContextManager[Call]] | None = None) -> None:
         self.upstream_path = upstream_path
         self.upstream = upstream  # grpc channel for the handlers' own calls
         self.router = router
-        self._observe = observe or contextlib.nullcontext  # span and rpc duration (cri.call.Observation)
-        self.max_message_bytes = max_message_bytes
-        self.settings = s = settings or RelaySettings()
-        self.limits = Limits(max_message_bytes=max_message_bytes, max_header_list_bytes=s.max_header_list_bytes,
-                             max_concurrent_streams=s.max_concurrent_streams,
-                             max_intercepted_streams=s.max_intercepted_streams, path_cache_bytes=s.path_cache_bytes,
-                             request_buffer=Pool(s.max_request_buffer_bytes), calls=Pool(s.max_intercepted_calls),
-                             max_request_bytes=dict(s.max_request_bytes))
+        self._observe: Callable[[Call], AbstractContextManager[Call]] = observe or contextlib.nullcontext
+        self.config = s = server
+        self.limits = Limits.of(server)  # the pools are this listener's: shared by its connections
         self.connections: set[ClientConnection] = set()
         self.admission = Admission(s.max_connections, s.max_connections_per_uid)
         self._server: asyncio.AbstractServer | None = None
@@ -109,15 +83,14 @@ class Relay:
         self.stream_refused = _RateLimited("stream refused (REFUSED_STREAM, the client retries it): "
                                            "server.max_concurrent_streams reached on its connection")
 
-    @property
-    def table(self) -> Mapping[str, Handler]:
-        return self.router.table
+    def route(self, path: str) -> Intercept[Handler] | Refusal | None:
+        return self.router.route(path)
 
     async def start(self, path: str) -> None:
         self._raise_fd_limit()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: ClientConnection(self), path,
-                                                     backlog=self.settings.listen_backlog)
+                                                     backlog=self.config.listen_backlog)
 
     def _raise_fd_limit(self) -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -125,17 +98,17 @@ class Relay:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
                 soft = hard
-        need = self.settings.max_connections * FDS_PER_CONNECTION + FDS_RESERVED
+        need = self.config.max_connections * FDS_PER_CONNECTION + FDS_RESERVED
         if soft != resource.RLIM_INFINITY and soft < need:
             logs.log(_log, logging.WARNING, "file descriptor limit below what server.max_connections needs",
-                     limit=soft, needed=need, max_connections=self.settings.max_connections,
+                     limit=soft, needed=need, max_connections=self.config.max_connections,
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
-    def admit(self, conn: ClientConnection) -> bool:
+    def admit(self, conn: Conn) -> bool:
         """Count a new client connection in, making room first if needed (admission.py)."""
         ok, victim, key = self.admission.room_for(conn)
         if not ok:
-            self._refused(uid=conn.peer.uid, pid=conn.peer.pid, max_connections=self.settings.max_connections,
+            self._refused(uid=conn.peer.uid, pid=conn.peer.pid, max_connections=self.config.max_connections,
                           key=key)
             return False
         if victim is not None:
@@ -143,22 +116,22 @@ class Relay:
                           reason="no preface" if victim in self.admission.no_preface
                           else "no call in flight" if victim.idle else "calls in flight", key=key)
             self.forget(victim)
-            victim.evict()
-        self.connections.add(conn)
+            cast(ClientConnection, victim).evict()  # admission holds only the connections admitted here
+        self.connections.add(cast(ClientConnection, conn))
         self.admission.add(conn)
         return True
 
-    def preface_received(self, conn: ClientConnection) -> None:
+    def preface_received(self, conn: Conn) -> None:
         self.admission.preface_received(conn)
 
-    def forget(self, conn: ClientConnection) -> None:
-        self.connections.discard(conn)
+    def forget(self, conn: Conn) -> None:
+        self.connections.discard(cast(ClientConnection, conn))
         self.admission.remove(conn)
 
     def status(self) -> dict[str, Any]:
         """For `cri-shim status`: what clients hold now, against each bound."""
         calls, buf = self.limits.calls, self.limits.request_buffer
-        return {"connections": len(self.connections), "max_connections": self.settings.max_connections,
+        return {"connections": len(self.connections), "max_connections": self.config.max_connections,
                 "untrusted_connections_by_uid": self.admission.uids(),
                 "intercepted_calls": calls.used, "max_intercepted_calls": calls.limit,
                 "request_buffer_bytes": buf.used, "max_request_buffer_bytes": buf.limit}
@@ -167,15 +140,15 @@ class Relay:
         self._no_fds(error=str(err), where=where, open_connections=len(self.connections),
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
-    async def serve(self, method: str, handler: Any, request: bytes, metadata: Metadata, deadline: Deadline,
+    async def serve(self, method: str, handler: Handler, request: bytes, metadata: Metadata, deadline: Deadline,
                     send: Send, sent_as: str = "") -> None:
         call = Call(method, metadata, deadline, self.upstream, sent_as=sent_as)
         with self._observe(call):
-            if cardinality(method) is Cardinality.SERVER_STREAM:
-                async for msg in handler(request, call):
+            if cardinality(method) is Cardinality.SERVER_STREAM:  # the handler is a StreamHandler
+                async for msg in cast(AsyncIterator[bytes], handler(request, call)):
                     await send(msg)
             else:
-                await send(await handler(request, call))
+                await send(await cast(Awaitable[bytes], handler(request, call)))
 
     # ------------------------------------------------------------------ runtime reachability
 
@@ -202,7 +175,7 @@ class Relay:
             try:
                 transport, _ = await asyncio.wait_for(
                     loop.create_unix_connection(asyncio.Protocol, self.upstream_path), 1.0)
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 if isinstance(e, OSError) and e.errno in FD_ERRNOS:
                     self.out_of_fds(e, "probing the runtime")
                 continue

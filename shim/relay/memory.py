@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
+
+from .streams import LocalStream
 
 UNTRUSTED_SHARE = 0.5  # of each pool, for every client outside server.trusted_uids together
 HEADER_FIELD_OVERHEAD = 32  # bytes counted per header field besides name and value (as RFC 7541 4.1)
@@ -46,6 +48,65 @@ class Pool:
         self.used -= n
         if not trusted:
             self.untrusted -= n
+
+
+class Budget:
+    """What one connection's intercepted requests hold in the process-wide pools."""
+
+    __slots__ = ("calls", "request_buffer")
+
+    def __init__(self, request_buffer: Pool, calls: Pool) -> None:
+        self.request_buffer, self.calls = request_buffer, calls
+
+    def admit(self, headers: list[tuple[bytes, bytes]], trusted: bool) -> str:
+        """Count a new intercepted call and its header list, or say why not."""
+        calls = self.calls
+        whose = "" if trusted else " by clients outside server.trusted_uids"
+        if not calls.take(1, trusted):
+            n = calls.limit if trusted else calls.untrusted_limit
+            return f"cri-shim: more than {n} intercepted calls at once{whose} (server.max_intercepted_calls); retry"
+        if not self.request_buffer.take(header_bytes(headers), trusted):
+            calls.give(1, trusted)
+            return self.full(trusted)
+        return ""
+
+    def full(self, trusted: bool) -> str:
+        """Why a request does not fit in the request buffer."""
+        buf = self.request_buffer
+        if trusted:
+            return (f"cri-shim: intercepted requests hold more than server.max_request_buffer_bytes "
+                    f"({buf.limit} bytes); retry")
+        return (f"cri-shim: intercepted requests of clients outside server.trusted_uids hold more than their share "
+                f"of server.max_request_buffer_bytes ({buf.untrusted_limit} bytes); retry")
+
+    def charge(self, s: LocalStream, n: int) -> bool:
+        """Count ``n`` more bytes of ``s``'s request, if they fit."""
+        if not self.request_buffer.take(n, s.trusted):
+            return False
+        s.budgeted += n
+        return True
+
+    def release(self, s: LocalStream) -> None:
+        """What ``s`` holds is free."""
+        if s.budgeted:
+            self.request_buffer.give(s.budgeted, s.trusted)
+            s.budgeted = 0
+        if s.counted:
+            self.calls.give(1, s.trusted)
+            s.counted = False
+
+
+def body_too_large(so_far: bytearray, body: bytes, limit: int, key: str) -> str:
+    """Why ``body`` (a DATA payload after ``so_far`` of a request) makes it too large, or "".
+    The gRPC message prefix declares the length: checked before the message is buffered."""
+    have = len(so_far)
+    if have < 5 <= have + len(body):
+        declared = int.from_bytes((bytes(so_far) + body[:5 - have])[1:5], "big")
+        if declared > limit:
+            return too_large(declared, limit, key)
+    if have + len(body) > limit + 5:
+        return too_large(have + len(body) - 5, limit, key)
+    return ""
 
 
 def method_name(path: str) -> str:

@@ -1,4 +1,4 @@
-"""The relay's HPACK decoder (``shim.relay.h2.Decoder``) against the ``hpack`` package, block by block.
+"""The relay's HPACK decoder (``shim.relay.hpack_decoder.Decoder``) against the ``hpack`` package, block by block.
 
 The relay must decode every header block exactly as the runtime's decoder does, and keep its
 copy of the client's dynamic table in step: a block it reads differently is a call routed or
@@ -34,7 +34,8 @@ import hpack
 import pytest
 from hpack.table import HeaderTable
 
-from shim.relay.h2 import COMPRESSION_ERROR, Decoder, H2Error
+from shim.relay.h2 import COMPRESSION_ERROR, H2Error
+from shim.relay.hpack_decoder import Decoder
 from tests.support.h2raw import hpack_int as integer
 from tests.support.h2raw import hpack_string as string
 

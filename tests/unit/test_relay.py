@@ -12,6 +12,7 @@ from hpack import Encoder
 
 from shim.errors import RpcError
 from shim.relay import h2
+from shim.relay.hpack_decoder import Decoder
 from shim.cri.routing import Router
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -137,7 +138,7 @@ async def test_runtime_dying_mid_call_fails_fast(tmp_path) -> None:
 
 def test_hpack_decoder_mirrors_dynamic_table() -> None:
     enc = Encoder()
-    dec = h2.Decoder()
+    dec = Decoder()
     for i in range(5):
         headers = [(":method", "POST"), (":path", "/runtime.v1.ImageService/PullImage"),
                    ("traceparent", f"00-{i:032x}-{i:016x}-01"), ("x-bin", "v" * i)]
@@ -154,9 +155,9 @@ def test_hpack_decoder_mirrors_dynamic_table() -> None:
 
 def test_hpack_rejects_garbage() -> None:
     with pytest.raises(h2.H2Error):
-        h2.Decoder().decode(b"\xff\xff\xff\xff\xff\xff\xff")
+        Decoder().decode(b"\xff\xff\xff\xff\xff\xff\xff")
     with pytest.raises(h2.H2Error):
-        h2.Decoder().decode(b"\xbf")  # index 63: not in the tables
+        Decoder().decode(b"\xbf")  # index 63: not in the tables
 
 
 async def test_runtime_connection_lost_fails_relayed_calls_but_finishes_local_ones(runtime: FakeRuntime) -> None:
@@ -196,6 +197,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
     the runtime sends its SETTINGS: nothing is written to the closed client, so no
     transport error closes the runtime side (uvloop, the shim's loop, raises there)."""
     uvloop = pytest.importorskip("uvloop")
+    from shim.config import ServerConfig
     from shim.relay.listener import Relay
 
     async def scenario() -> list[str]:
@@ -209,7 +211,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
 
         up, listen = str(tmp_path / "runtime.sock"), str(tmp_path / "shim.sock")
         server = await asyncio.start_unix_server(runtime, up)
-        relay = Relay(up, None, Router(), 1 << 20)  # type: ignore[arg-type]
+        relay = Relay(up, None, Router(), ServerConfig(max_message_bytes=1 << 20))  # type: ignore[arg-type]
         await relay.start(listen)
         for _ in range(20):
             _, writer = await asyncio.open_unix_connection(listen)

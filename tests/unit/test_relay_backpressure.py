@@ -63,7 +63,7 @@ async def test_a_client_that_reads_nothing_gets_no_more_calls_relayed(runtime: F
         assert await asyncio.to_thread(c.send, calls(2 * n + 1, n), 10)
         await asyncio.sleep(1.0)  # time the runtime would need to see them
         assert len(runtime.calls("ListContainers")) == n
-        assert len(conn.core.relayed_open) <= n  # and the shim never saw them
+        assert len(conn.core.streams.relayed) <= n  # and the shim never saw them
         c.close()
 
 

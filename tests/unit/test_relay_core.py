@@ -12,16 +12,25 @@ import pytest
 from hpack import Encoder
 
 from shim.relay import h2
+from shim.relay.hpack_decoder import Decoder
+from shim.config import ServerConfig
 from shim.cri.routing import Router
-from shim.relay.core import (Cancelled, ConnectionClosed, Limits, LocalStream, PrefaceReceived, RelayCore,
-                             Request)
+from shim.relay.core import Phase, RelayCore
+from shim.relay.events import Cancelled, ConnectionClosed, PrefaceReceived, Request
+from shim.relay.limits import Limits
 from shim.relay.memory import Pool
+from shim.relay.streams import LocalStream
 
 PULL = "/runtime.v1.ImageService/PullImage"
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
 VERSION = "/runtime.v1.RuntimeService/Version"
 INTERCEPTED = {PULL, REMOVE}
-ROUTE = Router(dict.fromkeys(INTERCEPTED, "handler"), ("vendor.*",)).relay_route
+ROUTE = Router(dict.fromkeys(INTERCEPTED, "handler"), ("vendor.*",)).route
+
+
+def limits(request_buffer: Pool | None = None, calls: Pool | None = None, **server: object) -> Limits:
+    """The relay's limits for server.* ``server`` (ServerConfig's defaults otherwise)."""
+    return Limits.of(ServerConfig(**server), request_buffer, calls)
 
 Frame = tuple[int, int, int, bytes]
 
@@ -59,8 +68,8 @@ def message(body: bytes) -> bytes:
 class Peers:
     """A RelayCore with a client and a runtime attached, past both prefaces."""
 
-    def __init__(self, limits: Limits = Limits(), relay: bool = True) -> None:
-        self.core = RelayCore(limits, ROUTE)
+    def __init__(self, lim: Limits | None = None, relay: bool = True) -> None:
+        self.core = RelayCore(lim or limits(), ROUTE)
         self.core.receive_client(h2.PREFACE)
         assert self.core.take_events() == [PrefaceReceived()]
         assert self.core.take_runtime() == b""  # nothing for the runtime before we know where calls go
@@ -101,7 +110,7 @@ def rst(frames: list[Frame], sid: int) -> int | None:
 def grpc_status(frames: list[Frame], sid: int) -> tuple[int, str] | None:
     for t, _, s, p in frames:
         if t == h2.HEADERS and s == sid:
-            hs = dict(h2.Decoder().decode(p, full=True)[1])
+            hs = dict(Decoder().decode(p, full=True)[1])
             if b"grpc-status" in hs:
                 return int(hs[b"grpc-status"]), hs.get(b"grpc-message", b"").decode()
     return None
@@ -119,7 +128,7 @@ def closed_with(p: Peers, code: int) -> str:
 
 
 def test_runtime_is_not_involved_before_a_valid_preface() -> None:
-    core = RelayCore(Limits(), ROUTE)
+    core = RelayCore(limits(), ROUTE)
     core.receive_client(h2.PREFACE[:10])
     assert core.take_events() == [] and core.take_client() == b""
     core.receive_client(h2.PREFACE[10:] + h2.settings_frame({}))
@@ -130,7 +139,7 @@ def test_runtime_is_not_involved_before_a_valid_preface() -> None:
 
 
 def test_garbage_instead_of_a_preface_closes_without_a_runtime() -> None:
-    core = RelayCore(Limits(), ROUTE)
+    core = RelayCore(limits(), ROUTE)
     core.receive_client(b"GET / HTTP/1.1\r\n")
     [ev] = core.take_events()
     assert isinstance(ev, ConnectionClosed) and ev.code == h2.PROTOCOL_ERROR
@@ -213,20 +222,20 @@ def test_unknown_frames_outside_a_header_block_pass() -> None:
 
 
 def test_header_block_over_the_limit_closes_the_connection_before_it_is_all_buffered() -> None:
-    p = Peers(Limits(max_header_list_bytes=8192))
+    p = Peers(limits(max_header_list_bytes=8192))
     p.from_client(h2.frame(h2.HEADERS, 0, 1, request_block(VERSION)))
     for _ in range(3):
         p.from_client(h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 4000))
     reason = closed_with(p, h2.PROTOCOL_ERROR)
     assert "server.max_header_list_bytes" in reason
-    assert p.core._block_frames == [] or p.core.phase == RelayCore.CLOSED
+    assert p.core.block.frames == [] or p.core.phase == Phase.CLOSED
     p.from_client(h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 4000))  # nothing more is read
     assert p.runtime_got() == []
 
 
 def test_decoded_header_list_over_the_limit_refuses_the_stream_and_keeps_hpack_in_step() -> None:
     """A small block that references a big table entry many times (decoded, 90 KB)."""
-    p = Peers(Limits(max_header_list_bytes=16384))
+    p = Peers(limits(max_header_list_bytes=16384))
     enc = Encoder()
     first = enc.encode([(":method", "POST"), (":path", VERSION), ("x-big", "v" * 3000)])
     p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, first))
@@ -265,7 +274,7 @@ def test_table_size_update_to_zero_is_fine() -> None:
 
 
 def test_path_cache_is_bounded_by_bytes() -> None:
-    p = Peers(Limits(path_cache_bytes=4096, max_concurrent_streams=200))  # all 200 streams stay open
+    p = Peers(limits(path_cache_bytes=4096, max_concurrent_streams=200))  # all 200 streams stay open
     for i in range(200):
         sid = 2 * i + 1
         p.from_client(headers(sid, f"/vendor.v1.Service/Method{i:04d}" + "x" * 100, end_stream=True))
@@ -275,7 +284,7 @@ def test_path_cache_is_bounded_by_bytes() -> None:
 
 
 def test_runtime_settings_reach_the_client_with_table_size_zero_and_the_header_list_limit() -> None:
-    p = Peers(Limits(max_header_list_bytes=20000))
+    p = Peers(limits(max_header_list_bytes=20000))
     p.from_runtime(h2.settings_frame({h2.SETTINGS_MAX_HEADER_LIST_SIZE: 1 << 24}))
     [(t, f, _, payload)] = p.client_got()
     values = {}
@@ -327,9 +336,9 @@ def test_intercepted_call_is_answered_locally_and_its_data_refunded() -> None:
     [ev] = p.events()
     assert isinstance(ev, Request) and ev.stream.path == PULL and bytes(ev.stream.body) == message(b"\x0a\x00")
     s = ev.stream
-    p.core.send_headers(s)
-    p.core.send_data(s, message(b"ok"))
-    p.core.send_trailers(s, [(b"grpc-status", b"0")])
+    p.core.calls.send_headers(s)
+    p.core.calls.send_data(s, message(b"ok"))
+    p.core.calls.send_trailers(s, [(b"grpc-status", b"0")])
     got = p.client_got()
     assert [(t, sid) for t, _, sid, _ in got] == [(h2.HEADERS, 1), (h2.DATA, 1), (h2.HEADERS, 1)]
     assert grpc_status(got, 1) == (0, "")
@@ -351,7 +360,7 @@ def test_data_beyond_the_stream_window_is_a_flow_control_error() -> None:
 
 
 def test_frames_for_a_stream_the_shim_refused_are_consumed_and_refunded_never_forwarded() -> None:
-    p = Peers(Limits(max_message_bytes=1024))
+    p = Peers(limits(max_message_bytes=1024))
     p.from_client(headers(1, PULL) + data(1, b"x" * 2000))
     got = p.client_got()
     assert grpc_status(got, 1)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -385,7 +394,7 @@ def test_window_update_zero_on_an_intercepted_stream_resets_it() -> None:
 
 
 def test_intercepted_streams_per_connection_are_capped() -> None:
-    p = Peers(Limits(max_intercepted_streams=2))
+    p = Peers(limits(max_intercepted_streams=2))
     p.from_client(headers(1, PULL, end_stream=True) + headers(3, PULL, end_stream=True)
                   + headers(5, PULL, end_stream=True))
     assert len(p.events()) == 2
@@ -399,15 +408,15 @@ def test_client_settings_decrease_applies_on_receipt_and_increase_at_the_runtime
     p.from_client(headers(1, PULL, end_stream=True))
     [ev] = p.events()
     s: LocalStream = ev.stream
-    assert p.core.send_room(s) == h2.DEFAULT_MAX_FRAME
+    assert p.core.calls.send_room(s) == h2.DEFAULT_MAX_FRAME
     p.from_client(h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 100}))
-    assert p.core.send_room(s) == 100  # at once
+    assert p.core.calls.send_room(s) == 100  # at once
     p.from_client(h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20}))
-    assert p.core.send_room(s) == 100
+    assert p.core.calls.send_room(s) == 100
     p.from_runtime(h2.frame(h2.SETTINGS, h2.ACK, 0))  # ACK of the first
-    assert p.core.send_room(s) == 100
+    assert p.core.calls.send_room(s) == 100
     p.from_runtime(h2.frame(h2.SETTINGS, h2.ACK, 0))  # ACK of the second
-    assert p.core.send_room(s) == h2.DEFAULT_MAX_FRAME
+    assert p.core.calls.send_room(s) == h2.DEFAULT_MAX_FRAME
     assert [t for t, *_ in p.runtime_got()] == [h2.SETTINGS, h2.SETTINGS]
 
 
@@ -419,7 +428,7 @@ def test_shims_frames_never_land_inside_a_runtime_header_block() -> None:
     p.client_got()
     block = h2.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
     p.from_runtime(h2.frame(h2.HEADERS, 0, 1, block[:3]))
-    p.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
+    p.core.calls.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
     assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.HEADERS, 1)]
     p.from_runtime(h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[3:]))
     assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.CONTINUATION, 1), (h2.HEADERS, 3)]
@@ -461,7 +470,7 @@ def test_runtime_lost_with_a_local_call_running_answers_relayed_calls_and_refuse
     p.from_client(headers(5, PULL, end_stream=True) + data(1, b"late"))
     got = p.client_got()
     assert rst(got, 5) == h2.REFUSED_STREAM and goaway_code(got) is None
-    p.core.send_trailers(ev.stream, [(b"grpc-status", b"0")])
+    p.core.calls.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 3) == (0, "")
 
 
@@ -472,7 +481,7 @@ def test_decoder_that_skips_undecodable_entries_stays_in_step_with_a_full_decode
     from hpack import Decoder as Reference
 
     rng = random.Random(13)
-    enc, ref, mine = Encoder(), Reference(), h2.Decoder()
+    enc, ref, mine = Encoder(), Reference(), Decoder()
     ref.max_allowed_table_size = mine.allowed_max = 8192
     for i in range(400):
         if rng.random() < 0.1:
@@ -532,7 +541,7 @@ def test_data_after_the_clients_end_stream_is_stream_closed(answered: bool) -> N
     p.from_client(headers(1, PULL, end_stream=True))
     [ev] = p.events()
     if answered:
-        p.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
+        p.core.calls.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
     p.client_got()
     p.from_client(data(1, b"late"))
     got = p.client_got()
@@ -547,7 +556,7 @@ def test_requests_share_one_process_wide_budget_until_their_handler_ends() -> No
     from shim.relay.memory import header_bytes
 
     budget = Pool(3000)
-    a, b = Peers(Limits(request_buffer=budget)), Peers(Limits(request_buffer=budget))
+    a, b = Peers(limits(request_buffer=budget)), Peers(limits(request_buffer=budget))
     a.from_client(headers(1, PULL) + data(1, message(b"x" * 2000)[:800]))  # a slow sender, never ending its request
     hdr = budget.used - 800
     assert hdr == header_bytes([(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()),
@@ -562,22 +571,22 @@ def test_requests_share_one_process_wide_budget_until_their_handler_ends() -> No
     [ev] = b.events()
     assert isinstance(ev, Request) and len(ev.stream.body) == 300
     assert budget.used == hdr + 300  # complete, handed to the handler: still held
-    b.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")  # answered...
-    b.core.release_all()  # ...and the connection closed, but the handler still runs
+    b.core.calls.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")  # answered...
+    b.core.calls.release_all()  # ...and the connection closed, but the handler still runs
     assert budget.used == hdr + 300
-    b.core.handler_ended(ev.stream)
-    b.core.handler_ended(ev.stream)  # twice is harmless
+    b.core.calls.handler_ended(ev.stream)
+    b.core.calls.handler_ended(ev.stream)  # twice is harmless
     assert budget.used == 0
     a.from_client(headers(3, PULL) + data(3, b"\0\0\0\x04\0" + b"z" * 895))
     assert budget.used == hdr + 900
-    a.core.release_all()  # the connection closed
+    a.core.calls.release_all()  # the connection closed
     assert budget.used == 0
 
 
 def test_a_request_over_its_methods_limit_is_refused_on_its_declared_length() -> None:
     """As grpc-go: RESOURCE_EXHAUSTED "received message larger than max", before the body is buffered."""
     budget = Pool(64 << 20)
-    p = Peers(Limits(request_buffer=budget, max_request_bytes={"PullImage": 4096}))
+    p = Peers(limits(request_buffer=budget, max_request_bytes=(("PullImage", 4096),)))
     p.from_client(headers(1, PULL) + data(1, b"\0" + (15 << 20).to_bytes(4, "big") + b"x" * 100))
     code, msg = grpc_status(p.client_got(), 1)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -590,7 +599,7 @@ def test_a_request_over_its_methods_limit_is_refused_on_its_declared_length() ->
 
 def test_intercepted_calls_at_once_are_capped_over_all_connections_with_room_kept_for_trusted_clients() -> None:
     calls = Pool(4)
-    kubelet, other, other2 = (Peers(Limits(calls=calls)) for _ in range(3))
+    kubelet, other, other2 = (Peers(limits(calls=calls)) for _ in range(3))
     other.core.trusted = other2.core.trusted = False
     for sid in (1, 3):
         other.from_client(headers(sid, PULL, end_stream=True))
@@ -609,7 +618,7 @@ def test_intercepted_calls_at_once_are_capped_over_all_connections_with_room_kep
 def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout() -> None:
     now = [100.0]
     budget = Pool(1 << 20)
-    core = RelayCore(Limits(request_buffer=budget), ROUTE, clock=lambda: now[0])
+    core = RelayCore(limits(request_buffer=budget), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
     core.receive_client(h2.PREFACE)
@@ -618,14 +627,14 @@ def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout()
     p.from_client(headers(1, PULL) + data(1, message(b"x" * 100)[:50]))
     now[0] = 105.0
     p.from_client(headers(3, PULL))
-    assert core.expire_incomplete(now[0] - 10, 10) == 100.0  # not yet: both younger than 10 s
+    assert core.calls.expire_incomplete(now[0] - 10, 10) == 100.0  # not yet: both younger than 10 s
     now[0] = 111.0
-    assert core.expire_incomplete(now[0] - 10, 10) == 105.0  # stream 1 ended, stream 3 remains
+    assert core.calls.expire_incomplete(now[0] - 10, 10) == 105.0  # stream 1 ended, stream 3 remains
     code, msg = grpc_status(p.client_got(), 1)
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "server.stream_stall_seconds" in msg
     assert 1 not in core.local and 3 in core.local
-    assert core.incomplete
-    core.release_all()
+    assert core.calls.incomplete
+    core.calls.release_all()
     assert budget.used == 0
 
 def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed() -> None:
@@ -639,7 +648,7 @@ def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed()
 
 def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not() -> None:
     now = [0.0]
-    core = RelayCore(Limits(), ROUTE, clock=lambda: now[0])
+    core = RelayCore(limits(), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
     core.receive_client(h2.PREFACE)
@@ -672,12 +681,12 @@ def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() 
                    + h2.rst_stream(1, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, b"r" * 8))
     assert [t for t, *_ in p.client_got()] == [h2.PING]
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
-    p.core.send_trailers(ev.stream, [(b"grpc-status", b"0")])
+    p.core.calls.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 1) == (0, "")
 
 
 def test_a_refused_service_is_answered_with_its_status_and_never_relayed() -> None:
-    p = Peers(Limits())
+    p = Peers(limits())
     p.from_client(headers(1, "/containerd.services.images.v1.Images/Delete", end_stream=True))
     p.from_client(headers(3, "/runtime.v1alpha2.ImageService/RemoveImage", end_stream=True))
     p.from_client(h2.headers_frames(5, request_block("/containerd.services.images.v1.Images/Delete")

@@ -13,10 +13,10 @@ import grpc
 from hpack import Encoder
 
 from shim.relay import h2
-from shim.relay.core import (REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, Limits, RelayCore, Request,
-                             StreamRefused)
+from shim.relay.core import REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, RelayCore
+from shim.relay.events import Request, StreamRefused
 from tests.unit.test_relay_core import (PULL, ROUTE, VERSION, Peers, closed_with, data, goaway_code,
-                                        grpc_status, headers, message, parse, rst)
+                                        grpc_status, headers, limits, message, parse, rst)
 
 
 def advertised(frames: list) -> dict[int, int]:
@@ -30,7 +30,7 @@ def advertised(frames: list) -> dict[int, int]:
 
 
 def new_peers(cap: int, runtime_settings: dict[int, int] | None = None) -> tuple[Peers, dict[int, int]]:
-    p = Peers(Limits(max_concurrent_streams=cap), relay=True)
+    p = Peers(limits(max_concurrent_streams=cap), relay=True)
     p.from_runtime(h2.settings_frame(runtime_settings or {}))
     return p, advertised(p.client_got())
 
@@ -119,7 +119,7 @@ def test_intercepted_calls_count_too_and_free_their_place_when_answered() -> Non
     assert refused == StreamRefused(2)  # the adapter logs it (rate-limited)
     assert rst(p.client_got(), 5) == h2.REFUSED_STREAM
     assert opened(p.runtime_got()) == [3]
-    p.core.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
+    p.core.calls.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
     p.from_client(headers(7, PULL, end_stream=True))
     [ev7] = p.events()
     assert isinstance(ev7, Request) and ev7.stream.sid == 7
@@ -145,7 +145,7 @@ def test_a_refused_block_that_changed_the_hpack_table_still_reaches_the_runtime_
 
 
 def test_no_limit_applies_without_a_runtime() -> None:
-    p = Peers(Limits(max_concurrent_streams=1), relay=False)
+    p = Peers(limits(max_concurrent_streams=1), relay=False)
     p.from_client(version_call(1) + version_call(3))
     frames = p.client_got()
     assert [grpc_status(frames, s)[0] for s in (1, 3)] == [grpc.StatusCode.UNAVAILABLE.value[0]] * 2
@@ -157,7 +157,7 @@ def test_a_client_that_keeps_opening_streams_over_the_limit_is_sent_away() -> No
     rate; beyond, GOAWAY ENHANCE_YOUR_CALM: each refused stream still costs a header block."""
     now = [0.0]
     p = Peers.__new__(Peers)
-    p.core = RelayCore(Limits(max_concurrent_streams=1), ROUTE, clock=lambda: now[0])
+    p.core = RelayCore(limits(max_concurrent_streams=1), ROUTE, clock=lambda: now[0])
     p.from_client(h2.PREFACE)
     p.events()
     p.core.start_relay()

@@ -25,6 +25,7 @@ import time
 import grpc
 
 from shim.relay import h2
+from shim.relay.hpack_decoder import Decoder
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
@@ -211,7 +212,7 @@ async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtim
         t0 = time.monotonic()
         frames = await _frames_until(reader, 1, 10)
         assert time.monotonic() - t0 >= 0.4
-        status = dict(h2.Decoder().decode(frames[-1][2], full=True)[1])
+        status = dict(Decoder().decode(frames[-1][2], full=True)[1])
         assert status[b"grpc-status"] == b"4" and b"server.stream_stall_seconds" in status[b"grpc-message"]
         writer.write(request(3, "/runtime.v1.ImageService/ListImages") + h2.frame(h2.DATA, h2.END_STREAM, 3,
                                                                                    b"\0\0\0\0\0"))
