@@ -104,8 +104,3 @@ class Router(Generic[H]):
         return Refusal(grpc.StatusCode.PERMISSION_DENIED,
                        f"cri-shim: {_quote(service)} is not a CRI service; this socket serves runtime.v1 and "
                        f"{HEALTH_SERVICE} only (add the service to {ALLOWED_SERVICES_KEY} to let it through)")
-
-    def relay_route(self, path: str) -> str | Refusal | None:
-        """``route`` as the relay core takes it: the canonical method if the shim answers ``path``."""
-        r = self.route(path)
-        return r.method if isinstance(r, Intercept) else r
