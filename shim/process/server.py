@@ -29,7 +29,7 @@ from ..observability import logs
 from ..relay.listener import Relay
 from . import sdnotify
 from .app import App
-from .unixsock import StartupError, claim
+from .unixsock import StartupError, claim, publish, staging_path
 
 _log = logs.get("server")
 
@@ -124,12 +124,15 @@ class ShimServer:
             raise StartupError(f"{where}: {e.strerror or e}") from None
         self.server: grpc.aio.Server | None = None
         self.relay: Relay | None = None
+        # Bound under a hidden name first: the socket has its mode and group before any client can
+        # reach it under self.path (no window in which the process's own group may connect).
+        bound = staging_path(self.path)
         try:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
                 if self.cfg.server.engine == "relay":
                     self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, app.router,
                                        self.cfg.server, observe=app.observation.observe)
-                    await self.relay.start(self.path)
+                    await self.relay.start(bound)
                     app.status_sources["relay"] = self.relay.status
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
@@ -138,21 +141,27 @@ class ShimServer:
                     )
 
                     self.server.add_generic_rpc_handlers((Proxy(app.upstream, app.router, app.observation),))
-                    self.server.add_insecure_port(f"unix:{self.path}")
+                    self.server.add_insecure_port(f"unix:{bound}")
                     await self.server.start()
         except (RuntimeError, OSError) as e:  # grpc raises RuntimeError, asyncio OSError
             await app.close()
             reason = e.strerror if isinstance(e, OSError) and e.strerror else "is the directory writable?"
             raise StartupError(f"cannot listen on {self.path} ({reason})") from None
         try:
-            os.chmod(self.path, self.cfg.server.socket_mode)
+            os.chmod(bound, self.cfg.server.socket_mode)
             if gid is not None:
-                os.chown(self.path, -1, gid)
-            st = os.stat(self.path)
+                os.chown(bound, -1, gid)
+            st = os.stat(bound)
             self._socket_id = (st.st_dev, st.st_ino)
         except OSError as e:
-            await self._abort_start()
+            await self._abort_start(bound)
             raise StartupError(f"cannot set owner/mode of {self.path}: {e.strerror}") from None
+        try:
+            publish(bound, self.path)
+        except StartupError:
+            self._socket_id = None  # self.path is another process's socket: leave it alone
+            await self._abort_start(bound)
+            raise
         self._watcher = asyncio.get_running_loop().create_task(self._watch_config(app), name="config-watch")
         logs.log(_log, logging.INFO, "serving", listen=self.cfg.listen, upstream=self.cfg.upstream,
                  engine=self.cfg.server.engine,
@@ -166,10 +175,14 @@ class ShimServer:
         if self.server is not None:
             await self.server.stop(grace)
 
-    async def _abort_start(self) -> None:
+    async def _abort_start(self, bound: str) -> None:
         await self._stop_serving(0)
         await self.app.close()
-        self._unlink_socket()
+        if bound != self.path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(bound)
+        if bound == self.path or self._socket_id is not None:
+            self._unlink_socket()
 
     def _unlink_socket(self) -> None:
         """Remove our socket file; not one that another process has put there since."""

@@ -10,6 +10,7 @@ import stat
 import struct
 from pathlib import Path
 
+from ..config import UNIX_PATH_MAX
 from ..observability import logs
 
 _log = logs.get("server")
@@ -71,3 +72,35 @@ def claim(path: str) -> None:
                            "stop it first (systemctl stop cri-shim) or choose another listen path")
     finally:
         probe.close()
+
+
+def staging_path(path: str) -> str:
+    """Where to bind first: a hidden name beside ``path`` (same directory, so ``publish`` can
+    link it), or ``path`` itself when that name would not fit in a unix socket address.
+
+    Bound there, the socket gets its mode and group before any client can find it; only then
+    does ``publish`` give it its real name."""
+    directory, base = os.path.split(path)
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}")
+    if len(tmp.encode()) > UNIX_PATH_MAX:
+        return path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed process with the same pid
+    return tmp
+
+
+def publish(tmp: str, path: str) -> None:
+    """Give the socket bound at ``tmp`` its name ``path`` (a hard link: never over a socket
+    another process created meanwhile), then drop ``tmp``. Raises StartupError."""
+    if tmp == path:
+        return
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise StartupError(f"{path} appeared while the shim was starting: another process listens there; "
+                           "stop it or choose another listen path") from None
+    except OSError as e:
+        raise StartupError(f"cannot create {path}: {e.strerror}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

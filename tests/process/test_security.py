@@ -17,6 +17,7 @@ import grp
 import hashlib
 import os
 import stat
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -57,6 +58,39 @@ def test_socket_mode_and_group(runtime, shim_factory, engine: str, server: dict,
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == mode
     assert st.st_gid == group
+
+
+def test_socket_appears_with_its_mode_and_group(runtime, shim_factory, engine: str) -> None:
+    """The socket is never reachable under its path before it has its mode and group: it is
+    bound under a hidden name, set up, then linked to its path. Watched from before the start,
+    as fast as the test can stat, until the shim accepts."""
+    gid = grp.getgrnam("daemon").gr_gid
+    shim = shim_factory(config(engine, server={"socket_group": "daemon", "socket_mode": "0600"}),
+                        upstream=runtime.path, start=False)
+    seen: list[os.stat_result] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(os.stat(shim.socket))
+            except FileNotFoundError:
+                continue
+            if len(seen) > 2000:
+                return
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        shim.start()
+    finally:
+        stop.set()
+        watcher.join()
+    assert seen, "the socket was never seen"
+    wrong = [(oct(stat.S_IMODE(st.st_mode)), st.st_gid) for st in seen
+             if stat.S_IMODE(st.st_mode) != 0o600 or st.st_gid != gid]
+    assert not wrong, f"{len(wrong)} of {len(seen)} looks at the socket found it without its mode/group: {wrong[:3]}"
+    assert not [p for p in shim.socket.parent.iterdir() if p.name.startswith(".")], "the staging name is left"
 
 
 # --------------------------------------------------------------------------- network listeners
