@@ -117,25 +117,25 @@ def strings(*, none_is_empty: bool = False) -> Parse:
     return parse
 
 
-def image_patterns(key: str, v: Any) -> tuple[str, ...]:
+def image_patterns(*, none_is_empty: bool = False) -> Parse:
     """Image patterns, normalized as pins are (``images.pins.validate_pattern``)."""
-    from .images.pins import (
-        validate_pattern,  # local import: pins needs reference parsing only
-    )
+    def parse(key: str, v: Any) -> tuple[str, ...]:
+        from .images.pins import validate_pattern  # local import: pins needs reference parsing only
 
-    patterns = () if v is None else _str_list(key, v)
-    for i, pattern in enumerate(patterns):
-        try:
-            validate_pattern(pattern)
-        except ValueError as e:
-            raise ConfigError(f"{key}[{i}]", f"{e} (got {shown(pattern)})") from None
-    return patterns
+        patterns = () if v is None and none_is_empty else _str_list(key, v)
+        for i, pattern in enumerate(patterns):
+            try:
+                validate_pattern(pattern)
+            except ValueError as e:
+                raise ConfigError(f"{key}[{i}]", f"{e} (got {shown(pattern)})") from None
+        return patterns
+    return parse
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     socket_mode: int = knob(0o660, lambda k, v: _socket_mode(k, v))
-    socket_group: str = knob("", lambda k, v: _group(k, v))  # group name or numeric gid; empty: the process's
+    socket_group: str = knob("", lambda k, v: _group(k, v))  # group name or numeric gid; empty: the process's own
     max_message_bytes: int = knob(KUBELET_MAX_MESSAGE, size(MIN_MESSAGE_BYTES))
     shutdown_grace_seconds: float = knob(10.0, duration())
     admin_socket: str = knob(DEFAULT_ADMIN_SOCKET, text())  # for `cri-shim status`; empty: off
@@ -193,7 +193,7 @@ MIN_PROGRESS_INTERVAL = 0.1
 
 @dataclass(frozen=True)
 class PinsConfig:
-    images: tuple[str, ...] = knob((), image_patterns)
+    images: tuple[str, ...] = knob((), image_patterns(none_is_empty=True))
     mode: str = knob("enforce", text("enforce", "mark-only"))
 
 
@@ -219,7 +219,7 @@ class ImageSetsConfig:
 class HandlerRule:
     handler: str = required(lambda k, v: _nonempty(k, v))
     namespaces: tuple[str, ...] = knob((), strings())
-    images: tuple[str, ...] = knob((), image_patterns)
+    images: tuple[str, ...] = knob((), image_patterns())
     pod_labels: tuple[tuple[str, str], ...] = knob((), lambda k, v: _str_map(k, v))
     pod_annotations: tuple[tuple[str, str], ...] = knob((), lambda k, v: _str_map(k, v))
 

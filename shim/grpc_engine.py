@@ -5,17 +5,15 @@ serializers), so a method we don't intercept costs one upstream call and nothing
 else. Known CRI methods use their real cardinality; a method we have never heard
 of is proxied as a bidirectional stream, which carries any gRPC call shape.
 
-Observability (``on_call`` for the rpc duration metric, ``tracing`` for spans) is
-applied on the interception path. With tracing off the passthrough handlers are
+Observability (the App's ``Observation``: the rpc duration metric and spans) is applied
+on the interception path. With tracing off the passthrough handlers are
 exactly the plain ones; with tracing on, unary and server-streaming passthrough calls
 that continue a sampled trace (``traceparent`` with the sampled flag) get a SERVER span
 too; others pass as they are (the shim never starts a trace for kubelet's polling).
 
-Every call is routed by ``router`` (shim/cri/routing.py: the runtime's spelling rules, the
-interception table, the allowed services). Intercepted methods are looked up in its
-``table``: canonical method name -> Handler. A unary
-handler is ``async def (request: bytes, call: Call) -> bytes``; a server-streaming
-one is ``def (request: bytes, call: Call) -> AsyncIterator[bytes]``.
+Every call is routed once by the App's ``router`` (shim/cri/routing.py: the runtime's
+spelling rules, the interception table, the allowed services); handlers follow the call
+model of shim/cri/call.py.
 """
 
 from __future__ import annotations

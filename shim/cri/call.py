@@ -55,8 +55,6 @@ class Deadline:
         return left is not None and left <= DEADLINE_SLACK_SECONDS
 
 
-NO_DEADLINE = Deadline(None)
-
 
 @dataclass(slots=True)
 class Call:
