@@ -1,6 +1,6 @@
 """The method-spelling table: what a runtime does with each spelling of a CRI image method
 when called directly, and what the shim in front of it does (tests/e2e/test_routing_e2e.py
-for containerd 1.6 and 2.x, tests/crio/test_crio_routing.py for CRI-O).
+for containerd 1.6, containerd 2.x and CRI-O, its ``crio`` cases).
 
 For RemoveImage of a pinned image and PullImage each row asks the runtime itself first
 (does it route the spelling to the method?), then the shim, and asserts:

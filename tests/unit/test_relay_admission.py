@@ -1,6 +1,7 @@
 """Who makes room at server.max_connections (shim/relay/admission.py), and each
 connection's peer read at accept. The process-level test, with an attacker running as
-another uid against a kubelet-like client, is tests/e2e/test_relay_admission.py.
+another uid against a kubelet-like client, is tests/e2e/test_relay_abuse.py
+(test_another_uid_cannot_lock_kubelet_out).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 - server.max_connections, all clients trusted (root, as here): a connection that sent no
   preface, else one with no call in flight, makes room for a new one (silent or idle
   sockets cannot lock clients out); only when all have calls in flight is the new one
-  refused, and logged. (Other uids: test_relay_admission.py.)
+  refused, and logged. (Other uids: test_relay_admission.py, and tests/e2e/test_relay_abuse.py as processes.)
 - server.stream_stall_seconds: an intercepted request whose body stops, or whose answer
   waits on a zero window, is ended, and what it held is given back.
 - A connection that sends no preface opens no runtime connection and is closed after
