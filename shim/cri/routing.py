@@ -26,6 +26,11 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 V1ALPHA2_PACKAGE = "runtime.v1alpha2"
 ALLOWED_SERVICES_KEY = "server.allowed_services"
 _QUOTE_MAX = 120  # characters of a client's :path quoted in a refusal
+# Decisions remembered per :path as the client spelled it (every call routes once, and a
+# connection calls the same few methods): paths up to this many characters, this many of
+# them, so what clients send can make the memo hold at most about 128 KiB.
+MEMO_PATH_MAX = 256
+MEMO_ENTRIES = 512
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,18 @@ class Router(Generic[H]):
     def __init__(self, table: Mapping[str, H] | None = None, allowed_services: Iterable[str] = ()) -> None:
         self.table: Mapping[str, H] = dict(table or {})
         self.generation = 0  # bumped on every change: an engine caching decisions drops them
+        self._memo: dict[str, Intercept[H] | Refusal | None] = {}  # path -> decision, for this generation
         self.set_allowed_services(allowed_services)
 
     def set_table(self, table: Mapping[str, H]) -> None:
         self.table = dict(table)
         self.generation += 1
+        self._memo = {}
 
     def set_allowed_services(self, entries: Iterable[str]) -> None:
         entries = tuple(entries)
         self.generation += 1
+        self._memo = {}
         self._exact = frozenset(e for e in entries if not e.endswith(".*"))
         self._prefixes = tuple(e[:-1] for e in entries if e.endswith(".*"))  # keep the dot
 
@@ -90,6 +98,19 @@ class Router(Generic[H]):
                 or service.startswith(self._prefixes))
 
     def route(self, path: str) -> Intercept[H] | Refusal | None:
+        memo = self._memo
+        try:
+            return memo[path]
+        except KeyError:
+            pass
+        decision = self._decide(path)
+        if len(path) <= MEMO_PATH_MAX:
+            if len(memo) >= MEMO_ENTRIES:
+                memo.clear()
+            memo[path] = decision
+        return decision
+
+    def _decide(self, path: str) -> Intercept[H] | Refusal | None:
         method = canonical(path)
         if method is None:  # grpc-go's own answer
             return Refusal(grpc.StatusCode.UNIMPLEMENTED, f"malformed method name: {_quote(path)}")

@@ -14,6 +14,7 @@ import yaml
 
 from shim import config as config_mod
 from shim.config import ConfigError
+from shim.cri import routing
 from shim.cri.routing import Intercept, Refusal, Router
 from tests.support import cri
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage, image_id
@@ -79,6 +80,29 @@ def test_malformed_path_is_unimplemented_with_a_short_quote(path: str) -> None:
     r = router().route(path)
     assert isinstance(r, Refusal) and r.code is grpc.StatusCode.UNIMPLEMENTED
     assert r.message.startswith("malformed method name: ") and len(r.message) < 200
+
+
+def test_remembered_decisions_follow_a_new_table_or_allowlist_at_once() -> None:
+    r = router()
+    for _ in range(2):  # the second answer comes from the memo
+        assert r.route(REMOVE[1:]) == Intercept(REMOVE, "remove")
+        assert isinstance(r.route(CTR_DELETE), Refusal)
+    r.set_table({PULL: "pull"})
+    assert r.route(REMOVE[1:]) is None  # relayed now: no stale interception
+    r.set_allowed_services(["containerd.services.images.v1.Images"])
+    assert r.route(CTR_DELETE) is None
+    r.set_allowed_services([])
+    assert isinstance(r.route(CTR_DELETE), Refusal)
+
+
+def test_the_memo_is_bounded_by_paths_and_their_length() -> None:
+    r = router()
+    for i in range(routing.MEMO_ENTRIES * 3):
+        assert r.route(f"/runtime.v1.RuntimeService/Method{i}") is None
+    long = "/runtime.v1.RuntimeService/" + "x" * routing.MEMO_PATH_MAX
+    assert r.route(long) is None
+    assert len(r._memo) <= routing.MEMO_ENTRIES and long not in r._memo
+    assert r.route(REMOVE) == Intercept(REMOVE, "remove")  # still decided right after a clear
 
 
 @pytest.mark.parametrize("entry", ["runtime.v1alpha2.ImageService", "runtime.v1alpha2.*", "runtime.*", "*",
