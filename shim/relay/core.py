@@ -16,8 +16,8 @@ sockets (tests/unit/test_relay_core*.py). The core coordinates one object per co
 - pings.py: which PINGs the shim answers itself, and how many;
 - memory.py / limits.py: what intercepted requests may hold (``server.*``).
 
-Frames pass through unchanged (SETTINGS gain HEADER_TABLE_SIZE=0 and the shim's
-MAX_HEADER_LIST_SIZE), so for every method we don't intercept the runtime's answer
+Frames pass through unchanged (the runtime's SETTINGS gain a HEADER_TABLE_SIZE of at
+most 4096 and the shim's MAX_HEADER_LIST_SIZE), so for every method we don't intercept the runtime's answer
 reaches the client byte for byte. The runtime judges the relayed streams; the shim
 judges what it consumes itself, as containerd (grpc-go) would. What the core itself
 decides:
@@ -187,6 +187,7 @@ class RelayCore:
         self.message = message
         self._emit(h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 0,
                                       h2.SETTINGS_MAX_HEADER_LIST_SIZE: self.limits.server.max_header_list_bytes}))
+        self.settings.client_tables.append(0)
         self._resume()
 
     def _resume(self) -> None:
@@ -415,9 +416,12 @@ class RelayCore:
 
     def _client_settings(self, flags: int, raw: bytes, length: int, relay: bool) -> None:
         if flags & h2.ACK:
-            # Every SETTINGS the client got said HEADER_TABLE_SIZE 0: from now on its
-            # table may not grow past 0 again (a size update above it is an error).
-            self.decoder.allowed_max = 0
+            # The client acknowledged the oldest SETTINGS it got (each names a table size):
+            # its table toward the runtime may not grow past that size (an update above it
+            # is an error).
+            tables = self.settings.client_tables
+            if tables:
+                self.decoder.allowed_max = tables.popleft()
             if relay:
                 self.to_runtime.append(raw)
             return
@@ -428,7 +432,7 @@ class RelayCore:
         self._apply_client_settings(values, increases=not relay)
         if relay:
             self.settings.unacked.append(values)
-            self.to_runtime.append(h2.frame(h2.SETTINGS, flags, 0, h2.with_table_size_zero(payload)))
+            self.to_runtime.append(raw)
         else:
             self._emit(h2.frame(h2.SETTINGS, h2.ACK, 0))
 

@@ -25,6 +25,7 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
  REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, CONNECT_ERROR, ENHANCE_YOUR_CALM) = range(12)
 
 DEFAULT_WINDOW = 65535
+DEFAULT_TABLE_SIZE = 4096  # HPACK dynamic table size before any SETTINGS_HEADER_TABLE_SIZE
 MAX_WINDOW = 2**31 - 1
 DEFAULT_MAX_FRAME = 16384
 MAX_FRAME_LIMIT = 2**24 - 1
@@ -70,10 +71,10 @@ def setting(key: int, value: int) -> bytes:
     return struct.pack(">HI", key, value)
 
 
-def with_table_size_zero(payload: bytes, max_header_list: int | None = None) -> bytes:
-    """A SETTINGS payload with HEADER_TABLE_SIZE forced to 0 (the last value of a setting wins),
+def with_table_size(payload: bytes, table_size: int, max_header_list: int | None = None) -> bytes:
+    """A SETTINGS payload with HEADER_TABLE_SIZE ``table_size`` (the last value of a setting wins),
     and MAX_HEADER_LIST_SIZE lowered to ``max_header_list`` if given."""
-    out = payload + struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, 0)
+    out = payload + struct.pack(">HI", SETTINGS_HEADER_TABLE_SIZE, table_size)
     if max_header_list is not None:
         current = settings_payload(payload).get(SETTINGS_MAX_HEADER_LIST_SIZE)
         if current is None or current > max_header_list:

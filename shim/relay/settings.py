@@ -1,9 +1,10 @@
 """SETTINGS of both peers, as far as the shim acts on them.
 
 Frames of the runtime's SETTINGS reach the client rewritten (``runtime_settings``):
-HEADER_TABLE_SIZE 0, MAX_HEADER_LIST_SIZE at most the shim's, MAX_CONCURRENT_STREAMS
-the lower of the shim's and the runtime's. The client's SETTINGS go to the runtime
-with HEADER_TABLE_SIZE 0. Client SETTINGS are checked (``client_values``) and take
+HEADER_TABLE_SIZE at most ``MAX_TABLE_SIZE`` (the shim keeps a copy of the client's
+table toward the runtime), MAX_HEADER_LIST_SIZE at most the shim's,
+MAX_CONCURRENT_STREAMS the lower of the shim's and the runtime's. The client's SETTINGS
+go to the runtime as they are. Client SETTINGS are checked (``client_values``) and take
 effect on receipt for what the shim sends itself (window and frame size); only
 increases wait for the runtime's ACK (``acked_by_runtime``), since gRPC clients check
 DATA against the settings they know acknowledged.
@@ -16,6 +17,10 @@ from collections import deque
 from . import h2
 from .h2 import H2Error
 
+# The largest HPACK table the client may use toward the runtime: the shim mirrors it
+# (hpack_decoder.py), so it is bounded here (4096 is HTTP/2's default).
+MAX_TABLE_SIZE = 4096
+
 
 class PeerSettings:
     __slots__ = (
@@ -25,7 +30,9 @@ class PeerSettings:
         "client_max_frame",
         "max_frame_in",
         "max_streams",
+        "client_tables",
         "runtime_initial_window",
+        "runtime_table",
         "unacked",
     )
 
@@ -38,6 +45,8 @@ class PeerSettings:
         self.client_max_frame = h2.DEFAULT_MAX_FRAME  # the largest frame the shim may send the client
         self.max_streams = max_concurrent_streams  # lowered by the runtime's MAX_CONCURRENT_STREAMS
         self.unacked: deque[dict[int, int]] = deque()  # client SETTINGS the runtime has not acknowledged
+        self.runtime_table = h2.DEFAULT_TABLE_SIZE  # the runtime's HPACK decoder table, as it advertised
+        self.client_tables: deque[int] = deque()  # table sizes sent to the client, not yet acknowledged
 
     def runtime_settings(self, raw: bytes) -> tuple[bytes, int]:
         """The runtime's SETTINGS frame as the client gets it, and how much the client's
@@ -53,7 +62,10 @@ class PeerSettings:
             self.runtime_initial_window = new
         if h2.SETTINGS_MAX_CONCURRENT_STREAMS in values:  # in force until the runtime changes it again
             self.max_streams = min(self._max_concurrent_streams, values[h2.SETTINGS_MAX_CONCURRENT_STREAMS])
-        payload = h2.with_table_size_zero(payload, self._max_header_list)
+        self.runtime_table = values.get(h2.SETTINGS_HEADER_TABLE_SIZE, self.runtime_table)
+        table = min(self.runtime_table, MAX_TABLE_SIZE)
+        self.client_tables.append(table)
+        payload = h2.with_table_size(payload, table, self._max_header_list)
         return h2.frame(h2.SETTINGS, 0, 0, payload + h2.setting(h2.SETTINGS_MAX_CONCURRENT_STREAMS,
                                                                  self.max_streams)), delta
 

@@ -254,16 +254,36 @@ def test_decoded_header_list_over_the_limit_refuses_the_stream_and_keeps_hpack_i
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.HEADERS, 5)]
 
 
-def test_table_size_above_the_advertised_zero_is_a_compression_error_once_acknowledged() -> None:
+def test_table_size_above_what_the_runtime_advertised_is_a_compression_error_once_acknowledged() -> None:
     p = Peers()
+    p.from_runtime(h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 0}))
+    p.client_got()
     enc = Encoder()
     p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, enc.encode([(":path", VERSION)])))
-    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0))  # the client got the runtime's SETTINGS (table 0)
+    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0) * 2)  # the client got both of the runtime's SETTINGS
     p.runtime_got()
     update_to_4096 = b"\x3f\xe1\x1f"
     p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 3, update_to_4096 + request_block(VERSION)))
     closed_with(p, h2.COMPRESSION_ERROR)
     assert p.runtime_got() == []
+
+
+def test_the_client_may_use_the_default_table_toward_a_runtime_that_advertises_none() -> None:
+    """Relayed header blocks that index the dynamic table reach the runtime as they are,
+    and the shim's copy of the table stays in step to read the next :path."""
+    p = Peers()
+    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0))
+    enc = Encoder()
+    paths = [VERSION, "/runtime.v1.RuntimeService/ListContainers", VERSION, VERSION]
+    blocks = [enc.encode([(":method", "POST"), (":path", path), ("te", "trailers")]) for path in paths]
+    assert len(blocks[3]) == 3  # three indexed fields: the table is in use
+    for i, block in enumerate(blocks):
+        p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block))
+    got = [(s, payload) for t, _, s, payload in p.runtime_got() if t == h2.HEADERS]
+    assert got == [(2 * i + 1, block) for i, block in enumerate(blocks)]
+    update_to_8192 = b"\x3f\xe1\x3f"
+    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 9, update_to_8192 + request_block(VERSION)))
+    closed_with(p, h2.COMPRESSION_ERROR)  # above the 4096 bytes the client was allowed
 
 
 def test_table_size_update_to_zero_is_fine() -> None:
@@ -283,14 +303,34 @@ def test_path_cache_is_bounded_by_bytes() -> None:
     assert 0 < len(p.core.decoder._path_cache) < 200
 
 
-def test_runtime_settings_reach_the_client_with_table_size_zero_and_the_header_list_limit() -> None:
-    p = Peers(limits(max_header_list_bytes=20000))
-    p.from_runtime(h2.settings_frame({h2.SETTINGS_MAX_HEADER_LIST_SIZE: 1 << 24}))
-    [(t, f, _, payload)] = p.client_got()
+def settings_values(payload: bytes) -> dict[int, int]:
     values = {}
     for i in range(0, len(payload), 6):  # the last value of a setting wins
         values[int.from_bytes(payload[i:i + 2], "big")] = int.from_bytes(payload[i + 2:i + 6], "big")
-    assert values[h2.SETTINGS_HEADER_TABLE_SIZE] == 0 and values[h2.SETTINGS_MAX_HEADER_LIST_SIZE] == 20000
+    return values
+
+
+@pytest.mark.parametrize("runtime_table, client_table", [(None, 4096), (0, 0), (1024, 1024), (1 << 20, 4096)])
+def test_runtime_settings_reach_the_client_with_the_table_size_capped_and_the_header_list_limit(
+        runtime_table: int | None, client_table: int) -> None:
+    """The shim mirrors the client's HPACK table toward the runtime: at most 4096 bytes."""
+    p = Peers(limits(max_header_list_bytes=20000))
+    sent = {h2.SETTINGS_MAX_HEADER_LIST_SIZE: 1 << 24}
+    if runtime_table is not None:
+        sent[h2.SETTINGS_HEADER_TABLE_SIZE] = runtime_table
+    p.from_runtime(h2.settings_frame(sent))
+    [(t, f, _, payload)] = p.client_got()
+    values = settings_values(payload)
+    assert values[h2.SETTINGS_HEADER_TABLE_SIZE] == client_table and values[h2.SETTINGS_MAX_HEADER_LIST_SIZE] == 20000
+
+
+def test_client_settings_reach_the_runtime_as_they_are() -> None:
+    """The runtime's HPACK table toward the client is the client's business: the shim's own
+    header blocks neither index nor insert (h2.encode_headers)."""
+    p = Peers()
+    frame = h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 65536, h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20})
+    p.from_client(frame)
+    assert p.core.take_runtime() == frame
 
 
 # ------------------------------------------------------------------ GOAWAY
