@@ -17,10 +17,10 @@ sockets (tests/unit/test_relay_core*.py). The core coordinates one object per co
 - memory.py / limits.py: what intercepted requests may hold (``server.*``).
 
 Frames pass through unchanged (the runtime's SETTINGS gain a HEADER_TABLE_SIZE of at
-most 4096 and the shim's MAX_HEADER_LIST_SIZE), so for every method we don't intercept the runtime's answer
-reaches the client byte for byte. The runtime judges the relayed streams; the shim
-judges what it consumes itself, as containerd (grpc-go) would. What the core itself
-decides:
+most settings.MAX_TABLE_SIZE and the shim's MAX_HEADER_LIST_SIZE), so for every method
+we don't intercept the runtime's answer reaches the client byte for byte. The runtime
+judges the relayed streams; the shim judges what it consumes itself, as containerd
+(grpc-go) would. What the core itself decides:
 
 - Routing: a new stream's ``:path`` is routed once (shim/cri/routing.py): relayed,
   refused with a status, or answered by its handler, which the stream carries to the
