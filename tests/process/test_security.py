@@ -18,6 +18,7 @@ import hashlib
 import os
 import stat
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -70,8 +71,9 @@ def test_socket_appears_with_its_mode_and_group(runtime, shim_factory, engine: s
     seen: list[os.stat_result] = []
     stop = threading.Event()
 
-    def watch() -> None:
-        while not stop.is_set():
+    def watch() -> None:  # until stopped, and at least one look at the socket (the GIL may starve it)
+        deadline = time.monotonic() + 30
+        while not (stop.is_set() and seen) and time.monotonic() < deadline:
             try:
                 seen.append(os.stat(shim.socket))
             except FileNotFoundError:
