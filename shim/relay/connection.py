@@ -48,6 +48,14 @@ from .streams import LocalStream
 
 _log = logs.get("relay")
 
+# After the GOAWAY of a connection error the shim stops writing (shutdown SHUT_WR) and reads, and
+# drops, what the client still sends for this long or this many bytes, then closes. Closing at
+# once would reset the connection (a unix socket closed with unread bytes gives its peer
+# ECONNRESET), and a client whose own frames were in flight might never read the GOAWAY.
+# Go's HTTP/2 server lingers the same way (1 s) after its GOAWAY.
+CLOSE_LINGER_SECONDS = 1.0
+CLOSE_LINGER_BYTES = 64 * 1024
+
 
 class _Upstream(asyncio.Protocol):
     def __init__(self, conn: ClientConnection) -> None:
@@ -85,6 +93,7 @@ class ClientConnection(asyncio.Protocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self.peer = Peer()
         self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
+        self._linger_bytes = -1  # >= 0 while lingering after the GOAWAY of a closed connection
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -105,6 +114,9 @@ class ClientConnection(asyncio.Protocol):
             self.client.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_bytes >= 0:
+            self._drop_after_goaway(len(data))
+            return
         self.core.receive_client(data)
         self._pump()
 
@@ -212,6 +224,25 @@ class ClientConnection(asyncio.Protocol):
         if self.upstream is not None:
             self.upstream.close()
 
+    def _linger(self) -> None:
+        """The GOAWAY is written: stop writing, drop what the client still sends, close soon."""
+        client = self.client
+        if client is None or client.is_closing():
+            return
+        if not client.can_write_eof():
+            client.close()
+            return
+        client.write_eof()  # after the buffered frames, the GOAWAY last
+        self._linger_bytes = 0
+        self._paused["client"].clear()
+        client.resume_reading()
+        self.loop.call_later(CLOSE_LINGER_SECONDS, client.close)
+
+    def _drop_after_goaway(self, n: int) -> None:
+        self._linger_bytes += n
+        if self._linger_bytes > CLOSE_LINGER_BYTES and self.client is not None:
+            self.client.close()
+
     # ------------------------------------------------------------------ moving bytes
 
     def from_upstream(self, data: bytes) -> None:
@@ -224,9 +255,9 @@ class ClientConnection(asyncio.Protocol):
         output = core.output
         if output.frames:
             out = output.take()
-            if self.client is not None and not self.client.is_closing():
-                # Never write to a closing transport: the peer may be gone before
-                # connection_lost has run, and uvloop raises there.
+            if self.client is not None and not self.client.is_closing() and self._linger_bytes < 0:
+                # Never write to a closing transport (the peer may be gone before connection_lost
+                # has run, and uvloop raises there), nor after the GOAWAY's write_eof.
                 self.client.write(out)
         if core.to_runtime:
             up = core.take_runtime()
@@ -264,10 +295,9 @@ class ClientConnection(asyncio.Protocol):
             elif isinstance(ev, events.ConnectionClosed):
                 if ev.reason:
                     self.host.protocol_error(error=ev.reason, code=ev.code)
-                if self.client is not None:
-                    self.client.close()
                 if self.upstream is not None:
                     self.upstream.close()
+                self._linger()
 
     def _expire_bodies(self) -> None:
         """Intercepted requests whose body did not arrive within server.stream_stall_seconds end."""
