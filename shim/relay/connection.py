@@ -236,12 +236,12 @@ class ClientConnection(asyncio.Protocol):
         self._linger_bytes = 0
         self._paused["client"].clear()
         client.resume_reading()
-        self.loop.call_later(CLOSE_LINGER_SECONDS, client.close)
+        self.loop.call_later(CLOSE_LINGER_SECONDS, client.abort)  # abort: whatever it has not read goes too
 
     def _drop_after_goaway(self, n: int) -> None:
         self._linger_bytes += n
         if self._linger_bytes > CLOSE_LINGER_BYTES and self.client is not None:
-            self.client.close()
+            self.client.abort()
 
     # ------------------------------------------------------------------ moving bytes
 
