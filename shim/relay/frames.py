@@ -1,8 +1,8 @@
 """The frame layer: a byte stream cut into frames, and the rules every client frame obeys.
 
 - ``FrameBuffer`` keeps the bytes of a frame not complete yet. The loops that walk the
-  frames (core.py, one per direction) read each 9-byte frame header inline, without a
-  call or an object per frame: that is the relay's hot path.
+  frames (core.py, one per direction) read each 9-byte frame header with one
+  ``HEADER`` call, without an object per frame: that is the relay's hot path.
 - ``check`` is the frame layer of RFC 9113 for what a client sends, as containerd's
   grpc-go (on Go's x/net/http2 framer) judges it: wrong fixed lengths (PING 8,
   RST_STREAM and WINDOW_UPDATE 4, PRIORITY 5, SETTINGS a multiple of 6, its ACK empty,
@@ -14,8 +14,13 @@
 
 from __future__ import annotations
 
+import struct
+
 from . import h2
 from .h2 import H2Error
+
+# A frame's 9-byte header at an offset: (length << 8 | type, flags, R bit | stream id).
+HEADER = struct.Struct(">IBI").unpack_from
 
 _FRAME_NAMES = ("DATA", "HEADERS", "PRIORITY", "RST_STREAM", "SETTINGS", "PUSH_PROMISE", "PING", "GOAWAY",
                 "WINDOW_UPDATE", "CONTINUATION")

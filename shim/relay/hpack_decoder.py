@@ -14,7 +14,10 @@ runtime's decoder does. It does no more work than that:
   not decoded count with their encoded length.
 - A dynamic table size update above ``allowed_max`` (what the shim advertised, once the
   client acknowledged it), or not at the start of a block, is a COMPRESSION_ERROR.
-- ``:path`` values are cached per connection, up to ``path_cache_bytes``.
+- ``:path`` values are cached per connection, and so is what a header block that left
+  the table as it was decoded to (its ``:path`` and list size; gRPC clients index every
+  header, so most requests repeat a short block of indices): at most ``path_cache_bytes``
+  for both. Any change to the table forgets the blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ _STATIC_SIZES = tuple(len(n) + len(v) + 32 for n, v in _STATIC)
 _PATH = b":path"
 _PATH_HUFFMAN = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH).encode(_PATH)
 _CACHE_KEY_MAX = 512  # longer encoded :path values are decoded every time, never cached
+_BLOCK_KEY_MAX = 128  # longer header blocks are decoded every time, never remembered
+_CACHE_ENTRY_COST = 100  # what a remembered value costs beyond its bytes: objects and a dict slot
 _ENTRY_OVERHEAD = 32
+
+
+Snapshot = tuple[int, int, list[tuple[bytes, bytes]]]  # the dynamic table: max size, size, entries
 
 
 class HeaderListTooLarge(Exception):
@@ -92,16 +100,53 @@ class Decoder:
         self.path_cache_bytes = path_cache_bytes
         self._path_cache: dict[bytes, bytes] = {}
         self._cache_used = 0
+        # header blocks that left the table as it was -> (:path, header list size); valid
+        # while the table does not change (``_forget_blocks``)
+        self._blocks: dict[bytes, tuple[bytes | None, int]] = {}
+        self._blocks_used = 0
 
-    def snapshot(self) -> tuple[int, int, list[tuple[bytes, bytes]]]:
+    def snapshot(self) -> Snapshot:
         return self.max_size, self.size, list(self.dynamic)
 
-    def restore(self, snap: tuple[int, int, list[tuple[bytes, bytes]]]) -> None:
+    def restore(self, snap: Snapshot) -> None:
         self.max_size, self.size, self.dynamic = snap[0], snap[1], list(snap[2])
+        self._forget_blocks()
 
     def clear_cache(self) -> None:
+        self._forget_blocks()
         self._path_cache.clear()
         self._cache_used = 0
+
+    def _forget_blocks(self) -> None:
+        """The table changed: what a remembered block decodes to may have too."""
+        if self._blocks:
+            self._blocks.clear()
+            self._cache_used -= self._blocks_used
+            self._blocks_used = 0
+
+    def path_of(self, data: bytes) -> tuple[bytes | None, Snapshot | None]:
+        """A new request's header block: its ``:path``, and the table as it was before
+        the block if the block changed it (``restore`` it to decode the block again).
+
+        A block decoded before that left the table as it was, with the table unchanged
+        since, is not decoded again.
+        """
+        known = self._blocks.get(data)
+        if known is not None:
+            if known[1] > self.max_list_size:
+                raise HeaderListTooLarge(known[1], self.max_list_size, False)
+            return known[0], None
+        before = self.snapshot()
+        path, _, inserted, listed = self._decode(data, False)
+        if inserted:
+            return path, before
+        if len(data) <= _BLOCK_KEY_MAX:
+            cost = len(data) + _CACHE_ENTRY_COST
+            if self._cache_used + cost <= self.path_cache_bytes:
+                self._blocks[data] = (path, listed)
+                self._blocks_used += cost
+                self._cache_used += cost
+        return path, None
 
     def _entry(self, index: int) -> tuple[bytes, bytes]:
         if 0 < index <= _STATIC_LEN:
@@ -142,13 +187,14 @@ class Decoder:
             return cached, j + length
         raw, huffman, end = self._raw(data, i)
         value = self._decoded(raw, huffman)
-        cost = len(key) + len(value) + 100  # two bytes objects and a dict slot
+        cost = len(key) + len(value) + _CACHE_ENTRY_COST
         if len(key) <= _CACHE_KEY_MAX and self._cache_used + cost <= self.path_cache_bytes:
             self._path_cache[key] = value
             self._cache_used += cost
         return value, end
 
     def _insert(self, name: bytes, value: bytes) -> None:
+        self._forget_blocks()
         self.dynamic.insert(0, (name, value))
         self.size += len(name) + len(value) + _ENTRY_OVERHEAD
         self._evict()
@@ -163,6 +209,10 @@ class Decoder:
         return name_len + least + _ENTRY_OVERHEAD > self.max_size
 
     def decode(self, data: bytes, full: bool = False) -> tuple[bytes | None, list[tuple[bytes, bytes]], bool]:
+        path, headers, inserted, _ = self._decode(data, full)
+        return path, headers, inserted
+
+    def _decode(self, data: bytes, full: bool) -> tuple[bytes | None, list[tuple[bytes, bytes]], bool, int]:
         i, n = 0, len(data)
         path: bytes | None = None
         headers: list[tuple[bytes, bytes]] = []
@@ -197,6 +247,7 @@ class Decoder:
                 if size > self.allowed_max:
                     raise H2Error(f"HPACK table size update to {size}, above the advertised {self.allowed_max}",
                                   COMPRESSION_ERROR)
+                self._forget_blocks()
                 self.max_size = size
                 self._evict()
                 inserted = True
@@ -229,6 +280,7 @@ class Decoder:
                     value = raw
                     if indexing:  # the entry cannot fit (or the table is 0 bytes): it empties the table
                         had_entries = bool(self.dynamic)
+                        self._forget_blocks()
                         self.dynamic.clear()
                         self.size = 0
                         inserted = inserted or had_entries
@@ -242,4 +294,4 @@ class Decoder:
                 inserted = inserted or had_entries or bool(self.dynamic)  # a 0-size table stays empty
         if listed > limit:
             raise HeaderListTooLarge(listed, limit, inserted)
-        return path, headers, inserted
+        return path, headers, inserted, listed

@@ -538,6 +538,57 @@ def test_decoder_that_skips_undecodable_entries_stays_in_step_with_a_full_decode
         assert mine.size == ref.header_table._current_size
 
 
+def test_a_remembered_header_block_is_forgotten_when_the_table_changes() -> None:
+    """The same indexed block names another :path once an insertion moved the entries."""
+    enc, mine = Encoder(), Decoder()
+    first = enc.encode([(":path", "/a")])  # literal, indexed: /a is entry 62
+    assert mine.path_of(first)[0] == b"/a"
+    again = enc.encode([(":path", "/a")])
+    assert again == b"\xbe"
+    assert mine.path_of(again) == (b"/a", None)
+    assert mine.path_of(again) == (b"/a", None)  # remembered
+    assert mine.path_of(enc.encode([(":path", "/b")]))[0] == b"/b"  # /b is 62 now, /a 63
+    same_bytes = enc.encode([(":path", "/b")])
+    assert same_bytes == again
+    assert mine.path_of(same_bytes) == (b"/b", None)
+
+
+def test_remembered_blocks_agree_with_a_full_decoder_and_stay_within_the_cache_bytes() -> None:
+    import random
+
+    from hpack import Decoder as Reference
+
+    rng = random.Random(7)
+    enc, ref, mine = Encoder(), Reference(), Decoder(path_cache_bytes=2048)
+    ref.max_allowed_table_size = mine.allowed_max = 4096
+    for i in range(3000):
+        if rng.random() < 0.02:
+            enc.header_table_size = rng.choice([0, 256, 4096])
+        fields = [(":method", "POST"), (":path", f"/s.v1/M{rng.randint(0, 12)}"),
+                  ("grpc-timeout", f"{rng.randint(1, 3)}S")]
+        if rng.random() < 0.05:
+            fields.append(("x-new", str(i)))  # inserts: the table changes
+        block = enc.encode(fields)
+        expected = dict(ref.decode(block, raw=True))[b":path"]
+        path, before = mine.path_of(block)
+        assert path == expected, f"block {i}"
+        assert mine.dynamic == list(ref.header_table.dynamic_entries), f"block {i}"
+        assert mine._cache_used <= 2048
+    assert mine._blocks  # the repeated blocks were remembered
+
+
+def test_a_remembered_block_still_counts_against_the_header_list_limit() -> None:
+    from shim.relay.hpack_decoder import HeaderListTooLarge
+
+    enc, mine = Encoder(), Decoder(max_list_size=1 << 16)
+    mine.path_of(enc.encode([(":path", "/a"), ("x-big", "v" * 100)]))
+    block = enc.encode([(":path", "/a"), ("x-big", "v" * 100)])
+    assert mine.path_of(block)[0] == b"/a"
+    mine.max_list_size = 100
+    with pytest.raises(HeaderListTooLarge):
+        mine.path_of(block)
+
+
 GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":authority", b"x"),
         (b"content-type", b"application/grpc"), (b"te", b"trailers")]
 
@@ -718,8 +769,8 @@ def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() 
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.HEADERS, 1), (h2.RST_STREAM, 1)]
     trailers = h2.encode_headers([(b":status", b"200"), (b"grpc-status", b"12")])
     p.from_runtime(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, trailers) + data(1, b"x")
-                   + h2.rst_stream(1, h2.NO_ERROR) + h2.frame(h2.PING, 0, 0, b"r" * 8))
-    assert [t for t, *_ in p.client_got()] == [h2.PING]
+                   + h2.rst_stream(1, h2.NO_ERROR) + h2.window_update(0, 7))
+    assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.WINDOW_UPDATE, 0)]
     assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
     p.core.calls.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 1) == (0, "")
