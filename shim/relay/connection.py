@@ -68,9 +68,11 @@ class _Upstream(asyncio.Protocol):
         self.conn.upstream_lost()
 
     def pause_writing(self) -> None:  # the runtime is slow to read: stop reading the client
+        self.conn.core.runtime_slow = True
         self.conn.pause("client", "runtime-slow")
 
     def resume_writing(self) -> None:
+        self.conn.core.runtime_slow = False
         self.conn.resume("client", "runtime-slow")
 
 

@@ -18,7 +18,9 @@ sockets (tests/unit/test_relay_core*.py). The core coordinates one object per co
 
 Frames pass through unchanged (the runtime's SETTINGS gain a HEADER_TABLE_SIZE of at
 most settings.MAX_TABLE_SIZE and the shim's MAX_HEADER_LIST_SIZE), so for every method
-we don't intercept the runtime's answer reaches the client byte for byte. The runtime
+we don't intercept the runtime's answer reaches the client byte for byte. The runtime's
+PINGs are the exception: the shim answers them (unless the runtime reads slowly,
+``runtime_slow``), as any HTTP/2 peer would; they are about the connection, not a call. The runtime
 judges the relayed streams; the shim judges what it consumes itself, as containerd
 (grpc-go) would. What the core itself decides:
 
@@ -147,6 +149,9 @@ class RelayCore:
         self._emit = self.output.emit  # a frame of the shim's own to the client, in order
         self.going_away = False
         self.goaway_sid = 0
+        # the runtime reads slower than the shim writes to it (set by the adapter): its PINGs
+        # go to the client, so the shim adds nothing of its own to what the runtime has not read
+        self.runtime_slow = False
         self._clock = clock
         self._refusals = TokenBucket(REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, clock)
 
@@ -620,6 +625,11 @@ class RelayCore:
                     drop.discard(sid)
                 if ftype == h2.DATA and length:  # the client never sees it: the runtime gets its window back
                     self.to_runtime.append(h2.window_update(0, length))
+                continue
+            if ftype == h2.PING and not flags & h2.ACK and length == 8 and not sid and not self.runtime_slow:
+                # The shim answers the runtime's PINGs (grpc-go's BDP probes, one per call,
+                # and keepalives): the client would only echo them back.
+                self.to_runtime.append(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
                 continue
             if ftype == h2.SETTINGS:
                 if not flags & h2.ACK:

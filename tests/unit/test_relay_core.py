@@ -589,6 +589,30 @@ def test_a_remembered_block_still_counts_against_the_header_list_limit() -> None
         mine.path_of(block)
 
 
+def test_the_runtimes_pings_are_answered_by_the_shim_and_never_reach_the_client() -> None:
+    p = Peers()
+    p.from_runtime(h2.frame(h2.PING, 0, 0, b"bdp-ping"))
+    assert p.client_got() == []
+    assert p.runtime_got() == [(h2.PING, h2.ACK, 0, b"bdp-ping")]
+    # its ACKs of the client's PINGs, and PINGs that break the frame layer, go to the client
+    p.from_runtime(h2.frame(h2.PING, h2.ACK, 0, b"client-p"))
+    p.from_runtime(h2.frame(h2.PING, 0, 0, b"short"))
+    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(h2.PING, h2.ACK, b"client-p"),
+                                                                       (h2.PING, 0, b"short")]
+    assert p.runtime_got() == []
+
+
+def test_while_the_runtime_reads_slowly_its_pings_go_to_the_client() -> None:
+    """The shim adds none of its own frames to what the runtime has not read."""
+    p = Peers()
+    p.core.runtime_slow = True
+    p.from_runtime(h2.frame(h2.PING, 0, 0, b"keepaliv"))
+    assert p.runtime_got() == []
+    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(h2.PING, 0, b"keepaliv")]
+    p.from_client(h2.frame(h2.PING, h2.ACK, 0, b"keepaliv"))
+    assert p.runtime_got() == [(h2.PING, h2.ACK, 0, b"keepaliv")]
+
+
 GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":authority", b"x"),
         (b"content-type", b"application/grpc"), (b"te", b"trailers")]
 
