@@ -52,7 +52,7 @@ Without a runtime (unreachable at connect, out of file descriptors, or lost with
 local calls still running) the core is the server: it acknowledges SETTINGS and
 PING, refunds DATA, and answers every new stream UNAVAILABLE with ``message``.
 
-Size: about 670 lines, over the ~500 of the other modules on purpose. What is left here
+Size: about 700 lines, over the ~500 of the other modules on purpose. What is left here
 is what touches several concepts at once (a new stream's routing decides its state, its
 budget, what the runtime gets and what the client gets) and the two frame loops, which
 stay in one function each: they are the per-frame hot path, with every object they use
@@ -84,7 +84,22 @@ from .events import (
 )
 from .flow import ClientWindow, Refunds
 from .frames import FrameBuffer, frame_name
-from .h2 import H2Error
+from .h2 import (  # frame types and flags by name: one global lookup each on the per-frame path
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PADDED,
+    PING,
+    PRIORITY,
+    PRIORITY_FLAG,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    H2Error,
+)
 from .headers import HeaderBlock, malformed
 from .hpack_decoder import Decoder, HeaderListTooLarge
 from .intercepted import Intercepted
@@ -92,8 +107,8 @@ from .limits import Limits
 from .output import ClientOutput
 from .pings import PingPolicy
 from .settings import PeerSettings
+from .streams import TRANSITIONS, LocalStream, State, StreamTable
 from .streams import Event as On
-from .streams import LocalStream, State, StreamTable
 
 _log = logs.get("relay")
 
@@ -118,7 +133,12 @@ class Phase(enum.Enum):
 # lookup on the enum class, ~20 times slower than a global in CPython 3.11.
 _PREFACE, _WAITING, _RELAY, _CLOSED = Phase.PREFACE, Phase.WAITING, Phase.RELAY, Phase.CLOSED
 _RELAYED = State.RELAYED
-_RUNTIME_HEADERS, _RUNTIME_END = On.RUNTIME_HEADERS, On.RUNTIME_END
+_RUNTIME_END = On.RUNTIME_END
+# where a relayed stream goes at the runtime's first HEADERS (an open state: it stays in ``relayed``)
+_RESPONDING = TRANSITIONS[(State.RELAYED, On.RUNTIME_HEADERS)]
+# a HEADERS frame that is a whole header block by itself, its payload the block (HeaderBlock.add's commonest case)
+_BLOCK_FLAGS = END_HEADERS | PADDED | PRIORITY_FLAG
+_PING_ACK_HEADER = h2.frame(PING, ACK, 0, bytes(8))[:9]
 
 
 class RelayCore:
@@ -290,6 +310,7 @@ class RelayCore:
         streams = self.streams
         local, closed = streams.local, streams.closed
         block = self.block
+        block_limit = block.limit
         check = frames_mod.check
         header = frames_mod.HEADER
         max_frame_in = self.settings.max_frame_in  # changes only with the runtime's SETTINGS
@@ -307,22 +328,25 @@ class RelayCore:
             sid &= 0x7FFFFFFF
             raw = buf[i:end]
             i = end
-            if block.sid and (ftype != h2.CONTINUATION or sid != block.sid):
+            if block.sid and (ftype != CONTINUATION or sid != block.sid):
                 raise H2Error(f"{frame_name(ftype)} on stream {sid} inside the header block of stream "
                               f"{block.sid}")
-            if ftype == h2.HEADERS or ftype == h2.CONTINUATION:
+            if ftype == HEADERS or ftype == CONTINUATION:
+                if ftype == HEADERS and flags & _BLOCK_FLAGS == END_HEADERS and sid and length <= block_limit:
+                    self._header_block(sid, flags, [raw], raw[9:])  # block.add, inline
+                    continue
                 complete = block.add(ftype, flags, sid, raw)
                 if complete is not None:
                     self._header_block(*complete)
                 continue
             # the frame layer (frames.check); the commonest frames that pass it skip the call:
             # DATA on a stream without padding, WINDOW_UPDATE of 4 bytes
-            if ftype == h2.DATA:
-                if sid == 0 or flags & h2.PADDED:
+            if ftype == DATA:
+                if sid == 0 or flags & PADDED:
                     check(ftype, flags, sid, length, raw)
-            elif ftype != h2.WINDOW_UPDATE or length != 4:
+            elif ftype != WINDOW_UPDATE or length != 4:
                 check(ftype, flags, sid, length, raw)
-            if ftype == h2.DATA:
+            if ftype == DATA:
                 s = local.get(sid)
                 if s is not None:
                     self.refunds.conn += length
@@ -334,21 +358,21 @@ class RelayCore:
                 else:  # a stream the shim answered or refused (or no runtime): consume, refund
                     self.refunds.conn += length
                     self._late_frame(sid)
-            elif ftype == h2.WINDOW_UPDATE:
+            elif ftype == WINDOW_UPDATE:
                 self._client_window_update(sid, raw, relay)
-            elif ftype == h2.SETTINGS:
+            elif ftype == SETTINGS:
                 self._client_settings(flags, raw, length, relay)
-            elif ftype == h2.RST_STREAM:
+            elif ftype == RST_STREAM:
                 self._client_reset(sid, raw, relay)
-            elif ftype == h2.PING:
-                if flags & h2.ACK:
+            elif ftype == PING:
+                if flags & ACK:
                     if relay:
                         out.append(raw)
                 elif self.pings.answer_here(relay):
-                    self._emit(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
+                    self._emit(h2.frame(PING, ACK, 0, raw[9:]))
                 else:
                     out.append(raw)
-            elif ftype == h2.PRIORITY:
+            elif ftype == PRIORITY:
                 if relay and sid not in local and sid not in closed:
                     out.append(raw)
             elif relay:  # GOAWAY, and extension frames: the runtime ignores them
@@ -397,7 +421,7 @@ class RelayCore:
             if window.held:
                 out = self.output.frames
                 for held in window.release():
-                    if held[3] == h2.HEADERS or held[3] == h2.CONTINUATION:
+                    if held[3] == HEADERS or held[3] == CONTINUATION:
                         self._runtime_block(held[4], held)
                     else:
                         out.append(held)
@@ -422,7 +446,7 @@ class RelayCore:
             raise H2Error(f"WINDOW_UPDATE on idle stream {sid}")
 
     def _client_settings(self, flags: int, raw: bytes, length: int, relay: bool) -> None:
-        if flags & h2.ACK:
+        if flags & ACK:
             # The client acknowledged the oldest SETTINGS it got (each names a table size):
             # its table toward the runtime may not grow past that size (an update above it
             # is an error).
@@ -441,7 +465,7 @@ class RelayCore:
             self.settings.unacked.append(values)
             self.to_runtime.append(raw)
         else:
-            self._emit(h2.frame(h2.SETTINGS, h2.ACK, 0))
+            self._emit(h2.frame(SETTINGS, ACK, 0))
 
     def _apply_client_settings(self, values: dict[int, int], increases: bool) -> None:
         delta = self.settings.apply_client(values, increases)
@@ -518,7 +542,7 @@ class RelayCore:
                         opened=self._clock(), trusted=self.trusted, budgeted=memory.header_bytes(headers),
                         counted=True)
         streams.local[sid] = s
-        if flags & h2.END_STREAM:
+        if flags & END_STREAM:
             self.calls.request_complete(s)
 
     def _trailers(self, sid: int, flags: int, frames: list[bytes], block: bytes, relay: bool) -> None:
@@ -537,7 +561,7 @@ class RelayCore:
                 self._late_frame(sid)
             elif s.client_ended:
                 self.calls.reset(s, h2.STREAM_CLOSED)
-            elif not flags & h2.END_STREAM or malformed(fields, trailers=True):
+            elif not flags & END_STREAM or malformed(fields, trailers=True):
                 self.calls.reset(s, h2.PROTOCOL_ERROR)  # trailers end the stream, without pseudo-headers
             else:
                 self.calls.request_complete(s)
@@ -550,8 +574,8 @@ class RelayCore:
     def _cancel_upstream(self, sid: int, frames: list[bytes]) -> None:
         """Give the runtime a header block it must decode, on a stream that ends at once."""
         first = frames[0]
-        if first[4] & h2.END_STREAM:
-            first = first[:4] + bytes((first[4] & ~h2.END_STREAM,)) + first[5:]
+        if first[4] & END_STREAM:
+            first = first[:4] + bytes((first[4] & ~END_STREAM,)) + first[5:]
         self.to_runtime.append(first)
         self.to_runtime.extend(frames[1:])
         self.to_runtime.append(h2.rst_stream(sid, h2.CANCEL))
@@ -568,11 +592,11 @@ class RelayCore:
         """Answer a new stream with a status at once (its request is not needed)."""
         if inserted and self.phase is Phase.RELAY:
             self._cancel_upstream(sid, frames)
-        self.streams.remember(sid, State.CLOSED if flags & h2.END_STREAM else State.ANSWERED)
+        self.streams.remember(sid, State.CLOSED if flags & END_STREAM else State.ANSWERED)
         block = h2.encode_headers(grpcwire.trailers(code, message, trailers_only=True))
         self.pings.client_got_data = True
         self._emit(h2.headers_frames(sid, block, True, self.settings.client_max_frame))
-        if not flags & h2.END_STREAM:  # the client may still be sending: it can stop
+        if not flags & END_STREAM:  # the client may still be sending: it can stop
             self._emit(h2.rst_stream(sid, h2.NO_ERROR))
 
     def _late_frame(self, sid: int) -> None:
@@ -612,27 +636,27 @@ class RelayCore:
             sid &= 0x7FFFFFFF
             raw = buf[i:end]
             i = end
-            if ftype == h2.HEADERS or ftype == h2.DATA:
+            if ftype == HEADERS or ftype == DATA:
                 pings.runtime_spoke = True
-                if ftype == h2.HEADERS and relayed.get(sid) is _RELAYED:
-                    streams.relayed_event(sid, _RUNTIME_HEADERS)
+                if ftype == HEADERS and relayed.get(sid) is _RELAYED:
+                    relayed[sid] = _RESPONDING  # streams.relayed_event, inline
             if sid and sid in drop:
                 # The shim answers (or refused) this stream; the runtime only had to decode its
                 # header block. grpc-go may answer it before it reads our RST_STREAM (trailers,
                 # then RST_STREAM NO_ERROR): none of that is the client's. Its RST_STREAM is the
                 # last frame it sends on the stream; older entries go with the closed-stream memory.
-                if ftype == h2.RST_STREAM:
+                if ftype == RST_STREAM:
                     drop.discard(sid)
-                if ftype == h2.DATA and length:  # the client never sees it: the runtime gets its window back
+                if ftype == DATA and length:  # the client never sees it: the runtime gets its window back
                     self.to_runtime.append(h2.window_update(0, length))
                 continue
-            if ftype == h2.PING and not flags & h2.ACK and length == 8 and not sid and not self.runtime_slow:
+            if ftype == PING and not flags & ACK and length == 8 and not sid and not self.runtime_slow:
                 # The shim answers the runtime's PINGs (grpc-go's BDP probes, one per call,
                 # and keepalives): the client would only echo them back.
-                self.to_runtime.append(h2.frame(h2.PING, h2.ACK, 0, raw[9:]))
+                self.to_runtime.append(_PING_ACK_HEADER + raw[9:])
                 continue
-            if ftype == h2.SETTINGS:
-                if not flags & h2.ACK:
+            if ftype == SETTINGS:
+                if not flags & ACK:
                     raw = self._runtime_settings(raw)
                 elif self.settings.unacked:
                     try:
@@ -640,12 +664,12 @@ class RelayCore:
                     except H2Error as e:
                         self._close(e.code, str(e))
                         return
-            elif (ftype == h2.RST_STREAM or (flags & h2.END_STREAM and (ftype == h2.HEADERS or ftype == h2.DATA))) \
+            elif (ftype == RST_STREAM or (flags & END_STREAM and (ftype == HEADERS or ftype == DATA))) \
                     and sid in relayed:
                 streams.relayed_event(sid, _RUNTIME_END)
-            if ftype == h2.HEADERS or ftype == h2.DATA:
+            if ftype == HEADERS or ftype == DATA:
                 pings.client_got_data = True
-            if ftype == h2.DATA and length:
+            if ftype == DATA and length:
                 if held or window.window < length:
                     window.hold(raw)
                     continue
@@ -653,7 +677,7 @@ class RelayCore:
             elif held:
                 window.hold(raw)
                 continue
-            if ftype == h2.HEADERS or ftype == h2.CONTINUATION:
+            if ftype == HEADERS or ftype == CONTINUATION:
                 if output.runtime_block(flags, raw) and streams.local:
                     self.events.append(WindowOpened())  # the shim's senders may go on
                 continue

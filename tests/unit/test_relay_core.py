@@ -233,6 +233,34 @@ def test_header_block_over_the_limit_closes_the_connection_before_it_is_all_buff
     assert p.runtime_got() == []
 
 
+def test_a_single_headers_frame_over_the_limit_closes_the_connection_too() -> None:
+    p = Peers(limits(max_header_list_bytes=8192))
+    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1,
+                           request_block(VERSION, x_big="v" * 9000)))
+    assert "server.max_header_list_bytes" in closed_with(p, h2.PROTOCOL_ERROR)
+    assert p.runtime_got() == []
+
+
+@pytest.mark.parametrize("flags,prefix,padding", [
+    (h2.PADDED, b"\x03", b"\0\0\0"),
+    (h2.PRIORITY_FLAG, b"\0\0\0\0\x10", b""),
+    (h2.PADDED | h2.PRIORITY_FLAG, b"\x02\0\0\0\0\x10", b"\0\0"),
+])
+def test_padding_and_priority_in_headers_are_not_part_of_the_header_block(flags: int, prefix: bytes,
+                                                                            padding: bytes) -> None:
+    """The path is read from the block alone: a refused service is refused, a relayed call goes
+    on byte for byte (padding and priority included)."""
+    p = Peers()
+    flags |= h2.END_HEADERS | h2.END_STREAM
+    p.from_client(h2.frame(h2.HEADERS, flags, 1, prefix + request_block("/containerd.services.images.v1.Images/Delete")
+                           + padding))
+    assert p.runtime_got() == []
+    assert grpc_status(p.client_got(), 1)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    relayed = h2.frame(h2.HEADERS, flags, 3, prefix + request_block(VERSION) + padding)
+    p.from_client(relayed)
+    assert p.core.take_runtime() == relayed
+
+
 def test_decoded_header_list_over_the_limit_refuses_the_stream_and_keeps_hpack_in_step() -> None:
     """A small block that references a big table entry many times (decoded, 90 KB)."""
     p = Peers(limits(max_header_list_bytes=16384))
