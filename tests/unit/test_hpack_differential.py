@@ -17,10 +17,11 @@ all headers (intercepted calls) and ``:path`` only (relayed calls; the table mus
 Corrupted blocks only with all headers: for relayed calls the relay leaves values it does not
 need undecoded, so a bad Huffman string there is the runtime's to refuse.
 
-The shim tells clients that the runtime's table is 0 bytes (README, "How it works"). Once the
-client has acknowledged that, the client may only send a size update to 0, at the start of a
-block; a larger one, or one after a header field, is a COMPRESSION_ERROR (RFC 7541 4.2, 6.3;
-h2spec hpack/6.3). ``allowed_max`` is the decoder's name for the advertised size.
+The shim advertises a table size to clients: the runtime's, at most ``settings.MAX_TABLE_SIZE``,
+or 0 while it answers without a runtime (docs/design.md, the relay). Once the client has
+acknowledged 0, it may only send a size update to 0, at the start of a block; a larger one, or
+one after a header field, is a COMPRESSION_ERROR (RFC 7541 4.2, 6.3; h2spec hpack/6.3).
+``allowed_max`` is the decoder's name for the advertised size.
 
 Deterministic (fixed seeds): 3,000 valid blocks, then up to 3,000 corrupted or random ones (a
 connection ends at its first refused block); about 5 s.
