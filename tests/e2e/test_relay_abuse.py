@@ -127,7 +127,7 @@ class Honest(threading.Thread):
         with grpc.insecure_channel(cri.target(self.path), options=[("grpc.enable_retries", 0)]) as channel:
             calls = [(channel.unary_unary(VERSION), request, "Version")]
             calls += [(channel.unary_unary(cri.method_path(m)), r, m) for m, r in self.also]
-            i = 0
+            i, started = 0, time.monotonic()
             while not self._halt.is_set():
                 i += 1
                 fresh = bool(self.fresh_every) and i % self.fresh_every == 0
@@ -142,7 +142,8 @@ class Honest(threading.Thread):
                             stub(req, timeout=10)
                     except Exception as e:  # noqa: BLE001  every failure is reported
                         code = e.code().name if isinstance(e, grpc.RpcError) else ""  # type: ignore[attr-defined]
-                        self.failures.append(f"{name}, {'new' if fresh else 'kept'} connection: {code} {e}"[:300])
+                        self.failures.append(f"{name}, {'new' if fresh else 'kept'} connection, sent at "
+                                             f"+{t0 - started:.1f} s: {code} {e}"[:300])
                     self.calls += 1
                     self.latencies.append(time.monotonic() - t0)
                 self.first.set()
@@ -719,7 +720,8 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
             assert big == {"8": 40, "answered": 40}, big  # RESOURCE_EXHAUSTED, each on its declared length
             assert near.get("8", 0) > 0 and near["answered"] < 40, near  # some queued, the rest refused
             assert growth <= MEMORY_RSS_BOUND_MIB, f"RSS grew {growth:.0f} MiB (bound {MEMORY_RSS_BOUND_MIB})"
-            assert not kubelet.failures, f"{len(kubelet.failures)} of {kubelet.calls} failed: {kubelet.failures[:3]}"
+            assert not kubelet.failures, (f"{len(kubelet.failures)} of {kubelet.calls} failed: {kubelet.failures[:3]}\n"
+                                          f"the shim's log:\n{shim.logs()[-3000:]}")
             assert lat[-1] <= LATENCY_BOUND_S, f"a kubelet call took {lat[-1]:.2f} s"
             st = await _back_to_idle(admin, 0)
             assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
