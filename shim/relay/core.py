@@ -138,7 +138,6 @@ _RUNTIME_END = On.RUNTIME_END
 _RESPONDING = TRANSITIONS[(State.RELAYED, On.RUNTIME_HEADERS)]
 # a HEADERS frame that is a whole header block by itself, its payload the block (HeaderBlock.add's commonest case)
 _BLOCK_FLAGS = END_HEADERS | PADDED | PRIORITY_FLAG
-_PING_ACK_HEADER = h2.frame(PING, ACK, 0, bytes(8))[:9]
 
 
 class RelayCore:
@@ -369,7 +368,7 @@ class RelayCore:
                     if relay:
                         out.append(raw)
                 elif self.pings.answer_here(relay):
-                    self._emit(h2.frame(PING, ACK, 0, raw[9:]))
+                    self._emit(h2.PING_ACK_HEADER + raw[9:])  # frames.check: a PING's payload is 8 bytes
                 else:
                     out.append(raw)
             elif ftype == PRIORITY:
@@ -653,7 +652,7 @@ class RelayCore:
             if ftype == PING and not flags & ACK and length == 8 and not sid and not self.runtime_slow:
                 # The shim answers the runtime's PINGs (grpc-go's BDP probes, one per call,
                 # and keepalives): the client would only echo them back.
-                self.to_runtime.append(_PING_ACK_HEADER + raw[9:])
+                self.to_runtime.append(h2.PING_ACK_HEADER + raw[9:])
                 continue
             if ftype == SETTINGS:
                 if not flags & ACK:

@@ -45,6 +45,10 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return bytes((n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, ftype, flags)) + _HDR.pack(stream_id & 0x7FFFFFFF) + payload
 
 
+# the 9-byte header of a PING ACK: the answer to a PING is this plus its 8-byte payload
+PING_ACK_HEADER = frame(PING, ACK, 0, bytes(8))[:9]
+
+
 def window_update(stream_id: int, increment: int) -> bytes:
     return frame(WINDOW_UPDATE, 0, stream_id, _HDR.pack(increment))
 
