@@ -185,7 +185,9 @@ class PullsConfig:
     progress_log_after_seconds: float = knob(10.0, duration())  # 25/50/75/100 % of pulls this long: info
     stall_timeout_seconds: float = knob(0.0, duration())  # 0 = stall guard off
     stall_min_bytes_per_second: int = knob(65536, size())
-    no_progress_timeout_seconds: float = knob(60.0, duration())  # no manifest and no byte this long: ended; 0 = off
+    # no manifest and no byte this long: ended; progress not judged (CRI-O, progress off): the slot is
+    # given back and the pull goes on (pulls/lease.py); 0 = both off
+    no_progress_timeout_seconds: float = knob(60.0, duration())
 
 
 MIN_PROGRESS_INTERVAL = 0.1

@@ -71,6 +71,9 @@ class Metrics(PullEvents):
         self.pull_no_progress = Counter("cri_shim_pull_no_progress", "Upstream pulls cancelled by the no-progress "
                                         "guard (pulls.no_progress_timeout_seconds), by the phase they hung in "
                                         "(resolving, downloading).", ["phase"], registry=r)
+        self.pull_slot_released = Counter("cri_shim_pull_slot_released", "Upstream pulls that went on without a "
+                                          "pull slot: unanswered after pulls.no_progress_timeout_seconds while "
+                                          "their progress could not be judged (e.g. CRI-O).", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 
@@ -87,6 +90,9 @@ class Metrics(PullEvents):
 
     def flight_finished(self, flight: Flight, seconds: float) -> None:
         self.pulls_total.labels(flight.result or "cancelled").inc()
+
+    def flight_released(self, flight: Flight, why: str) -> None:
+        self.pull_slot_released.inc()
 
     # cri.call.CallObserver (intercepted calls only: passthrough is not timed)
     def observe_call(self, method: str, seconds: float, code: grpc.StatusCode) -> None:

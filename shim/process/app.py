@@ -26,6 +26,7 @@ from ..images.service import ImageService
 from ..imagesets import ImageSets
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
+from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
 from ..runtime_handlers.resolver import HandlerResolver, compile_rules
@@ -54,6 +55,8 @@ class App:
                                        dedup=cfg.pulls.dedup, observers=[self.metrics])
         self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
         self.scheduler.observers.append(self.progress)
+        self.lease = SlotLease(self.scheduler, self.progress.unjudged, cfg.pulls.no_progress_timeout_seconds)
+        self.scheduler.observers.append(self.lease)
         self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
         self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         self.image_sets: ImageSets | None = None
@@ -80,6 +83,7 @@ class App:
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
         self.images.pins_wait_seconds = cfg.image_sets.pins_wait_seconds
         self.progress.configure(cfg.pulls)
+        self.lease.configure(cfg.pulls.no_progress_timeout_seconds)
 
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""

@@ -90,6 +90,8 @@ def _pull_line(p: dict[str, Any]) -> str:
     if "running_seconds" in p:
         parts.append(f"running {_secs(p['running_seconds'])}")
         parts.append(f"(queued {_secs(p.get('queued_seconds', 0))})")
+        if "slot_released_seconds" in p:
+            parts.append(f"no slot for {_secs(p['slot_released_seconds'])} (progress not judged)")
     else:
         parts.append(f"queued {_secs(p.get('queued_seconds', 0))}")
     return "  ".join(parts)
@@ -160,7 +162,9 @@ def render(doc: dict[str, Any]) -> str:
     pulls = doc.get("pulls", {})
     running, queued = pulls.get("in_flight", []), pulls.get("queued", [])
     cap = pulls.get("max_parallel", 0)
-    lines.append(f"pulls      {len(running)} running, {len(queued)} queued  "
+    released = sum(1 for p in running if "slot_released_seconds" in p)
+    lines.append(f"pulls      {len(running)} running{f' ({released} without a slot)' if released else ''}, "
+                 f"{len(queued)} queued  "
                  f"(max_parallel {cap or 'unlimited'}, collapse {'on' if pulls.get('dedup', True) else 'off'})")
     for label, rows in (("running", running), ("queued", queued)):
         for i, p in enumerate(rows):

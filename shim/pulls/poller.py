@@ -25,7 +25,8 @@ same to a pull that made no progress at all for that long, so that hung registri
 cannot hold every slot of the pull cap: while ``resolving``, no manifest or index of
 its repository changed and no ingest that is no known pull's moved; while
 ``downloading``, its bytes done did not grow. ``unpacking`` always counts as progress;
-a pull whose progress is ``unknown`` is not judged. A pull with no download of its own
+a pull whose progress is ``unknown`` is not judged here: after the same timeout it gives
+back its slot instead (lease.py, asking ``unjudged``). A pull with no download of its own
 open may be waiting for the runtime (containerd 2.x's transfer service downloads at most
 ``max_concurrent_downloads`` blobs node-wide): it is ended only once no ingest on the
 node has moved for the timeout either.
@@ -201,6 +202,15 @@ class ProgressPoller(PullEvents):
             if blobs:
                 self.cleanups.append(_Cleanup(blobs, self.clock() + CLEANUP_SECONDS))
         self._publish_gauges()
+
+    def unjudged(self, flight: Flight) -> str | None:
+        """Why the no-progress guard cannot judge ``flight`` now (None: it does; lease.py)."""
+        if not self.enabled:
+            return "pull progress is off (pulls.progress_interval_seconds: 0)"
+        t = self.running.get(flight.seq)
+        if t is None:
+            return "its progress is not followed"
+        return None if t.stalled else t.progress.unknown
 
     def view(self, flight_id: int) -> dict[str, Any] | None:
         t = self.running.get(flight_id)

@@ -21,6 +21,10 @@ Each caller waits with its own deadline; the flight goes on while anyone waits
 last waiter leaves. Results and errors fan out to every waiter still there. A
 finished flight is forgotten at once: a later pull goes upstream again.
 
+A running flight may be *released* (``release``, the slot lease of lease.py): it goes on
+upstream and its callers keep waiting for it (identical pulls still join it), but it no
+longer counts against the cap, and the next queued flight starts.
+
 Queues are FIFO within a class; foreground (kubelet, any CRI client) goes before
 background (image-set prefetch), which also has its own sub-cap. A foreground
 caller joining a queued background flight lifts it into the foreground queue.
@@ -79,6 +83,9 @@ class PullEvents:
     def flight_finished(self, flight: Flight, seconds: float) -> None:
         """``flight`` ended (``flight.result``: success | error | cancelled) after ``seconds`` upstream."""
 
+    def flight_released(self, flight: Flight, why: str) -> None:
+        """``flight`` goes on upstream without a slot (``PullScheduler.release``), because ``why``."""
+
 
 Runner = Callable[[], Awaitable[bytes]]
 # A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
@@ -97,6 +104,7 @@ class Flight:
     started_at: float | None = None
     task: asyncio.Task[None] | None = field(default=None, repr=False)
     result: str | None = None  # success | error | cancelled, once finished
+    released_at: float | None = None  # when it stopped holding a slot (release); it still runs
     listeners: list[Listener] = field(default_factory=list)  # of the callers waiting now
 
     @property
@@ -117,7 +125,8 @@ class PullScheduler:
         self._clock = clock
         self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
         self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
-        self._running: set[Flight] = set()
+        self._running: set[Flight] = set()  # upstream, each holding a slot
+        self._released: set[Flight] = set()  # upstream, holding none (release)
         self._seq = itertools.count()
         self._closed: RpcError | None = None
 
@@ -182,10 +191,29 @@ class PullScheduler:
     def fail_running(self, flight: Flight, error: RpcError) -> bool:
         """End a running flight with ``error`` for every waiter and cancel its upstream call
         (the stall guard). False if it is not running any more."""
-        if flight not in self._running or flight.future.done():
+        if (flight not in self._running and flight not in self._released) or flight.future.done():
             return False
         self._abandon(flight, error)
         return True
+
+    def release(self, flight: Flight, why: str) -> bool:
+        """``flight`` goes on upstream and its callers keep waiting, but it stops holding its
+        slot: the next queued flight starts. False if it holds none (finished, or released)."""
+        if flight not in self._running or flight.future.done():
+            return False
+        self._running.discard(flight)
+        self._released.add(flight)
+        flight.released_at = self._clock()
+        for o in self.observers:
+            o.flight_released(flight, why)
+        self._dispatch()
+        self._changed()
+        return True
+
+    @property
+    def holding(self) -> list[Flight]:
+        """The running flights that hold a slot."""
+        return sorted(self._running, key=lambda f: f.seq)
 
     @property
     def queued(self) -> int:
@@ -193,7 +221,8 @@ class PullScheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self._running)
+        """Upstream pulls running, with a slot or released."""
+        return len(self._running) + len(self._released)
 
     def snapshot(self) -> dict[str, list[dict[str, object]]]:
         """Queue and in-flight pulls for `cri-shim status` (no credentials: keys hold hashes)."""
@@ -205,10 +234,13 @@ class PullScheduler:
                                     "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
             if f.started_at is not None:
                 d["running_seconds"] = round(now - f.started_at, 3)
+            if f.released_at is not None:
+                d["slot_released_seconds"] = round(now - f.released_at, 3)
             return d
 
         queue = [row(f) for p in Priority for f in self._queues[p]]
-        return {"queued": queue, "in_flight": [row(f) for f in sorted(self._running, key=lambda f: f.seq)]}
+        running = sorted(self._running | self._released, key=lambda f: f.seq)
+        return {"queued": queue, "in_flight": [row(f) for f in running]}
 
     # ------------------------------------------------------------------ internals
 
@@ -298,6 +330,7 @@ class PullScheduler:
             flight.result = "cancelled"
             self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
         self._running.discard(flight)
+        self._released.discard(flight)
         seconds = self._clock() - (flight.started_at or self._clock())
         for o in self.observers:
             o.flight_finished(flight, seconds)

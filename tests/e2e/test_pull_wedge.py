@@ -7,6 +7,11 @@ callers (collapsed ones too) with UNAVAILABLE naming what happened, and let a he
 pull queued behind them start within the timeout and succeed. A healthy pull at 100 KB/s
 (containerd moves an ingest's offset in 1 MiB steps, every ~10 s at that rate) is never
 ended.
+
+Where the shim cannot see progress (CRI-O has no containerd content API; containerd with
+``pulls.progress_interval_seconds: 0``) no one can tell a hung registry from a slow one:
+there a pull still unanswered after the same timeout gives back its slot and goes on
+(shim/pulls/lease.py), so the healthy pull still starts, and nothing is ended.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import pytest
 
 from shim.process.admin import fetch_status
 from tests.support import cri, oci
+from tests.support.fixtures import CRIO, CriRuntime
 
 pytestmark = pytest.mark.e2e
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -109,3 +115,61 @@ async def test_a_slow_healthy_pull_is_not_ended(containerd_factory, make_image, 
     assert cri.decode_pull_image_response(result)
     assert took > 25  # it really was that slow
     assert "made no progress" not in shim.log_text()
+
+
+@pytest.mark.parametrize("cri_runtime", ["containerd-1.6", CRIO], indirect=True)
+async def test_hung_pulls_whose_progress_is_unknown_give_back_their_slots(
+        cri_runtime: CriRuntime, make_image, proxy, shim_factory) -> None:
+    """Two hung pulls (manifest, blob) fill ``max_parallel: 2`` where progress is unknown. After
+    the timeout they run on without a slot: the healthy pull queued behind them starts and
+    succeeds, the hung callers are not ended by the shim, and once the registry gives up they
+    get the runtime's own answer."""
+    manifest_hang = make_image()
+    blob_hang = make_image(layers=[oci.make_layer({"big.bin": os.urandom(4 * MiB)})])
+    healthy = make_image(layers=[oci.make_layer({"ok.bin": os.urandom(MiB)})])
+    proxy.hang(manifest_hang.repository, manifest=True)
+    proxy.hang(blob_hang.repository, blob_after=MiB + MiB // 2)
+    pulls: dict[str, object] = {"max_parallel": 2, "no_progress_timeout_seconds": NO_PROGRESS}
+    if not cri_runtime.is_crio:
+        pulls["progress_interval_seconds"] = 0  # containerd, with the progress the guard needs turned off
+    shim = shim_factory({"pulls": pulls}, upstream=cri_runtime.socket)
+    async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+        pull = ch.unary_unary(PULL)
+
+        async def timed(ref: str) -> tuple[float, object]:
+            try:
+                answer: object = await pull(cri.pull_image_request(ref), timeout=NO_DEADLINE)
+            except grpc.aio.AioRpcError as e:
+                answer = e
+            return time.monotonic(), answer
+
+        hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
+        await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
+        await until(lambda: proxy.stats().manifest_requests_for(manifest_hang.repository, "v1") > 0
+                    and proxy.stats().blob_requests_for(blob_hang.repository, "v1") >= 2,
+                    "both registries hang (a manifest unanswered; the layer, after the config, stops mid-way)")
+        queued_at = time.monotonic()
+        healthy_call = asyncio.ensure_future(timed(healthy.ref))
+        await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
+                    "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
+        started_after = time.monotonic() - queued_at
+        done_at, result = await asyncio.wait_for(healthy_call, 60)
+        rows = {r["image"]: r for r in await asyncio.to_thread(in_flight, shim)}
+        released = sorted(ref for ref, r in rows.items() if "slot_released_seconds" in r)
+        still_waiting = [not h.done() for h in hung]
+        proxy.unhang()  # the registry gives up: its connections close
+        answers = [await asyncio.wait_for(h, 120) for h in hung]
+    print(f"\n{cri_runtime.name}: healthy pull queued behind 2 hung ones (progress unknown) started after "
+          f"{started_after:.1f} s, done after {done_at - queued_at:.1f} s; released: {released}")
+    for _, e in answers:
+        print(f"  hung caller, after the registry gave up: "
+              f"{e.code().name + ': ' + e.details() if isinstance(e, grpc.aio.AioRpcError) else 'the image'}")
+    assert not isinstance(result, grpc.aio.AioRpcError), result
+    assert cri.decode_pull_image_response(result)
+    assert started_after < NO_PROGRESS + 15
+    assert released == sorted([manifest_hang.ref, blob_hang.ref])
+    assert all(still_waiting)  # released, not ended
+    log = shim.log_text()
+    assert "without a pull slot" in log and "made no progress" not in log
+    for _, e in answers:  # whatever the runtime answered, the shim ended none of them
+        assert not (isinstance(e, grpc.aio.AioRpcError) and e.details().startswith("cri-shim:")), e.details()

@@ -1,5 +1,6 @@
-"""Property: under random cancels, timeouts and errors the cap holds, no slot leaks,
-and every caller that stays gets an answer (the runtime's or its own deadline)."""
+"""Property: under random cancels, timeouts, errors and slot releases (the slot lease) the
+cap holds for the pulls that hold a slot, no slot leaks, and every caller that stays gets
+an answer (the runtime's or its own deadline)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,14 @@ async def _settle(done: Callable[[], bool], steps: int = 10_000) -> None:
 
 async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
     s = PullScheduler(max_parallel=cap, background_max_parallel=bg_cap)
-    active = {"n": 0, "max": 0, "held": 0}
+    active = {"n": 0, "max": 0, "held": 0, "released": 0}
     slow_gate = asyncio.Event()  # "slow" pulls hold their slot until the end of the scenario
 
     def runner(image: str, behaviour: str, delay_steps: int):
         async def run() -> bytes:
             active["n"] += 1
             active["max"] = max(active["max"], active["n"])
-            assert s.in_flight <= cap
+            assert len(s.holding) <= cap and s.in_flight <= cap + active["released"]
             assert sum(f.priority is Priority.BACKGROUND for f in s._running) < cap  # one slot is foreground's
             try:
                 for _ in range(delay_steps):
@@ -85,6 +86,8 @@ async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
         tasks.append((t, behaviour))
         if rnd.random() < 0.5:
             await asyncio.sleep(0)
+        if rnd.random() < 0.2 and s.holding:  # the lease ends for a running pull (lease.py)
+            active["released"] += s.release(rnd.choice(s.holding), "progress not judged")
     for t, behaviour in tasks:
         if behaviour == "cancel" and rnd.random() < 0.8:
             t.cancel()
@@ -94,11 +97,11 @@ async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
     if deadlined:
         await asyncio.wait(deadlined, timeout=10)
     assert all(t.done() for t in deadlined)
-    assert active["held"] <= s.in_flight <= cap
+    assert active["held"] <= s.in_flight <= cap + active["released"] and len(s.holding) <= cap
     slow_gate.set()
     results = await asyncio.wait_for(asyncio.gather(*(t for t, _ in tasks), return_exceptions=True), 10)
     await _settle(lambda: s.in_flight == 0 and s.queued == 0 and active["n"] == 0)
-    assert active["max"] <= cap
+    assert active["max"] <= cap + active["released"]
     assert not s._flights  # nothing left behind
     for r in results:
         assert isinstance(r, (tuple, asyncio.CancelledError))
