@@ -170,16 +170,20 @@ async def run(targets: dict[str, str], pids: dict[str, int], calls: int, tput_se
             out["throughput_calls_per_s"][name] = {p: round(rate[p]) for p in PATHS} | {
                 "socat_ratio": round(rate["socat"] / rate["direct"], 2),
                 "shim_ratio": round(rate["shim"] / rate["direct"], 2)}
-        # CPU for the same calls: the four methods in turn, 16 callers, through socat then the shim
+        # CPU for the same calls: the four methods in turn, 16 callers, direct, through socat, through
+        # the shim: the relay's, the runtime's and this client's own (gRPC's threads included)
         cpu: dict = {"calls": cpu_calls}
-        for via, children in (("socat", True), ("shim", False)):
-            before = (cpu_seconds(pids[via], children), cpu_seconds(pids["runtime"]))
+        me = os.getpid()
+        for via, children in (("direct", False), ("socat", True), ("shim", False)):
+            relay = pids.get(via)
+            before = (cpu_seconds(relay, children) if relay else 0.0, cpu_seconds(pids["runtime"]), cpu_seconds(me))
             for method, req in cases.values():
                 await callers(chans[via].unary_unary(method), req, calls=cpu_calls // len(cases))
-            after = (cpu_seconds(pids[via], children), cpu_seconds(pids["runtime"]))
+            after = (cpu_seconds(relay, children) if relay else 0.0, cpu_seconds(pids["runtime"]), cpu_seconds(me))
             per = 10000 / cpu_calls
             cpu[via] = {"relay_s_per_10k": round((after[0] - before[0]) * per, 2),
-                        "runtime_s_per_10k": round((after[1] - before[1]) * per, 2)}
+                        "runtime_s_per_10k": round((after[1] - before[1]) * per, 2),
+                        "client_s_per_10k": round((after[2] - before[2]) * per, 2)}
             cpu[via]["ratio"] = round(cpu[via]["relay_s_per_10k"] / cpu[via]["runtime_s_per_10k"], 2) \
                 if cpu[via]["runtime_s_per_10k"] else None
         out["cpu"] = cpu
@@ -216,9 +220,11 @@ def report(result: dict) -> None:
               f"  shim {r['shim']:>6} ({r['shim_ratio']}x)")
     c = result["cpu"]
     print(f"\nCPU seconds per 10,000 calls ({c['calls']} calls, the four methods, {CALLERS} callers):")
+    d = c["direct"]
+    print(f"  direct       : runtime {d['runtime_s_per_10k']:>5}  client {d['client_s_per_10k']:>5}")
     for via in ("socat", "shim"):
         print(f"  through {via:5}: {via} {c[via]['relay_s_per_10k']:>5}  runtime {c[via]['runtime_s_per_10k']:>5}"
-              f"  ({c[via]['ratio']}x the runtime's)")
+              f"  client {c[via]['client_s_per_10k']:>5}  ({c[via]['ratio']}x the runtime's)")
     s = result["soak"]
     print(f"\nshim RSS over {s['calls']} calls: {s['rss_mib_before']} -> {s['rss_mib_after']} MiB "
           f"(max {s['rss_mib_max']}), fds {s['fds_before']} -> {s['fds_after']}")

@@ -16,7 +16,9 @@ command when missing, failing under CI=true.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from tests.support.crictl import Crictl
 from tests.support.crio import Crio
 from tests.support.fixtures import ShimFactory
 from tests.support.node import (  # noqa: F401  (fixtures)
+    APPLETS,
+    BUSYBOX,
     Kubelet,
     NodeImages,
     container_inspect,
@@ -35,6 +39,8 @@ from tests.support.node import (  # noqa: F401  (fixtures)
     kubelet_factory,
     node_binaries,
     node_images,
+    rootfs_image,
+    rootfs_layer,
     static_pod,
     wait_running,
 )
@@ -119,3 +125,51 @@ async def test_kubelet_runs_a_static_pod_on_crio_through_the_shim(
     created = "msg=relayed method=/runtime.v1.RuntimeService/CreateContainer" in shim.log_text()
     assert created is (mode == "full"), mode
     assert kubelet.running, kubelet.log_tail()
+
+
+async def test_hung_registries_do_not_keep_a_healthy_pod_from_running_on_crio(
+        node_crio: Crio, node_images: NodeImages, registry: RegistryWithProxy, crio_shim: ShimFactory,
+        kubelet_factory) -> None:
+    """CRI-O shows the shim no pull progress, so nothing can tell these two hung pulls (a manifest
+    never answered, a blob stopped mid-way) from slow ones. They fill ``max_parallel: 2``; after
+    the no-progress timeout they go on without their slots, and a healthy pod added behind them
+    reaches Running (tests/node/test_kubelet_wedge.py is the same on containerd, where the
+    hung pulls are ended)."""
+    no_progress = 6
+    proxy = registry.proxy
+    assert proxy is not None
+    suffix = f"{os.getpid()}-{time.monotonic_ns()}"
+    hung_manifest = node_images.variant(registry, f"node/crio-hang-manifest-{suffix}")
+    hung_blob = registry.push(rootfs_image(
+        [rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755), "filler.bin": (os.urandom(4 << 20), 0o644)},
+                      {f"bin/{a}": "busybox" for a in APPLETS})], cmd=["sleep", "3600"], unique=suffix),
+        f"node/crio-hang-blob-{suffix}", "1")
+    healthy_image = node_images.variant(registry, f"node/crio-healthy-{suffix}")
+    proxy.hang(hung_manifest.repository, manifest=True)
+    proxy.hang(hung_blob.repository, blob_after=3 << 19)  # 1.5 MiB, then nothing
+    try:
+        shim = crio_shim({"pulls": {"max_parallel": 2, "no_progress_timeout_seconds": no_progress}})
+        kubelet: Kubelet = kubelet_factory(runtime_endpoint=shim.endpoint, image_endpoint=shim.endpoint)
+        kubelet.wait_healthy()
+        kubelet.add_static_pod(host_network_pod("hung-manifest", hung_manifest.ref))
+        kubelet.add_static_pod(host_network_pod("hung-blob", hung_blob.ref))
+        await asyncio.to_thread(proxy.wait_until, lambda s: s.manifest_requests_for(
+            hung_manifest.repository, hung_manifest.tag) > 0 and s.inflight_blob_gets > 0, 60)
+        t0 = time.monotonic()
+        kubelet.add_static_pod(host_network_pod("healthy", healthy_image.ref))
+        healthy = kubelet.pod_name("healthy")
+        via_shim = Crictl(shim.endpoint, timeout=60)
+
+        def why() -> str:
+            return f"--- kubelet:\n{kubelet.log_tail()}\n--- shim:\n{shim.log_tail()}"
+
+        await asyncio.to_thread(wait_running, via_shim, {healthy}, timeout=120, why=why)
+        took = time.monotonic() - t0
+        released = shim.log_text().count("it goes on without a pull slot")
+        print(f"\nCRI-O: healthy pod Running {took:.1f} s after it was added behind 2 hung pulls "
+              f"(no-progress timeout {no_progress} s); pulls that gave back their slot: {released}")
+        assert released >= 1, shim.log_tail()
+        assert "made no progress" not in shim.log_text()  # nothing judged, nothing ended
+        assert took < 90
+    finally:
+        proxy.unhang()
