@@ -140,10 +140,7 @@ async def test_hung_registries_do_not_keep_a_healthy_pod_from_running_on_crio(
     assert proxy is not None
     suffix = f"{os.getpid()}-{time.monotonic_ns()}"
     hung_manifest = node_images.variant(registry, f"node/crio-hang-manifest-{suffix}")
-    hung_blob = registry.push(rootfs_image(
-        [rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755), "filler.bin": (os.urandom(4 << 20), 0o644)},
-                      {f"bin/{a}": "busybox" for a in APPLETS})], cmd=["sleep", "3600"], unique=suffix),
-        f"node/crio-hang-blob-{suffix}", "1")
+    hung_blob = node_images.with_filler(registry, f"node/crio-hang-blob-{suffix}", 4)
     healthy_image = node_images.variant(registry, f"node/crio-healthy-{suffix}")
     proxy.hang(hung_manifest.repository, manifest=True)
     proxy.hang(hung_blob.repository, blob_after=3 << 19)  # 1.5 MiB, then nothing

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -46,39 +47,59 @@ async def until(predicate, what: str, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.2)
 
 
-async def test_hung_pulls_cannot_hold_every_slot(ctd_socket, make_image, proxy, shim_factory) -> None:
+def hung_registries(make_image, proxy) -> tuple[oci.PushedImage, oci.PushedImage, oci.PushedImage]:
+    """Three images: one whose registry never answers the manifest, one whose layer stops after
+    1.5 MiB (containerd shows its first MiB, then nothing), and a healthy one."""
     manifest_hang = make_image()
     blob_hang = make_image(layers=[oci.make_layer({"big.bin": os.urandom(4 * MiB)})])
     healthy = make_image(layers=[oci.make_layer({"ok.bin": os.urandom(MiB)})])
     proxy.hang(manifest_hang.repository, manifest=True)
-    proxy.hang(blob_hang.repository, blob_after=MiB + MiB // 2)  # containerd shows the first MiB, then nothing
+    proxy.hang(blob_hang.repository, blob_after=MiB + MiB // 2)
+    return manifest_hang, blob_hang, healthy
+
+
+def timed_puller(ch: grpc.aio.Channel) -> Callable[[str], Awaitable[tuple[float, object]]]:
+    """``timed(ref)``: a PullImage with no deadline, as kubelet's -> (when it was answered, the answer or error)."""
+    pull = ch.unary_unary(PULL)
+
+    async def timed(ref: str) -> tuple[float, object]:
+        try:
+            answer: object = await pull(cri.pull_image_request(ref), timeout=NO_DEADLINE)
+        except grpc.aio.AioRpcError as e:
+            answer = e
+        return time.monotonic(), answer
+    return timed
+
+
+async def pull_behind_them(timed: Callable[[str], Awaitable[tuple[float, object]]], proxy,
+                           healthy: oci.PushedImage) -> tuple[float, float, object]:
+    """Pull ``healthy`` behind the hung pulls: (seconds until it reached its registry, seconds
+    until it was answered, the answer)."""
+    queued_at = time.monotonic()
+    call = asyncio.ensure_future(timed(healthy.ref))
+    await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
+                "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
+    started_after = time.monotonic() - queued_at
+    done_at, result = await asyncio.wait_for(call, 60)
+    return started_after, done_at - queued_at, result
+
+
+async def test_hung_pulls_cannot_hold_every_slot(ctd_socket, make_image, proxy, shim_factory) -> None:
+    manifest_hang, blob_hang, healthy = hung_registries(make_image, proxy)
     shim = shim_factory({"pulls": {"max_parallel": 2, "progress_interval_seconds": 0.5,
                                    "no_progress_timeout_seconds": NO_PROGRESS}}, upstream=ctd_socket)
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-        pull = ch.unary_unary(PULL)
-
-        async def timed(ref: str) -> tuple[float, object]:
-            try:
-                answer: object = await pull(cri.pull_image_request(ref), timeout=NO_DEADLINE)
-            except grpc.aio.AioRpcError as e:
-                answer = e
-            return time.monotonic(), answer
-
+        timed = timed_puller(ch)
         t0 = time.monotonic()
         hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
         await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
         await until(lambda: any(r["image"] == blob_hang.ref and r.get("progress", {}).get("bytes_done", 0) >= MiB
                                 for r in in_flight(shim)), "the blob hangs mid-way (status shows its first MiB)")
         assert proxy.stats().manifest_requests_for(healthy.repository, "v1") == 0
-        queued_at = time.monotonic()
-        healthy_call = asyncio.ensure_future(timed(healthy.ref))
-        await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
-                    "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
-        started_after = time.monotonic() - queued_at
-        done_at, result = await asyncio.wait_for(healthy_call, 60)
+        started_after, took, result = await pull_behind_them(timed, proxy, healthy)
         answers = [await asyncio.wait_for(h, 30) for h in hung]
     print(f"\n{ctd_socket}: healthy pull queued behind 2 hung ones started after {started_after:.1f} s, "
-          f"done after {done_at - queued_at:.1f} s (no-progress timeout {NO_PROGRESS:g} s)")
+          f"done after {took:.1f} s (no-progress timeout {NO_PROGRESS:g} s)")
     for at, e in answers:
         print(f"  hung caller answered after {at - t0:.1f} s: "
               f"{e.code().name if isinstance(e, grpc.aio.AioRpcError) else e}: "
@@ -124,43 +145,26 @@ async def test_hung_pulls_whose_progress_is_unknown_give_back_their_slots(
     the timeout they run on without a slot: the healthy pull queued behind them starts and
     succeeds, the hung callers are not ended by the shim, and once the registry gives up they
     get the runtime's own answer."""
-    manifest_hang = make_image()
-    blob_hang = make_image(layers=[oci.make_layer({"big.bin": os.urandom(4 * MiB)})])
-    healthy = make_image(layers=[oci.make_layer({"ok.bin": os.urandom(MiB)})])
-    proxy.hang(manifest_hang.repository, manifest=True)
-    proxy.hang(blob_hang.repository, blob_after=MiB + MiB // 2)
+    manifest_hang, blob_hang, healthy = hung_registries(make_image, proxy)
     pulls: dict[str, object] = {"max_parallel": 2, "no_progress_timeout_seconds": NO_PROGRESS}
     if not cri_runtime.is_crio:
         pulls["progress_interval_seconds"] = 0  # containerd, with the progress the guard needs turned off
     shim = shim_factory({"pulls": pulls}, upstream=cri_runtime.socket)
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-        pull = ch.unary_unary(PULL)
-
-        async def timed(ref: str) -> tuple[float, object]:
-            try:
-                answer: object = await pull(cri.pull_image_request(ref), timeout=NO_DEADLINE)
-            except grpc.aio.AioRpcError as e:
-                answer = e
-            return time.monotonic(), answer
-
+        timed = timed_puller(ch)
         hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
         await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
         await until(lambda: proxy.stats().manifest_requests_for(manifest_hang.repository, "v1") > 0
                     and proxy.stats().blob_requests_for(blob_hang.repository, "v1") >= 2,
                     "both registries hang (a manifest unanswered; the layer, after the config, stops mid-way)")
-        queued_at = time.monotonic()
-        healthy_call = asyncio.ensure_future(timed(healthy.ref))
-        await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
-                    "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
-        started_after = time.monotonic() - queued_at
-        done_at, result = await asyncio.wait_for(healthy_call, 60)
+        started_after, took, result = await pull_behind_them(timed, proxy, healthy)
         rows = {r["image"]: r for r in await asyncio.to_thread(in_flight, shim)}
         released = sorted(ref for ref, r in rows.items() if "slot_released_seconds" in r)
         still_waiting = [not h.done() for h in hung]
         proxy.unhang()  # the registry gives up: its connections close
         answers = [await asyncio.wait_for(h, 120) for h in hung]
     print(f"\n{cri_runtime.name}: healthy pull queued behind 2 hung ones (progress unknown) started after "
-          f"{started_after:.1f} s, done after {done_at - queued_at:.1f} s; released: {released}")
+          f"{started_after:.1f} s, done after {took:.1f} s; released: {released}")
     for _, e in answers:
         print(f"  hung caller, after the registry gave up: "
               f"{e.code().name + ': ' + e.details() if isinstance(e, grpc.aio.AioRpcError) else 'the image'}")

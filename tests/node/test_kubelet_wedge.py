@@ -13,13 +13,9 @@ import time
 
 from tests.support.crictl import Crictl
 from tests.support.node import (
-    APPLETS,
-    BUSYBOX,
     Kubelet,
     NodeContainerd,
     NodeImages,
-    rootfs_image,
-    rootfs_layer,
     static_pod,
     wait_running,
 )
@@ -35,10 +31,7 @@ async def test_hung_registries_do_not_keep_a_healthy_pod_from_running(
     assert proxy is not None
     suffix = f"{os.getpid()}-{time.monotonic_ns()}"
     hung_manifest = node_images.variant(registry, f"node/hang-manifest-{suffix}")
-    hung_blob = registry.push(rootfs_image(
-        [rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755), "filler.bin": (os.urandom(4 << 20), 0o644)},
-                      {f"bin/{a}": "busybox" for a in APPLETS})], cmd=["sleep", "3600"], unique=suffix),
-        f"node/hang-blob-{suffix}", "1")
+    hung_blob = node_images.with_filler(registry, f"node/hang-blob-{suffix}", 4)
     direct = Crictl(node_containerd.endpoint, timeout=60)
     assert direct.pull(node_images.pause.ref).returncode == 0  # the sandbox image is containerd's own pull
     proxy.hang(hung_manifest.repository, manifest=True)

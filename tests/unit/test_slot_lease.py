@@ -23,6 +23,14 @@ from tests.unit.test_scheduler import Upstream, key, settle
 CRIO = "the runtime has no containerd content API (e.g. CRI-O)"
 
 
+def leased(timeout: float) -> tuple[Upstream, PullScheduler, SlotLease]:
+    """A scheduler with a cap of 1 and a lease whose pulls are never judged (as on CRI-O)."""
+    up, s = Upstream(), PullScheduler(max_parallel=1)
+    lease = SlotLease(s, lambda f: CRIO, timeout=timeout)
+    s.observers.append(lease)
+    return up, s, lease
+
+
 def flight_of(s: PullScheduler, image: str) -> Flight:
     (f,) = [f for f in s.holding if f.key.image == image]
     return f
@@ -125,9 +133,7 @@ async def test_the_lease_releases_only_what_the_guard_cannot_judge() -> None:
 
 
 async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=1)
-    lease = SlotLease(s, lambda f: CRIO, timeout=0.05)
-    s.observers.append(lease)
+    up, s, lease = leased(timeout=0.05)
     quick = asyncio.create_task(s.pull(key("quick"), up.runner("quick")))
     await settle()
     up.release("quick")
@@ -146,9 +152,7 @@ async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None
 
 
 async def test_timeout_zero_turns_the_lease_off_and_back_on() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=1)
-    lease = SlotLease(s, lambda f: CRIO, timeout=0)
-    s.observers.append(lease)
+    up, s, lease = leased(timeout=0)
     hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
     await settle()
     assert lease._timers == {}
