@@ -375,6 +375,7 @@ class Kubelet:
         self.config_path = self.dir / "kubelet.yaml"
         self.healthz_port = free_port()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._root_shared = False
 
     def config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -414,6 +415,15 @@ class Kubelet:
         for d in (self.manifests, self.root, self.dir / "pod-logs", self.dir / "pki"):
             d.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        if not self._root_shared:
+            # kubelet makes its root dir a shared mount at start (a bind mount onto itself) while
+            # another goroutine creates its pod-resources socket in it; a mount landing between the
+            # socket's temporary file and its rename fails that rename (EXDEV, "invalid cross-device
+            # link") and kubelet exits (seen once in CI). A root already on a shared mount is left
+            # as it is; close() unmounts it.
+            for cmd in (["mount", "--bind", str(self.root), str(self.root)], ["mount", "--make-rshared", str(self.root)]):
+                subprocess.run(cmd, check=True, capture_output=True)
+            self._root_shared = True
         argv = [self.binary, "--config", str(self.config_path), "--root-dir", str(self.root),
                 "--cert-dir", str(self.dir / "pki"), "--hostname-override", self.node_name,
                 f"--v={self.verbosity}", *self.args]
