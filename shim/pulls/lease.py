@@ -10,8 +10,9 @@ would hold every slot of the cap and every later pod on the node would wait behi
 So a pull whose progress is not judged, still unanswered ``pulls.no_progress_timeout_seconds``
 after it started, stops holding its slot (``PullScheduler.release``): it goes on upstream (a
 slow pull is never ended), its callers keep waiting for its answer, identical pulls still
-join it, and the next queued pull starts. A pull the guard judges is looked at again one
-timeout later (its progress may become unknown meanwhile). What this costs: on such a node
+join it, and the next queued pull starts. A pull the guard judges (or any pull while
+``pulls.max_parallel`` is 0: there is no slot to give back) is looked at again one timeout
+later (its progress may become unknown, or a reload set a cap, meanwhile). What this costs: on such a node
 the cap counts only the pulls that started less than the timeout ago, so more than
 ``pulls.max_parallel`` slow pulls can run at once; released pulls are bounded by the calls
 waiting for them (the last caller to leave cancels one, as any pull).
@@ -65,17 +66,19 @@ class SlotLease(PullEvents):
 
     def expire(self, flight: Flight) -> None:
         """The lease of ``flight`` is over: release its slot unless the no-progress guard judges it."""
-        self._timers.pop(flight.seq, None)
+        timer = self._timers.pop(flight.seq, None)
+        if timer is not None:  # called early (tests): its timer must not fire as well
+            timer.cancel()
         if self.timeout <= 0 or flight.released_at is not None or flight.future.done():
             return
         why = self.unjudged(flight)
-        if why is None:  # the guard watches it: look again one timeout later
+        if why is None or not self.scheduler.max_parallel:  # judged, or no cap: look again one timeout later
             self._arm(flight)
             return
         if self.scheduler.release(flight, why):
             logs.log(_log, logging.WARNING, "pull unanswered and its progress not judged; it goes on without "
                      "a pull slot and the next pull may start", image=flight.key.image,
-                     after_seconds=self.timeout, why=why, waiters=flight.waiters,
+                     timeout_seconds=self.timeout, why=why, waiters=flight.waiters,
                      key="pulls.no_progress_timeout_seconds")
             for listener in list(flight.listeners):
                 try:

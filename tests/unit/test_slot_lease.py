@@ -151,6 +151,22 @@ async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None
     await asyncio.gather(hung, healthy)
 
 
+async def test_without_a_cap_nothing_is_released() -> None:
+    up, s = Upstream(), PullScheduler(max_parallel=0)
+    lease = SlotLease(s, lambda f: CRIO, timeout=3600)
+    s.observers.append(lease)
+    hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
+    await settle()
+    f = flight_of(s, "hung")
+    lease.expire(f)  # no slot to give back: no release, no log; looked at again (a reload may set a cap)
+    assert f.released_at is None and f.seq in lease._timers
+    s.configure(max_parallel=1, background_max_parallel=1, dedup=True)
+    lease.expire(f)
+    assert f.released_at is not None
+    up.release("hung")
+    await hung
+
+
 async def test_timeout_zero_turns_the_lease_off_and_back_on() -> None:
     up, s, lease = leased(timeout=0)
     hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
