@@ -12,10 +12,11 @@ after it started, stops holding its slot (``PullScheduler.release``): it goes on
 slow pull is never ended), its callers keep waiting for its answer, identical pulls still
 join it, and the next queued pull starts. A pull the guard judges (or any pull while
 ``pulls.max_parallel`` is 0: there is no slot to give back) is looked at again one timeout
-later (its progress may become unknown, or a reload set a cap, meanwhile). What this costs: on such a node
-the cap counts only the pulls that started less than the timeout ago, so more than
-``pulls.max_parallel`` slow pulls can run at once; released pulls are bounded by the calls
-waiting for them (the last caller to leave cancels one, as any pull).
+later: its progress may have become unknown, or a reload set a cap, meanwhile.
+
+What this costs: on such a node the cap counts only the pulls that started less than the
+timeout ago, so more than ``pulls.max_parallel`` slow pulls can run at once. Released pulls
+are bounded by the calls waiting for them (the last caller to leave cancels one, as any pull).
 """
 
 from __future__ import annotations
