@@ -125,8 +125,7 @@ class PullScheduler:
         self._clock = clock
         self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
         self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
-        self._running: set[Flight] = set()  # upstream, each holding a slot
-        self._released: set[Flight] = set()  # upstream, holding none (release)
+        self._running: set[Flight] = set()  # upstream; each holds a slot unless released (released_at)
         self._seq = itertools.count()
         self._closed: RpcError | None = None
 
@@ -191,7 +190,7 @@ class PullScheduler:
     def fail_running(self, flight: Flight, error: RpcError) -> bool:
         """End a running flight with ``error`` for every waiter and cancel its upstream call
         (the stall guard). False if it is not running any more."""
-        if (flight not in self._running and flight not in self._released) or flight.future.done():
+        if flight not in self._running or flight.future.done():
             return False
         self._abandon(flight, error)
         return True
@@ -199,10 +198,8 @@ class PullScheduler:
     def release(self, flight: Flight, why: str) -> bool:
         """``flight`` goes on upstream and its callers keep waiting, but it stops holding its
         slot: the next queued flight starts. False if it holds none (finished, or released)."""
-        if flight not in self._running or flight.future.done():
+        if flight not in self._running or flight.released_at is not None or flight.future.done():
             return False
-        self._running.discard(flight)
-        self._released.add(flight)
         flight.released_at = self._clock()
         for o in self.observers:
             o.flight_released(flight, why)
@@ -213,7 +210,7 @@ class PullScheduler:
     @property
     def holding(self) -> list[Flight]:
         """The running flights that hold a slot."""
-        return sorted(self._running, key=lambda f: f.seq)
+        return sorted((f for f in self._running if f.released_at is None), key=lambda f: f.seq)
 
     @property
     def queued(self) -> int:
@@ -222,7 +219,7 @@ class PullScheduler:
     @property
     def in_flight(self) -> int:
         """Upstream pulls running, with a slot or released."""
-        return len(self._running) + len(self._released)
+        return len(self._running)
 
     def snapshot(self) -> dict[str, list[dict[str, object]]]:
         """Queue and in-flight pulls for `cri-shim status` (no credentials: keys hold hashes)."""
@@ -239,8 +236,7 @@ class PullScheduler:
             return d
 
         queue = [row(f) for p in Priority for f in self._queues[p]]
-        running = sorted(self._running | self._released, key=lambda f: f.seq)
-        return {"queued": queue, "in_flight": [row(f) for f in running]}
+        return {"queued": queue, "in_flight": [row(f) for f in sorted(self._running, key=lambda f: f.seq)]}
 
     # ------------------------------------------------------------------ internals
 
@@ -275,10 +271,11 @@ class PullScheduler:
         self._dispatch()
 
     def _has_slot(self, priority: Priority) -> bool:
-        if self.max_parallel and len(self._running) >= self.max_parallel:
+        held = [f for f in self._running if f.released_at is None]
+        if self.max_parallel and len(held) >= self.max_parallel:
             return False
         if priority is Priority.BACKGROUND:
-            bg = sum(1 for f in self._running if f.priority is Priority.BACKGROUND)
+            bg = sum(1 for f in held if f.priority is Priority.BACKGROUND)
             return bg < self.background_slots
         return True
 
@@ -330,7 +327,6 @@ class PullScheduler:
             flight.result = "cancelled"
             self._settle(flight, RpcError(grpc.StatusCode.CANCELLED, f"cri-shim: pull of {flight.key.image} cancelled"))
         self._running.discard(flight)
-        self._released.discard(flight)
         seconds = self._clock() - (flight.started_at or self._clock())
         for o in self.observers:
             o.flight_finished(flight, seconds)

@@ -54,7 +54,7 @@ async def _scenario(actions, cap: int, bg_cap: int, rnd: random.Random) -> None:
             active["n"] += 1
             active["max"] = max(active["max"], active["n"])
             assert len(s.holding) <= cap and s.in_flight <= cap + active["released"]
-            assert sum(f.priority is Priority.BACKGROUND for f in s._running) < cap  # one slot is foreground's
+            assert sum(f.priority is Priority.BACKGROUND for f in s.holding) < cap  # one slot is foreground's
             try:
                 for _ in range(delay_steps):
                     await asyncio.sleep(0)
