@@ -176,10 +176,13 @@ async def run(targets: dict[str, str], pids: dict[str, int], calls: int, tput_se
         me = os.getpid()
         for via, children in (("direct", False), ("socat", True), ("shim", False)):
             relay = pids.get(via)
-            before = (cpu_seconds(relay, children) if relay else 0.0, cpu_seconds(pids["runtime"]), cpu_seconds(me))
+
+            def sample() -> tuple[float, float, float]:  # (relay, runtime, client)
+                return (cpu_seconds(relay, children) if relay else 0.0, cpu_seconds(pids["runtime"]), cpu_seconds(me))
+            before = sample()
             for method, req in cases.values():
                 await callers(chans[via].unary_unary(method), req, calls=cpu_calls // len(cases))
-            after = (cpu_seconds(relay, children) if relay else 0.0, cpu_seconds(pids["runtime"]), cpu_seconds(me))
+            after = sample()
             per = 10000 / cpu_calls
             cpu[via] = {"relay_s_per_10k": round((after[0] - before[0]) * per, 2),
                         "runtime_s_per_10k": round((after[1] - before[1]) * per, 2),

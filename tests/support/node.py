@@ -196,13 +196,13 @@ class NodeImages:
     def with_filler(self, registry: Any, repository: str, mib: int, tag: str = "v1") -> PushedImage:
         """A busybox image whose one layer also carries ``mib`` MiB of random bytes: a blob a
         registry can stop in the middle of."""
-        layer = rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755), "filler.bin": (os.urandom(mib << 20), 0o644)},
-                             {f"bin/{a}": "busybox" for a in APPLETS})
+        layer = busybox_layer({"filler.bin": (os.urandom(mib << 20), 0o644)})
         return registry.push(rootfs_image([layer], cmd=["sleep", "3600"], unique=f"{repository}:{tag}"), repository, tag)
 
 
-def busybox_layer() -> Layer:
-    return rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755)},
+def busybox_layer(extra: Mapping[str, tuple[bytes, int]] = {}) -> Layer:
+    """busybox and its applets (symlinks), and ``extra`` files (path -> (bytes, mode))."""
+    return rootfs_layer({"bin/busybox": (BUSYBOX.read_bytes(), 0o755), **extra},
                         {f"bin/{a}": "busybox" for a in APPLETS})
 
 
