@@ -41,6 +41,7 @@ if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see benc
 
     _bootstrap.run_as_module(__file__)
 
+from bench.passthrough import rss_kib  # noqa: E402
 from tests.support import cri  # noqa: E402
 from tests.support.containerd import Containerd  # noqa: E402
 from tests.support.loaded_modules import ENV, loaded, top_level  # noqa: E402
@@ -65,10 +66,10 @@ LIBRARIES = [
     ("kubernetes_asyncio (client, config, watch): cluster.kubeconfig",
      "kubernetes_asyncio.client kubernetes_asyncio.config kubernetes_asyncio.watch"),
 ]
-# Top-level packages whose presence says which optional component was built.
-OPTIONAL = ("prometheus_client", "opentelemetry", "kubernetes_asyncio", "aiohttp", "google", "uvloop")
+# Packages and modules whose presence says which optional component was built (uvloop: server.uvloop).
+OPTIONAL = ("uvloop", "prometheus_client", "opentelemetry", "kubernetes_asyncio", "aiohttp")
 OPTIONAL_MODULES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.grpc",
-                    "opentelemetry.exporter.otlp.proto.http")
+                    "opentelemetry.exporter.otlp.proto.http", "shim.imagesets", "shim.cluster")
 
 _MEASURE = """
 import importlib, sys
@@ -85,13 +86,6 @@ for group in sys.argv[1:]:
     out.append(rss() - before)
 print(*out)
 """
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def mib(kib: float) -> float:
