@@ -115,7 +115,12 @@ async def test_status_through_the_cli(engine: str, runtime: FakeRuntime, admin_s
     assert doc["pid"] == os.getpid() and doc["pulls"] == {"max_parallel": 4, "dedup": True, "queued": [],
                                                           "in_flight": [], "progress_interval_seconds": 1.0,
                                                           "stall_timeout_seconds": 0.0,
-                                                          "stall_min_bytes_per_second": 65536}
+                                                          "stall_min_bytes_per_second": 65536,
+                                                          "slots": {"max_parallel": 4, "hard_bound": 8,
+                                                                    "untrusted_slots": 2, "per_uid_slots": 1,
+                                                                    "background_slots": 2},
+                                                          "running": {"trusted": 0, "untrusted": 0, "background": 0,
+                                                                      "released": 0, "untrusted_by_uid": {}}}
 
 
 async def test_admin_socket_answers_only_get_status(engine: str, runtime: FakeRuntime, admin_socket: str) -> None:
