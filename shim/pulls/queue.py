@@ -2,13 +2,16 @@
 
 One lane per class (slots.Priority), and within the untrusted class one lane per uid, so
 that a uid at its own limit (``pulls.max_parallel_per_uid``) does not hold back the flights
-of another uid queued behind its own. The next flight to start is the oldest head of a
-lane of the highest class among the lanes whose flight the slot rule lets start. Work per
-start: one look at each lane's head (lanes: three plus one per untrusted uid queuing).
+of another uid queued behind its own. The next flight to start is the head of a lane the slot
+rule lets start: of the highest class, then of the lane that had a flight start least
+recently (a uid queuing 40 pulls and one queuing 1 take turns), then the oldest. Within a
+lane, first in first out. Work per start: one look at each lane's head (lanes: three, plus
+one per untrusted uid with flights queued).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Callable, Generic, Iterator, Protocol, TypeVar
 
@@ -23,11 +26,14 @@ class Queued(Protocol):
 
 Q = TypeVar("Q", bound=Queued)
 Lane = tuple[Priority, "int | None"]
+MAX_REMEMBERED = 1024  # lanes whose last start is remembered; one forgotten counts as never served
 
 
 class Lanes(Generic[Q]):
     def __init__(self) -> None:
         self._lanes: dict[Lane, deque[Q]] = {}
+        self._served: dict[Lane, int] = {}  # when a lane last had a flight start, least recent first
+        self._ticks = itertools.count()
         self._n = 0
 
     def __len__(self) -> int:
@@ -53,21 +59,27 @@ class Lanes(Generic[Q]):
 
     def pop_next(self, may_start: Callable[[Priority, int | None], bool]) -> Q | None:
         """Take the flight that starts next, or None if no queued flight may start now."""
-        best: Q | None = None
-        for (priority, uid), lane in self._lanes.items():
-            head = lane[0]
-            if best is not None and (priority, head.seq) >= (best.priority, best.seq):
-                continue
-            if may_start(priority, uid):
-                best = head
-        if best is not None:
-            self.remove(best)
-        return best
+        best: tuple[Priority, int, int] | None = None
+        chosen: Lane | None = None
+        for lane, flights in self._lanes.items():
+            rank = (lane[0], self._served.get(lane, -1), flights[0].seq)
+            if (best is None or rank < best) and may_start(*lane):
+                best, chosen = rank, lane
+        if chosen is None:
+            return None
+        flight = self._lanes[chosen][0]
+        self.remove(flight)
+        self._served.pop(chosen, None)
+        self._served[chosen] = next(self._ticks)
+        if len(self._served) > MAX_REMEMBERED:
+            del self._served[next(iter(self._served))]  # the least recently served
+        return flight
 
     def drain(self) -> list[Q]:
         """Take every queued flight."""
         flights = list(self)
         self._lanes.clear()
+        self._served.clear()
         self._n = 0
         return flights
 
