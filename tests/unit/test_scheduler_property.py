@@ -39,15 +39,15 @@ ACTIONS = st.lists(
 @settings(max_examples=80, deadline=None)
 @given(actions=ACTIONS, cap=st.integers(min_value=1, max_value=5), bg_cap=st.integers(min_value=1, max_value=2),
        share=st.sampled_from([0.25, 0.5, 1.0]), per_uid=st.integers(min_value=1, max_value=3),
-       seed=st.integers(0, 2**16))
+       lease_ends=st.sampled_from([0.2, 0.9]), seed=st.integers(0, 2**16))
 def test_slot_rule_holds_and_queue_drains(actions, cap: int, bg_cap: int, share: float, per_uid: int,
-                                          seed: int) -> None:
+                                          lease_ends: float, seed: int) -> None:
     """(cap 1 runs no background or untrusted pull: the last slot is trusted pulls'; config
     refuses it with image sets.)"""
     slots = Slots(cap, bg_cap, share, per_uid)
     if cap == 1:
         actions = [a for a in actions if a[2][0] is not Priority.BACKGROUND]
-    asyncio.run(_scenario(actions, slots, random.Random(seed)))
+    asyncio.run(_scenario(actions, slots, lease_ends, random.Random(seed)))
 
 
 def check_slot_rule(s: PullScheduler) -> None:
@@ -73,7 +73,7 @@ async def _settle(done: Callable[[], bool], steps: int = 10_000) -> None:
     raise AssertionError("the scheduler did not settle")
 
 
-async def _scenario(actions, slots: Slots, rnd: random.Random) -> None:
+async def _scenario(actions, slots: Slots, lease_ends: float, rnd: random.Random) -> None:
     cap = slots.max_parallel
     s = PullScheduler(max_parallel=cap, background_max_parallel=slots.background_max_parallel,
                       untrusted_share=slots.untrusted_share, max_parallel_per_uid=slots.max_parallel_per_uid)
@@ -118,7 +118,7 @@ async def _scenario(actions, slots: Slots, rnd: random.Random) -> None:
         tasks.append((t, behaviour))
         if rnd.random() < 0.5:
             await asyncio.sleep(0)
-        if rnd.random() < 0.2 and s.holding:  # the lease ends for a running pull (lease.py)
+        if rnd.random() < lease_ends and s.holding:  # the lease ends for a running pull (lease.py)
             active["released"] += s.release(rnd.choice(s.holding), "progress not judged")
         check_slot_rule(s)
     for t, behaviour in tasks:
