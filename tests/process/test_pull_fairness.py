@@ -28,7 +28,7 @@ from shim.process.admin import fetch_status
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import start_shim
-from tests.support.slow_pulls import PULL, pull_request
+from tests.support.slow_pulls import PULL, hold_pulls, pull_request
 
 ROOT_BOUND_S = 2.0  # docs/pulls.md "Fair between peers": the root pull does not wait for any untrusted one
 CAP = 4
@@ -55,25 +55,6 @@ class Runtime:
         finally:
             self.current -= 1
             self.hung -= hangs
-
-
-def hold_hung_pulls(path: str, n: int, hold_s: float) -> dict[str, int]:
-    """(Runs as another uid.) ``n`` PullImage calls of images that never arrive, at once, each
-    with a deadline of ``hold_s``; returns their status codes, counted."""
-    async def main() -> dict[str, int]:
-        async with grpc.aio.insecure_channel(f"unix://{path}") as ch:
-            pull = ch.unary_unary(PULL)
-
-            async def one(i: int) -> str:
-                try:
-                    await pull(pull_request(f"hang.example/u{i}:1"), timeout=hold_s)
-                    return "OK"
-                except grpc.aio.AioRpcError as e:
-                    return e.code().name
-
-            codes = await asyncio.gather(*(one(i) for i in range(n)))
-        return {c: codes.count(c) for c in set(codes)}
-    return asyncio.run(main())
 
 
 async def until(predicate, what: str, timeout: float = 15.0) -> None:
@@ -104,7 +85,8 @@ async def scenario(tmp_path: Path, pulls: dict, n: int, watch_s: float) -> tuple
         settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(admin)}, "pulls": pulls}
         shim = await start_shim(fake.endpoint, tmp_path, settings, listen_path=f"{d}/shim.sock")
         try:
-            attacker = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_hung_pulls, shim.path, n, HOLD_S,
+            refs = [f"hang.example/u{i}:1" for i in range(n)]
+            attacker = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, refs, HOLD_S,
                                                                timeout=HOLD_S + 30))
             per_uid = pulls.get("max_parallel_per_uid", 1)
             await until(lambda: rt.hung >= min(n, SHARE, per_uid), "the untrusted pulls reach the runtime")
