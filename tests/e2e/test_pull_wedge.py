@@ -190,6 +190,21 @@ TRICKLE_BPS = 32 * 1024  # issue 33: containerd 1.6 shows such a pull's offset i
 ROOT_BOUND_S = 5.0  # docs/pulls.md "Fair between peers": a root pull does not wait for an untrusted one
 
 
+async def shim_nobody_can_reach(upstream, tmp_path, d, pulls: dict):
+    """A shim whose socket (in the shared dir ``d``) ``nobody`` may use, with ``pulls`` settings."""
+    settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(d / "admin.sock")}, "pulls": pulls}
+    return await start_shim(upstream, tmp_path / "shim", settings, listen_path=f"{d}/shim.sock")
+
+
+async def root_pull(shim, d, ref: str) -> tuple[dict, object, float]:
+    """The pulls' counts by class now, then a root pull of ``ref`` as kubelet's: (counts, answer, seconds)."""
+    running = (await asyncio.to_thread(fetch_status, str(d / "admin.sock")))["pulls"]["running"]
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
+        answer = await ch.unary_unary(PULL)(cri.pull_image_request(ref), timeout=NO_DEADLINE)
+    return running, answer, time.monotonic() - t0
+
+
 async def test_another_uid_trickling_into_every_slot_does_not_hold_back_a_root_pull(
         containerd_factory, make_image, proxy, tmp_path) -> None:
     """``nobody`` (in the socket's group) pulls 4 images whose layers trickle at 32 KiB/s: neither
@@ -203,25 +218,18 @@ async def test_another_uid_trickling_into_every_slot_does_not_hold_back_a_root_p
     small = make_image(layers=[oci.make_layer({"small.txt": b"x" * 1024})])
     hold_s = 30.0
     with shared_dir() as d, proxy.throttled(TRICKLE_BPS):
-        settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(d / "admin.sock")},
-                    "pulls": {"max_parallel": 4, "max_parallel_per_uid": 4}}
-        shim = await start_shim(ctd.socket, tmp_path / "shim", settings, listen_path=f"{d}/shim.sock")
+        shim = await shim_nobody_can_reach(ctd.socket, tmp_path, d, {"max_parallel": 4, "max_parallel_per_uid": 4})
         try:
             nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path,
                                                              [i.ref for i in slow], hold_s, timeout=hold_s + 60))
             await until(lambda: sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow) >= 2,
                         "nobody's pulls download (trickling)")
             await asyncio.sleep(2.0)
-            status = await asyncio.to_thread(fetch_status, str(d / "admin.sock"))
-            t0 = time.monotonic()
-            async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
-                answer = await ch.unary_unary(PULL)(cri.pull_image_request(small.ref), timeout=NO_DEADLINE)
-            waited = time.monotonic() - t0
+            running, answer, waited = await root_pull(shim, d, small.ref)
             codes = await nobody
             downloading = sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow)
         finally:
             await shim.astop()
-    running = status["pulls"]["running"]
     print(f"\n  nobody's 4 trickling pulls ({TRICKLE_BPS // 1024} KiB/s): {running}; root pull of a 1 KiB image "
           f"answered in {waited:.2f} s; nobody's pulls: {codes} ({downloading} reached the registry)")
     assert cri.decode_pull_image_response(answer)
@@ -249,24 +257,18 @@ async def test_hung_untrusted_pulls_keep_to_their_share_where_progress_is_unknow
         pulls["progress_interval_seconds"] = 0
     hold_s = 3 * NO_PROGRESS + 15
     with shared_dir() as d:
-        settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(d / "admin.sock")}, "pulls": pulls}
-        shim = await start_shim(cri_runtime.socket, tmp_path / "shim", settings, listen_path=f"{d}/shim.sock")
+        shim = await shim_nobody_can_reach(cri_runtime.socket, tmp_path, d, pulls)
         try:
             nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, hung, hold_s,
                                                              timeout=hold_s + 60))
             await until(lambda: "without a pull slot" in shim.logs(), "the first leases end",
                         timeout=NO_PROGRESS + 20)
             await asyncio.sleep(NO_PROGRESS + 1)  # another round of leases
-            status = await asyncio.to_thread(fetch_status, str(d / "admin.sock"))
-            t0 = time.monotonic()
-            async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
-                answer = await ch.unary_unary(PULL)(cri.pull_image_request(small.ref), timeout=NO_DEADLINE)
-            waited = time.monotonic() - t0
+            running, answer, waited = await root_pull(shim, d, small.ref)
             reached = sum(proxy.stats().manifest_requests_for(repository, f"t{i}") > 0 for i in range(40))
             codes = await nobody
         finally:
             await shim.astop()
-    running = status["pulls"]["running"]
     print(f"\n  {cri_runtime.name}: nobody's 40 hung pulls, {NO_PROGRESS:g} s leases: {running}; {reached} reached "
           f"the registry; root pull answered in {waited:.2f} s; nobody's pulls: {codes}")
     assert cri.decode_pull_image_response(answer)
