@@ -30,6 +30,8 @@ MAX_REMEMBERED = 1024  # lanes whose last start is remembered; one forgotten cou
 
 
 class Lanes(Generic[Q]):
+    """The queued flights of one scheduler, by lane (module docstring)."""
+
     def __init__(self) -> None:
         self._lanes: dict[Lane, deque[Q]] = {}
         self._served: dict[Lane, int] = {}  # when a lane last had a flight start, least recent first
