@@ -59,7 +59,8 @@ from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
 from ..pulls.progress import human_bytes
-from ..pulls.scheduler import Priority, PullScheduler
+from ..pulls.scheduler import PullScheduler
+from ..pulls.slots import Priority
 from ..reference import InvalidReference, normalize
 from .loader import ImageSet
 

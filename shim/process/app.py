@@ -54,7 +54,8 @@ class App:
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
-                                       dedup=cfg.pulls.dedup, observers=[self.metrics])
+                                       dedup=cfg.pulls.dedup, untrusted_share=cfg.pulls.untrusted_share,
+                                       max_parallel_per_uid=cfg.pulls.max_parallel_per_uid, observers=[self.metrics])
         self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
         self.scheduler.observers.append(self.progress)
         self.lease = SlotLease(self.scheduler, self.progress.unjudged, cfg.pulls.no_progress_timeout_seconds)
@@ -81,7 +82,9 @@ class App:
             raise ConfigError("pins.images", str(e)) from None
         self.handlers.configure(cfg.runtime_handlers, handler_rules)
         self.cfg = cfg
-        self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
+        self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup,
+                                 untrusted_share=cfg.pulls.untrusted_share,
+                                 max_parallel_per_uid=cfg.pulls.max_parallel_per_uid)
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
         self.images.pins_wait_seconds = cfg.image_sets.pins_wait_seconds
         self.progress.configure(cfg.pulls)
