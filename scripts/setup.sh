@@ -19,7 +19,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import shim, grpc, pytest, hypothesis, bcrypt, hpack, mypy, ruff, importlinter' 2>/dev/null \
+if ! "$PY" -c 'import shim, grpc, pytest, pytest_timeout, hypothesis, bcrypt, hpack, mypy, ruff, importlinter' 2>/dev/null \
    || ! "$PY" -c 'import importlib.metadata as m; m.version("cri-shim")' 2>/dev/null; then
   echo "setup: pip install -e .[test]"
   "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'

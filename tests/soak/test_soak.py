@@ -45,9 +45,9 @@ from tests.support.registry import free_port
 from tests.support.runtime_process import (CONTAINER_STATUS, LIST_CONTAINERS, SLOW, SOAK_IMAGES, SOAK_STATS,
                                            RuntimeProcess, soak_list_containers, soak_store)
 
-pytestmark = pytest.mark.soak
-
 BUDGET = float(os.environ.get("CRI_SHIM_SOAK_SECONDS", "60"))
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(BUDGET + 600)]
 CALLS, PULLS = 100_000, 1_000  # per engine
 CAP = 3
 VERSION = "/runtime.v1.RuntimeService/Version"
