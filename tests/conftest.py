@@ -94,8 +94,9 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """After the summary: name the threads that could hold the exit up, and make sure it ends."""
-    waited_for = [t.name for t in threading.enumerate()
-                  if t is not threading.main_thread() and not t.daemon and not t.name.startswith("asyncio_")]
+    # executor workers (asyncio's to_thread, concurrent.futures) are told to stop by the exit itself
+    waited_for = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+                  and not t.name.startswith(("asyncio_", "ThreadPoolExecutor-"))]
     if waited_for:
         with os.fdopen(os.dup(config.stash[_stderr_fd]), "w") as stderr:
             print(f"conftest: non-daemon threads still running after the run: {', '.join(waited_for)}; the exit "
