@@ -19,7 +19,8 @@
   bytes), removed after the test whatever its outcome.
 * A hung test fails with a stack: pytest-timeout (``timeout``, ``timeout_method = "signal"``
   in pyproject.toml; ``@pytest.mark.timeout(N)`` for a longer test) fails it with every
-  thread's stack and the run goes on. Past that, the run always ends: a test still running
+  thread's stack (an async test: also every pending asyncio task's; its own task is cancelled)
+  and the run goes on. Past that, the run always ends: a test still running
   ``FAULTHANDLER_GRACE_SECONDS`` after its timeout (stuck where no signal handler runs), or a
   run whose exit takes longer than ``EXIT_GRACE_SECONDS`` after the summary (pytest's last
   garbage collection finalizing a gRPC channel a test left open, a non-daemon thread), has
@@ -28,7 +29,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
+import gc
+import io
 import os
 import shutil
 import sys
@@ -150,6 +154,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
+    if report.failed and "from pytest-timeout" in str(report.longrepr):
+        tasks = _pending_task_stacks(getattr(item, "originalname", item.name))
+        if tasks:  # an async test's thread stack ends in the event loop: where its tasks wait
+            report.sections.append(("asyncio tasks pending at the timeout", tasks))
     if not report.failed or report.when == "teardown":
         return
     funcargs = getattr(item, "funcargs", {}) or {}
@@ -170,6 +178,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         for title, text in tails.items():
             if text:
                 report.sections.append((f"log tail: {title}", text))
+
+
+def _pending_task_stacks(test: str) -> str:
+    """The stack of every asyncio task not done (found by the garbage collector: the loop is
+    stopped when pytest-timeout's signal failed the test). The test's own task is cancelled:
+    its ``finally`` blocks then run (closing its channels, stopping its processes) when the
+    loop runs next, in the teardown of its fixtures, instead of it going on in later tests."""
+    out = io.StringIO()
+    for obj in gc.get_objects():
+        if isinstance(obj, asyncio.Task) and not obj.done():
+            obj.print_stack(file=out)
+            if getattr(obj.get_coro(), "__name__", None) == test:
+                obj.cancel()
+    return out.getvalue()
 
 
 CriCall = Callable[..., cri.CallResult]
