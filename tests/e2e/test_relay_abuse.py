@@ -377,9 +377,9 @@ def data_beyond_window(path: str) -> list[str]:
 # --------------------------------------------------------------------------- the harness
 
 
-def _soft_nofile() -> None:
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(SHIM_NOFILE, hard), hard))
+def _soft_nofile() -> tuple[int, None]:
+    """The shim's RLIMIT_NOFILE: soft SHIM_NOFILE (at most the hard limit), hard unchanged."""
+    return min(SHIM_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1]), None
 
 
 @pytest.fixture(autouse=True)
@@ -393,7 +393,7 @@ def _enough_fds_for_the_attacker() -> Iterator[None]:
 async def _shim(containerd: Containerd | str, tmp_path: Path, settings: dict | None = None,
                 **kwargs: object) -> ShimProcess:
     endpoint = containerd if isinstance(containerd, str) else containerd.endpoint
-    return await start_shim(endpoint, tmp_path, settings or {}, preexec_fn=_soft_nofile, **kwargs)
+    return await start_shim(endpoint, tmp_path, settings or {}, nofile=_soft_nofile(), **kwargs)
 
 
 # issue 13, fixed by relay-core: every attack below breaks a bound on main (measured, main @ ef22f76:
