@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from typing import Callable
@@ -185,3 +186,51 @@ def test_unknown_image_answered_by_containerd(containerd, shim_factory) -> None:
     via_shim = remove(shim, "example.invalid/nothing:here")
     direct = cri.call(containerd.socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
     assert (via_shim.code, via_shim.details) == (direct.code, direct.details)
+
+
+RACE_TRIALS = 100
+RACE_BUDGET_SECONDS = 240.0  # the whole race test; each trial takes well under a second
+
+
+def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(containerd, make_image, shim_factory,
+                                                                   engine) -> None:
+    """RemoveImage of a pinned name in a loop through the shim while the name is pulled straight from
+    containerd: the removes that find nothing are answered without reaching containerd, so the pull that
+    lands between one's lookup and its removal is never removed."""
+    img = make_image()
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [img.ref]}})
+    removed = straddled = 0
+    deadline = time.monotonic() + RACE_BUDGET_SECONDS
+    with grpc.insecure_channel(cri.target(shim.socket)) as channel:
+        remove_call = channel.unary_unary(cri.method_path("RemoveImage"))
+        request = cri.remove_image_request(img.ref)
+        for trial in range(RACE_TRIALS):
+            assert time.monotonic() < deadline, f"{trial} trials in {RACE_BUDGET_SECONDS:g} s"
+            assert cri.call(containerd.socket, "RemoveImage", request).ok  # straight to containerd: absent
+            assert not present(containerd, img.ref)
+            pulled = threading.Event()
+            answers: list[grpc.StatusCode] = []
+
+            def remove_in_a_loop() -> None:
+                after = 0
+                while after < 3 and time.monotonic() < deadline:  # a few more once the pull has landed
+                    try:
+                        remove_call(request, timeout=10)
+                        answers.append(grpc.StatusCode.OK)
+                    except grpc.RpcError as e:
+                        answers.append(e.code())  # type: ignore[attr-defined]
+                    after += pulled.is_set()
+
+            remover = threading.Thread(target=remove_in_a_loop, name=f"remove-{trial}")
+            remover.start()
+            try:
+                pull(containerd, img)
+            finally:
+                pulled.set()
+                remover.join(timeout=30)
+            assert not remover.is_alive()
+            assert set(answers) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}, answers
+            straddled += answers[0] is grpc.StatusCode.OK and grpc.StatusCode.FAILED_PRECONDITION in answers
+            removed += not present(containerd, img.ref)
+    assert removed == 0, f"{removed} of {RACE_TRIALS} pulls removed"
+    assert straddled >= RACE_TRIALS // 2, f"only {straddled} trials had a remove before and after the pull landed"
