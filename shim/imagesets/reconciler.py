@@ -57,6 +57,7 @@ from ..images.pins import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
+from ..pulls.failure import PullFailure
 from ..pulls.key import pull_key
 from ..pulls.progress import human_bytes
 from ..pulls.scheduler import Priority, PullScheduler
@@ -96,12 +97,16 @@ class _Image:
     since: float = 0.0  # clock when state last changed
     attempts: int = 0
     retry_at: float = 0.0
-    error: str = ""
+    failure: PullFailure | None = None  # the last failed pull's code and details, as the runtime gave them
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> ImageKey:
         return (self.ref, self.handler)
+
+    @property
+    def error(self) -> str:
+        return str(self.failure) if self.failure is not None else ""
 
 
 def _keys(s: ImageSet) -> list[ImageKey]:
@@ -311,7 +316,7 @@ class Reconciler:
             if img.ref in present:
                 if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
                     self._set(img, State.PRESENT, now)
-                    img.attempts, img.error = 0, ""
+                    img.attempts, img.failure = 0, None
             elif img.state is State.PRESENT and img.since >= started:
                 pass  # pulled while the list was on its way: newer than the list
             elif img.state in (State.UNKNOWN, State.PRESENT):
@@ -490,7 +495,7 @@ class Reconciler:
             if self.images.get(img.key) is not img:
                 return  # dropped meanwhile
             img.attempts += 1
-            img.error = f"{error.code.name}: {error.details}"
+            img.failure = PullFailure.of(error)
             delay = self._backoff(img.attempts)
             img.retry_at = self._clock() + delay
             self._set(img, State.FAILED, self._clock())
@@ -498,7 +503,7 @@ class Reconciler:
                      sets=",".join(sorted(img.sets)), code=error.code.name, error=error.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
-        img.attempts, img.error = 0, ""
+        img.attempts, img.failure = 0, None
         self._set(img, State.PRESENT, self._clock())
         logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, handler=handler,
                  handler_source=handler_source, credentials=cred.source if cred else "none",
