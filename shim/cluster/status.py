@@ -96,7 +96,7 @@ class NodeStatus:
             for key in _keys(s) if c["failed"] or c["pulling"] else ():
                 img = rec.images.get(key)
                 if img is not None and img.state is State.FAILED:
-                    reasons[img.failure.reason if img.failure is not None else "other"] += 1
+                    reasons[img.reason] += 1
                 elif img is not None and img.state is State.PULLING:
                     d, t = by_pull.get(pull_name(img.spelled), (0, 0))
                     done, total = done + d, total + t

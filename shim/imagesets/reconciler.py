@@ -41,7 +41,7 @@ import enum
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,6 +107,11 @@ class _Image:
     @property
     def error(self) -> str:
         return str(self.failure) if self.failure is not None else ""
+
+    @property
+    def reason(self) -> str:
+        """The last failure's typed reason (pulls/failure.py REASONS)."""
+        return self.failure.reason if self.failure is not None else "other"
 
 
 def _keys(s: ImageSet) -> list[ImageKey]:
@@ -577,6 +582,9 @@ class Reconciler:
                                    **c, "last_error": self._last_error(s) or blocked}
             if s.pin:
                 row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
+            if c["failed"]:
+                row["failed_reasons"] = dict(Counter(img.reason for k in _keys(s) if (img := self.images.get(k))
+                                                     is not None and img.state is State.FAILED))
             if s.ignored:
                 row["ignored_fields"] = list(s.ignored)
             if any(s.handlers):
@@ -588,7 +596,7 @@ class Reconciler:
             "images": {st: sum(1 for i in self.images.values() if i.state.value == st)
                        for st in ("present", "pulling", "queued", "failed", "unknown")},
             "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
-                        "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error,
+                        "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error, "reason": i.reason,
                         "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed[:20]],
             "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
                      "mountpoints": list(self._mounts), "blocked": self.disk_blocked},
