@@ -22,7 +22,7 @@ import pytest
 from tests.support import cri
 from tests.support.containerd import Containerd
 from tests.support.crictl import Crictl
-from tests.support.fixtures import CRIO, CriRuntime
+from tests.support.fixtures import CRIO, RUNTIMES, CriRuntime
 from tests.support.oci import PushedImage
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
@@ -181,11 +181,16 @@ def test_mark_only_marks_and_removes(containerd, make_image, shim_factory) -> No
     assert "removing a pinned image" in shim.log_text()
 
 
-def test_unknown_image_answered_by_containerd(containerd, shim_factory) -> None:
-    shim = shim_factory({"pins": {"images": ["registry.k8s.io/pause:*"]}})
-    via_shim = remove(shim, "example.invalid/nothing:here")
-    direct = cri.call(containerd.socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
-    assert (via_shim.code, via_shim.details) == (direct.code, direct.details)
+@pytest.mark.parametrize("cri_runtime", RUNTIMES, indirect=True)
+def test_unknown_image_answered_as_the_runtime_answers(cri_runtime: CriRuntime, shim_factory) -> None:
+    """The shim answers a RemoveImage of a name the runtime does not know itself (never sending it on):
+    the same answer the runtime gives, for a tag, a digest reference and an ID."""
+    shim = shim_factory({"pins": {"images": ["registry.k8s.io/pause:*"]}}, upstream=cri_runtime.socket)
+    for name in ("example.invalid/nothing:here", "example.invalid/nothing@sha256:" + "40" * 32, "sha256:" + "41" * 32):
+        via_shim = remove(shim, name)
+        direct = cri.call(cri_runtime.socket, "RemoveImage", cri.remove_image_request(name))
+        assert (via_shim.code, via_shim.details, via_shim.response) == (direct.code, direct.details, direct.response)
+        assert via_shim.ok and via_shim.response == b""
 
 
 RACE_TRIALS = 100
