@@ -14,6 +14,7 @@ Reported: the reasons ``cri-shim status`` gives the set's failed images (expecte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,12 +33,13 @@ from tests.support.shim import ShimProcess  # noqa: E402
 
 
 def run(images: int, max_parallel: int) -> dict[str, object]:
-    workdir = tempfile.mkdtemp(prefix="bench-reasons-", dir="/tmp")
-    registry = RegistryWithProxy(os.path.join(workdir, "registry")).start()
-    containerd: Containerd | None = None
-    shim: ShimProcess | None = None
-    try:
+    with contextlib.ExitStack() as cleanup:  # stopped in reverse: shim, containerd, registry, files
+        workdir = tempfile.mkdtemp(prefix="bench-reasons-", dir="/tmp")
+        cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
+        registry = RegistryWithProxy(os.path.join(workdir, "registry")).start()
+        cleanup.callback(registry.stop)
         containerd = Containerd(os.path.join(workdir, "ctd"), registries=[registry.host])
+        cleanup.callback(containerd.stop)
         containerd.start()
         sets = Path(workdir) / "sets"
         sets.mkdir()
@@ -46,20 +48,13 @@ def run(images: int, max_parallel: int) -> dict[str, object]:
                            config={"image_sets": {"dir": str(sets), "max_parallel": max_parallel,
                                                   "retry_initial_seconds": 3600, "retry_max_seconds": 3600},
                                    "pulls": {"max_parallel": max_parallel + 1}})
+        cleanup.callback(shim.stop)
         shim.start(timeout=30)
-        assert shim.admin_socket
+        assert shim.admin_socket and registry.proxy is not None
         row, seconds = wait_all_failed(shim.admin_socket, "missing", images, timeout=max(120.0, images / 10))
-        assert registry.proxy is not None
         return {"images": images, "failed": row["failed"], "failed_reasons": row.get("failed_reasons", {}),
                 "seconds_until_all_failed": round(seconds, 1), "max_parallel": max_parallel,
                 "registry_manifest_requests": registry.proxy.stats().manifest_requests}
-    finally:
-        if shim is not None:
-            shim.stop()
-        if containerd is not None:
-            containerd.stop()
-        registry.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> None:
