@@ -22,7 +22,9 @@ name names nothing and still goes to the runtime, which answers it its own way.
 
 The removal names the image the shim checked by its ID (``removal_request``), so a pull
 that re-points the name between the check and the removal cannot make the runtime
-remove another image. While image sets are configured but their directory is not read
+remove another image. What no CRI call can close: a pull that gives the checked image itself
+(same content) a pinned name in between; the runtime then removes it under all its names.
+While image sets are configured but their directory is not read
 yet (start, or a reload to a new ``image_sets.dir``), every call first waits for it,
 up to ``image_sets.pins_wait_seconds`` (then UNAVAILABLE).
 """

@@ -18,10 +18,12 @@ docker://REF: reading manifest TAG in REPO: ...``), and a reference may hold any
    - containerd, a 401 it cannot answer: ``pull access denied, repository does not exist or may
      require authorization: server message: insufficient_scope: authorization failed`` (2.x also
      ``…: authorization failed: no basic auth credentials``);
-   - CRI-O (containers/image): the registry's error after ``reading manifest T in REPO: `` or
-     ``reading blob D: ``, as distribution's error code (``denied: …``, ``manifest unknown``) or
-     ``StatusCode: 403, "…"``; a refused token or login ``unable to retrieve auth token: invalid
-     username/password: …``;
+   - CRI-O (containers/image): the registry's error after ``reading manifest T in REPO: ``,
+     ``reading blob D in REPO: ``, ``fetching blob: `` or ``pinging container registry H: ``, as
+     distribution's error code (``denied: …``, or the code's default message alone: ``manifest
+     unknown``) or ``StatusCode: 403, "…"``; a 5xx or a refused token request ``received unexpected
+     HTTP status: 503 Service Unavailable``; a 401 to the credentials ``unable to retrieve auth
+     token: invalid username/password: …``;
 
 3. the errno text the kernel gave a write, at the end of the message (``…/data: no space left on
    device``);
@@ -56,14 +58,16 @@ _HTTP_STATUS = re.compile(
     r"|unexpected status code \S+"  # containerd 1.6 blob fetch
     r"|unexpected status from [A-Z]+ request to \S+"  # containerd 2.x
     r"|unexpected status"  # containerd 1.6 token fetch
+    r"|received unexpected HTTP status"  # containers/image (CRI-O): a 5xx, or a token request refused
     r"): (?P<status>[1-5][0-9][0-9]) [A-Z]"
 )
 # containerd wraps its ErrInvalidAuthorization (a 401 again after the credentials it had, or none to send) so
 _CONTAINERD_DENIED = re.compile(r"pull access denied, repository does not exist or may require authorization: ")
 # containers/image (CRI-O): what follows the manifest or blob sentence is the registry's error alone
-_CRIO_REGISTRY_ERROR = re.compile(r"(?:reading manifest \S+ in \S+|reading blob \S+|fetching blob: \S+): "
-                                  r"(?P<error>[^\n]*)")
-_CRIO_STATUS = re.compile(r"StatusCode: (?P<status>[1-5][0-9][0-9]), ")
+_CRIO_REGISTRY_ERROR = re.compile(r"(?:reading manifest \S+ in \S+|reading blob \S+ in \S+|fetching blob"
+                                  r"|pinging container registry \S+): (?P<error>[^\n]*)")
+# a 4xx whose body is not distribution's JSON: StatusCode: 403, "Forbidden\n" (or the parse error's own words)
+_CRIO_STATUS = re.compile(r"(?:StatusCode: |error parsing HTTP )(?P<status>[1-5][0-9][0-9])[, ]")
 _CRIO_AUTH = re.compile(r"(?:^|: )unable to retrieve auth token: invalid username/password: ")
 # distribution's error codes as containers/image prints them: "<code in lower case>: <message>",
 # or the code's default message alone
