@@ -25,8 +25,8 @@ docker://REF: reading manifest TAG in REPO: ...``), and a reference may hold any
      HTTP status: 503 Service Unavailable``; a 401 to the credentials ``unable to retrieve auth
      token: invalid username/password: …``;
 
-3. the errno text the kernel gave a write, at the end of the message (``…/data: no space left on
-   device``);
+3. the errno text the kernel gave a write, at the end of the message (containerd ``…/data: no space
+   left on device``; CRI-O ``ApplyLayer stdout:  stderr: write /f: no space left on device exit status 1``);
 4. the shim's own errors (``from_runtime`` false): the stall and no-progress guards' UNAVAILABLE
    ``cri-shim: pull of REF stalled: …`` / ``… made no progress for …``.
 
@@ -78,7 +78,9 @@ _REGISTRY_CODES = {
     "repository name not known to registry": "notFound", "blob unknown": "notFound",
     "blob unknown to registry": "notFound",
 }
-_ERRNO_NO_SPACE = re.compile(r": (?:no space left on device|disk quota exceeded)$")
+# the kernel's words end the message; CRI-O unpacks in a child: "ApplyLayer stdout: … stderr: write /f: no
+# space left on device exit status 1"
+_ERRNO_NO_SPACE = re.compile(r": (?:no space left on device|disk quota exceeded)(?: exit status [0-9]+)?$")
 _SHIM_STALL = re.compile(r"cri-shim: pull of \S+ (?:stalled: |made no progress for )")
 
 

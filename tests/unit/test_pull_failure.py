@@ -22,7 +22,9 @@ def test_real_runtime_errors(runtime: str, case: str, code: str, details: str, r
 
 def test_every_reason_is_captured_from_a_real_runtime() -> None:
     assert {r for *_, r in CAPTURED} == set(REASONS) - {"stalled"}  # stalled is the shim's own
-    assert {r for r, *_ in CAPTURED} >= {"containerd-1.6", "containerd-2.x"}
+    assert {r for r, *_ in CAPTURED} == {"containerd-1.6", "containerd-2.x", "crio"}
+    for runtime in ("containerd-1.6", "containerd-2.x", "crio"):
+        assert {r for rt, *_, r in CAPTURED if rt == runtime} == set(REASONS) - {"stalled"}, runtime
 
 
 @pytest.mark.parametrize("ref", [f"reg.example/app401@{DIGEST_401}", "reg.example/denied/403:401",
