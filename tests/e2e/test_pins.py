@@ -34,8 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pull(containerd: Containerd, img: PushedImage) -> None:
-    res = cri.call(containerd.socket, "PullImage", cri.pull_image_request(img.ref), timeout=60)
+def pull(runtime: Containerd | CriRuntime, img: PushedImage) -> None:
+    res = cri.call(runtime.socket, "PullImage", cri.pull_image_request(img.ref), timeout=60)
     assert res.ok, res
 
 
@@ -197,13 +197,14 @@ RACE_TRIALS = 100
 RACE_BUDGET_SECONDS = 240.0  # the whole race test; each trial takes well under a second
 
 
-def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(containerd, make_image, shim_factory,
-                                                                   engine) -> None:
+@pytest.mark.parametrize("cri_runtime", RUNTIMES, indirect=True)
+def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(cri_runtime: CriRuntime, make_image,
+                                                                   shim_factory, engine) -> None:
     """RemoveImage of a pinned name in a loop through the shim while the name is pulled straight from
-    containerd: the removes that find nothing are answered without reaching containerd, so the pull that
-    lands between one's lookup and its removal is never removed."""
+    the runtime: the removes that find nothing are answered without reaching the runtime, so the pull
+    that lands between one's lookup and its removal is never removed."""
     img = make_image()
-    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [img.ref]}})
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [img.ref]}}, upstream=cri_runtime.socket)
     removed = straddled = 0
     deadline = time.monotonic() + RACE_BUDGET_SECONDS
     with grpc.insecure_channel(cri.target(shim.socket)) as channel:
@@ -211,8 +212,8 @@ def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(containerd, 
         request = cri.remove_image_request(img.ref)
         for trial in range(RACE_TRIALS):
             assert time.monotonic() < deadline, f"{trial} trials in {RACE_BUDGET_SECONDS:g} s"
-            assert cri.call(containerd.socket, "RemoveImage", request).ok  # straight to containerd: absent
-            assert not present(containerd, img.ref)
+            assert cri.call(cri_runtime.socket, "RemoveImage", request).ok  # straight to the runtime: absent
+            assert not present(cri_runtime, img.ref)
             pulled = threading.Event()
             answers: list[grpc.StatusCode] = []
 
@@ -229,13 +230,13 @@ def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(containerd, 
             remover = threading.Thread(target=remove_in_a_loop, name=f"remove-{trial}")
             remover.start()
             try:
-                pull(containerd, img)
+                pull(cri_runtime, img)
             finally:
                 pulled.set()
                 remover.join(timeout=30)
             assert not remover.is_alive()
             assert set(answers) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}, answers
             straddled += answers[0] is grpc.StatusCode.OK and grpc.StatusCode.FAILED_PRECONDITION in answers
-            removed += not present(containerd, img.ref)
+            removed += not present(cri_runtime, img.ref)
     assert removed == 0, f"{removed} of {RACE_TRIALS} pulls removed"
     assert straddled >= RACE_TRIALS // 2, f"only {straddled} trials had a remove before and after the pull landed"
