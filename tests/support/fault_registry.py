@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -99,6 +100,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     host = ""
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client hanging up is no fault of ours
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
 
 
 class FaultRegistry:
