@@ -102,9 +102,10 @@ class PullFailure:
     @property
     def reason(self) -> str:
         """One of REASONS."""
-        if not self.from_runtime:
-            return "stalled" if self.code is grpc.StatusCode.UNAVAILABLE and _SHIM_STALL.match(self.details) \
-                else "other"
+        if not self.from_runtime:  # the shim's own: only its stall guards have a reason
+            if self.code is grpc.StatusCode.UNAVAILABLE and _SHIM_STALL.match(self.details):
+                return "stalled"
+            return "other"
         by_code = _BY_CODE.get(self.code)
         if by_code is not None:
             return by_code
