@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import grpc
 
 from ..errors import RpcError
+from .poller import STALL_CODE
 
 REASONS = ("auth", "notFound", "noSpace", "stalled", "other")
 
@@ -81,6 +82,7 @@ _REGISTRY_CODES = {
 # the kernel's words end the message; CRI-O unpacks in a child: "ApplyLayer stdout: … stderr: write /f: no
 # space left on device exit status 1"
 _ERRNO_NO_SPACE = re.compile(r": (?:no space left on device|disk quota exceeded)(?: exit status [0-9]+)?$")
+# progress.py stall_message / no_progress_message
 _SHIM_STALL = re.compile(r"cri-shim: pull of \S+ (?:stalled: |made no progress for )")
 
 
@@ -103,7 +105,7 @@ class PullFailure:
     def reason(self) -> str:
         """One of REASONS."""
         if not self.from_runtime:  # the shim's own: only its stall guards have a reason
-            if self.code is grpc.StatusCode.UNAVAILABLE and _SHIM_STALL.match(self.details):
+            if self.code is STALL_CODE and _SHIM_STALL.match(self.details):
                 return "stalled"
             return "other"
         by_code = _BY_CODE.get(self.code)
