@@ -14,7 +14,6 @@ from shim import config
 from shim.cluster import objects, state
 from shim.cluster.informer import backoff
 from shim.cluster.source import ClusterSource
-from shim.cluster.status import classify
 
 
 def own(name: str, images: list[str], selector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -181,17 +180,6 @@ def test_state_file_rejects_foreign_content(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a cri-shim cluster state file"):
         state.load(str(p))
     assert state.load(str(tmp_path / "missing.json")) is None
-
-
-@pytest.mark.parametrize("error,reason", [
-    ("UNKNOWN: failed to pull: failed to authorize: 401 Unauthorized", "auth"),
-    ("NOT_FOUND: failed to resolve reference \"r/x:1\": r/x:1: not found", "notFound"),
-    ("UNKNOWN: write /var/lib/containerd/x: no space left on device", "noSpace"),
-    ("UNAVAILABLE: cri-shim: pull of r/x:1 stalled: 9 KiB in the last 60 s (< 64 KiB/s); cancelled", "stalled"),
-    ("UNKNOWN: connection reset by peer", "other"),
-])
-def test_failure_reasons(error: str, reason: str) -> None:
-    assert classify(error) == reason
 
 
 def test_backoff_full_jitter_bounds() -> None:
