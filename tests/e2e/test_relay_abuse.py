@@ -149,9 +149,12 @@ class Honest(threading.Thread):
                 self.first.set()
                 self._halt.wait(self.interval)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Let the round in progress finish, off the event loop: the loop may be serving the
+        runtime of the call in flight (a FakeRuntime in this process). Joined on the loop,
+        that call waited out its 10 s deadline (issue 36: the "10 s stalls")."""
         self._halt.set()
-        self.join(30)
+        await asyncio.to_thread(self.join, 30)
 
 
 # --------------------------------------------------------------------------- attacks
@@ -428,7 +431,7 @@ async def test_attack_leaves_the_shim_serving_within_bounds(attack: Attack, cont
             problems = await asyncio.to_thread(attack, shim.path)
             await asyncio.sleep(0.5)  # honest calls right after the attack too
         finally:
-            honest.stop()
+            await honest.stop()
             growth = peak.stop() - baseline
         took = time.monotonic() - t0
         alive = shim.proc.poll() is None
@@ -629,7 +632,7 @@ async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_p
             assert await asyncio.to_thread(kubelet.first.wait, 10), "kubelet's first call did not finish"
             attack = await asyncio.to_thread(run_as, NOBODY, lock_kubelet_out, shim.path, LOCKOUT_SECONDS,
                                              2 * LOCKOUT_CAP, LOCKOUT_CAP // 2, timeout=LOCKOUT_SECONDS + 30)
-            kubelet.stop()
+            await kubelet.stop()
             growth = peak.stop() - baseline
             lat = sorted(kubelet.latencies)
             print(f"\n  lockout: attacker {attack}; kubelet: {kubelet.calls} calls, {len(kubelet.failures)} failed, "
@@ -710,7 +713,7 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
             big = await asyncio.to_thread(run_as, attacker, queue_big_pulls, shim.path, 40, 15 << 20, 0.0, timeout=300)
             near = await asyncio.to_thread(run_as, attacker, queue_big_pulls, shim.path, 40, (4 << 20) - (64 << 10),
                                            3.0, timeout=300)
-            kubelet.stop()
+            await kubelet.stop()
             growth = peak.stop() - baseline
             release.set()
             lat = sorted(kubelet.latencies)
