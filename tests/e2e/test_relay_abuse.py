@@ -154,7 +154,8 @@ class Honest(threading.Thread):
         runtime of the call in flight (a FakeRuntime in this process). Joined on the loop,
         that call waited out its 10 s deadline (issue 36: the "10 s stalls")."""
         self._halt.set()
-        await asyncio.to_thread(self.join, 30)
+        if self.is_alive():
+            await asyncio.to_thread(self.join, 30)
 
 
 # --------------------------------------------------------------------------- attacks
@@ -624,9 +625,10 @@ async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_p
         admin = d / "admin.sock"
         shim = await _shim(containerd, tmp_path, _shared_socket_settings(admin, {"server": {"max_connections": LOCKOUT_CAP}}),
                            listen_path=f"{d}/shim.sock")
+        kubelet = Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0)
         try:
             baseline = rss_mib(shim.pid)
-            peak, kubelet = RssPeak(shim.pid), Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0)
+            peak = RssPeak(shim.pid)
             peak.start()
             kubelet.start()
             assert await asyncio.to_thread(kubelet.first.wait, 10), "kubelet's first call did not finish"
@@ -650,6 +652,7 @@ async def test_another_uid_cannot_lock_kubelet_out(containerd: Containerd, tmp_p
             st = await _back_to_idle(admin, 0)
             assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
         finally:
+            await kubelet.stop()  # idempotent: a failed test leaves no thread calling
             await shim.astop()
 
 
@@ -702,12 +705,13 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
         rt.unary[PULL_IMAGE] = slow_pull
         shim = await _shim(rt.endpoint, tmp_path, _shared_socket_settings(
             admin, {"pulls": {"max_parallel": 2, "progress_interval_seconds": 0}}), listen_path=f"{d}/shim.sock")
+        also = (("ImageStatus", cri.image_status_request(PINNED)),)
+        kubelet = Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0, also=also)
         try:
-            also = (("ImageStatus", cri.image_status_request(PINNED)),)
             warm = [await cri.acall(shim.path, m, r, timeout=10) for m, r in (("Version", cri.version_request()), *also)]
             assert all(w.ok for w in warm), warm
             baseline = rss_mib(shim.pid)
-            peak, kubelet = RssPeak(shim.pid), Honest(shim.path, interval=KUBELET_INTERVAL_S, fresh_every=0, also=also)
+            peak = RssPeak(shim.pid)
             peak.start()
             kubelet.start()
             big = await asyncio.to_thread(run_as, attacker, queue_big_pulls, shim.path, 40, 15 << 20, 0.0, timeout=300)
@@ -731,5 +735,6 @@ async def test_queued_pull_requests_stay_within_the_memory_bound(attacker: int, 
             assert (st["connections"], st["intercepted_calls"], st["request_buffer_bytes"]) == (0, 0, 0), st
         finally:
             release.set()
+            await kubelet.stop()  # idempotent: a failed test leaves no thread calling
             await shim.astop()
             await rt.stop()
