@@ -269,7 +269,7 @@ class ClusterSource:
         assert self.secrets is not None
         due = self.secrets.due()
         if due and await self.secrets.refresh(due):
-            self.sets.reconciler.retry_failed()
+            self.sets.retry_failed()
 
     async def stop(self) -> None:
         for t in self._tasks:

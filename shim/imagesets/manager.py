@@ -15,6 +15,7 @@ from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler
 from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
+from .snapshot import Snapshot
 from .watcher import POLL_SECONDS, DirWatcher
 
 _log = logs.get("imagesets")
@@ -138,6 +139,27 @@ class ImageSets:
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
+
+    def snapshot(self) -> Snapshot:
+        """What every set in force stands at (typed; costs the number of sets)."""
+        return self.reconciler.snapshot()
+
+    @property
+    def passes(self) -> int:
+        """Runtime reads finished so far (grows by one per pass)."""
+        return self.reconciler.passes
+
+    def in_force(self, name: str) -> bool:
+        """Whether a set of this name is applied now."""
+        return name in self.reconciler.sets
+
+    def resync(self) -> None:
+        """Read the runtime's images again now."""
+        self.reconciler.resync()
+
+    def retry_failed(self) -> None:
+        """Credentials changed: retry failed images now."""
+        self.reconciler.retry_failed()
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
