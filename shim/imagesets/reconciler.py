@@ -197,6 +197,7 @@ class Reconciler:
         self._images: dict[ImageKey, _Image] = {}
         self._handlers_of: dict[str, set[str]] = {}  # ref -> its non-empty declared handlers (rare)
         self._books: dict[str, _Book] = {}
+        self._tuples: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned _Image.sets values
         self._totals = [0] * len(State)
         self._declared = 0  # entries summed over the sets in force (image_sets.max_images)
         self._refused: dict[str, tuple[str, str]] = {}  # set -> (generation refused, why)
@@ -330,7 +331,7 @@ class Reconciler:
                 self._handlers_of.setdefault(key[0], set()).add(key[1])
             self._totals[State.UNKNOWN] += 1
             self._unknown[img] = None
-        img.sets = (*img.sets, name)
+        img.sets = self._tuple((*img.sets, name))
         book = self._books[name]
         book.counts[img.state] += 1
         if img.state is State.FAILED:
@@ -340,7 +341,7 @@ class Reconciler:
 
     def _leave(self, key: ImageKey, name: str) -> None:
         img = self._images[key]
-        img.sets = tuple(n for n in img.sets if n != name)
+        img.sets = self._tuple(tuple(n for n in img.sets if n != name))
         book = self._books[name]
         book.counts[img.state] -= 1
         if img.state is State.FAILED:
@@ -360,6 +361,12 @@ class Reconciler:
             img.task.cancel()
             logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=key[0],
                      handler=key[1])
+
+    def _tuple(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """One shared tuple per combination of set names (most images share a handful)."""
+        if len(self._tuples) > 4 * len(self.sets) + 1024:
+            self._tuples.clear()  # combinations of sets long gone: start over (images keep theirs)
+        return self._tuples.setdefault(names, names)
 
     @staticmethod
     def _uncount_reason(book: _Book, reason: str) -> None:
