@@ -66,6 +66,7 @@ class ClusterSource:
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
         self.state_write_failures = 0  # the start check and every save that failed
         self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
+        metrics.cluster_state_file_error.set(0)  # not a previous source's (a reload that changed cluster.*)
         self.loaded_from_state = False
         self.applies = 0
         self.api: ApiClient | None = None
@@ -316,6 +317,7 @@ class ClusterSource:
         if self.api is not None:
             await self.api.close()
             self.api = None
+        self.metrics.cluster_state_file_error.set(0)  # no source, no state file
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -199,6 +199,11 @@ def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path:
     assert metric("cri_shim_cluster_state_write_failures_total") == 3.0
     assert any(r.getMessage().startswith("cluster state file saved again") for r in caplog.records)
 
+    src._state_problem("x")
+    assert metric("cri_shim_cluster_state_file_error") == 1.0
+    ClusterSource(src.cfg, sets, src.metrics)  # type: ignore[arg-type]  # a reload that changed cluster.*
+    assert metric("cri_shim_cluster_state_file_error") == 0.0  # the new source starts clean
+
 
 async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
     """Nothing else changes after a failed save: the apply loop saves again after backoff_max_seconds."""
