@@ -262,7 +262,8 @@ class ClusterConfig:
     """Image sets from the Kubernetes API (README "Image sets for a fleet")."""
     kubeconfig: str = knob("", text())  # empty: the cluster source is off
     node_name: str = knob("", text())  # empty: this host's name, lowercased (kubelet's default)
-    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())  # last applied sets, before the API
+    # the sets applied last, loaded before the API answers; its directory is the unit's StateDirectory=
+    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())
     mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often

@@ -78,6 +78,13 @@ class Metrics(PullEvents):
         self.pull_slot_released = Counter("cri_shim_pull_slot_released", "Upstream pulls that went on without a "
                                           "pull slot: unanswered after pulls.no_progress_timeout_seconds while "
                                           "their progress could not be judged (e.g. CRI-O).", registry=r)
+        self.cluster_state_write_failures = Counter(
+            "cri_shim_cluster_state_write_failures", "Failed writes of cluster.state_file: the check at start "
+            "and every save that failed (each one logged as an error).", registry=r)
+        self.cluster_state_file_error = Gauge(
+            "cri_shim_cluster_state_file_error", "1 while cluster.state_file cannot be written or could not be "
+            "read at start (see cri-shim status: cluster.state_error), 0 once a save succeeds; pins from the "
+            "cluster then do not hold after a restart while the API server is down.", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 
