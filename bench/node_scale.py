@@ -96,8 +96,8 @@ class Kubelet:
 
     def __init__(self, socket: Path, image: str) -> None:
         self.channel = grpc.insecure_channel(cri.target(socket))
-        self.version = self.channel.unary_unary(VERSION)
-        self.status = self.channel.unary_unary(IMAGE_STATUS)
+        self.version: grpc.UnaryUnaryMultiCallable = self.channel.unary_unary(VERSION)
+        self.status: grpc.UnaryUnaryMultiCallable = self.channel.unary_unary(IMAGE_STATUS)
         self.image = cri.image_status_request(image)
         self.samples: dict[str, list[float]] = {"Version": [], "ImageStatus": []}
         self.errors = 0
