@@ -89,6 +89,17 @@ def tag_many(ctd: Containerd, workdir: Path, source: str, names: list[str]) -> N
     subprocess.run([*ctr, "images", "import", "--no-unpack", str(many)], check=True, capture_output=True,
                    timeout=3600)
     shutil.rmtree(root, ignore_errors=True)
+    # The CRI plugin learns imported images from events, a few thousand a minute: a restart
+    # loads them all from the store at once.
+    ctd.restart(timeout=600)
+    with grpc.insecure_channel(cri.target(ctd.socket)) as ch:
+        status: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(IMAGE_STATUS)
+        deadline = time.monotonic() + 600
+        while not all(cri.decode_image_status_response(status(cri.image_status_request(n), timeout=30))
+                      for n in (names[0], names[-1])):
+            if time.monotonic() > deadline:
+                raise RuntimeError("containerd's CRI does not see the imported tags")
+            time.sleep(1)
 
 
 class Kubelet:
@@ -96,8 +107,8 @@ class Kubelet:
 
     def __init__(self, socket: Path, image: str) -> None:
         self.channel = grpc.insecure_channel(cri.target(socket))
-        self.version: grpc.UnaryUnaryMultiCallable = self.channel.unary_unary(VERSION)
-        self.status: grpc.UnaryUnaryMultiCallable = self.channel.unary_unary(IMAGE_STATUS)
+        self.version: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(VERSION)
+        self.status: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(IMAGE_STATUS)
         self.image = cri.image_status_request(image)
         self.samples: dict[str, list[float]] = {"Version": [], "ImageStatus": []}
         self.errors = 0

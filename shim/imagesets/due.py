@@ -113,8 +113,6 @@ class RetryBudget(Generic[T]):
     def waiting(self) -> dict[str, int]:
         return {host: len(b.waiting) for host, b in sorted(self._buckets.items()) if b.waiting}
 
-    def drain(self) -> Iterator[T]:
-        """Every waiting item (to be re-decided), buckets kept."""
-        for b in self._buckets.values():
-            while b.waiting:
-                yield b.waiting.popleft()
+    def items(self) -> list[T]:
+        """Every waiting item, oldest first per host."""
+        return [item for b in self._buckets.values() for item in b.waiting]

@@ -877,8 +877,10 @@ class Reconciler:
             if name in snap.refused:
                 row["refused"] = snap.refused[name]
             sets[name] = row
-        failed = sorted((img for at, img in self._due.items() if self._due_alive(at, img)),
-                        key=lambda i: i.retry_at)[:20]
+        waiting = [img for img in self._budget.items()  # due, no token yet
+                   if img.state is State.FAILED and self._images.get(img.key) is img]
+        failed = waiting[:20] + sorted((img for at, img in self._due.items() if self._due_alive(at, img)),
+                                       key=lambda i: i.retry_at)[:20 - min(20, len(waiting))]
         t = snap.totals
         return {
             "sets": sets,
