@@ -181,3 +181,26 @@ def test_max_images_is_a_documented_config_key(tmp_path: Path) -> None:
             raise AssertionError(f"max_images={bad!r} accepted")
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert "image_sets.max_images" in readme and "image_sets.retry_per_second" in readme
+
+
+async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime, tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from shim.cluster.status import NodeStatus
+    store = FakeImages(runtime).install()
+    store.fail("registry.local/gone:1", 1000)
+    (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
+    (tmp_path / "b.yaml").write_text(own("huge", [f"registry.local/h{i}:1" for i in range(4)]))
+    async with image_sets(runtime, tmp_path, max_images=3, retry_initial_seconds=5.0) as h:
+        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
+                         what="one failed image")
+        node = NodeStatus(SimpleNamespace(node_name="n1"), h.sets, None,  # type: ignore[arg-type]
+                          interval=1.0, event_interval=1.0, event_namespace="default", request_timeout=1.0)
+        status = node.document()["status"]
+        [row] = status["sets"]
+        assert row["name"] == "warm" and row["images"] == {"declared": 2, "present": 1, "pulling": 0, "queued": 0,
+                                                           "failed": 1}
+        assert row["failedReasons"] == {"notFound": 1} and "registry.local/gone:1" in row["error"]
+        assert status["summary"]["declared"] == 2 and status["summary"]["failed"] == 1
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and "huge" in degraded["message"] and "max_images 3" in degraded["message"]
