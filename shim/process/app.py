@@ -142,7 +142,7 @@ class App:
         from ..cluster.status import NodeStatus
 
         c = cfg.cluster
-        self.cluster = ClusterSource(c, self.image_sets)
+        self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
         self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
