@@ -46,6 +46,7 @@ MACHINE_CONFIG_POOL = Kind("machineconfiguration.openshift.io", "v1", "machineco
 FIELD_MANAGER = "cri-shim"
 DOCKER_CONFIG_JSON = "kubernetes.io/dockerconfigjson"
 CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides")
+MAX_PULL_SECRETS = 16  # per ImageSet: the CRD's imagePullSecrets maxItems, checked here too (a CRD can be older)
 
 
 class SelectorError(ValueError):
@@ -137,7 +138,10 @@ def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | Non
            "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
     s = parse_document(doc, where, source_of(obj))
     secrets = []
-    for i, ref in enumerate(spec.get("imagePullSecrets") or []):
+    refs = spec.get("imagePullSecrets") or []
+    if isinstance(refs, list) and len(refs) > MAX_PULL_SECRETS:
+        raise SetFileError(f"{where}.spec.imagePullSecrets: {len(refs)} entries, at most {MAX_PULL_SECRETS}")
+    for i, ref in enumerate(refs):
         if not isinstance(ref, Mapping) or not ref.get("name") or not ref.get("namespace"):
             raise SetFileError(f"{where}.spec.imagePullSecrets[{i}]: needs namespace and name")
         secrets.append(SecretRef(str(ref["namespace"]), str(ref["name"])))

@@ -225,3 +225,15 @@ def test_secret_errors_name_the_set(tmp_path: Path) -> None:
     src.secrets = Secrets()  # type: ignore[assignment]
     assert src.secret_errors() == {"s": "Secret ns/gone: HTTP 404: Not Found"}
     assert "s" in sets.sources["cluster"]
+
+
+def test_too_many_pull_secrets_refused_on_the_node_too(tmp_path: Path) -> None:
+    """imagePullSecrets is bounded by the CRD (maxItems); a CRD older than that is checked here."""
+    src, sets = source(tmp_path)
+    many = [{"namespace": "ns", "name": f"s{i}"} for i in range(objects.MAX_PULL_SECRETS + 1)]
+    src.informers = {"node": informer([node({})]), "imagesets": informer([versioned(own("s", GOOD), 1)])}
+    src.recompute()
+    src.informers["imagesets"] = informer([versioned(own("s", GOOD, imagePullSecrets=many), 2)])
+    src.recompute()
+    assert sets.sources["cluster"]["s"].generation == "1"
+    assert f"at most {objects.MAX_PULL_SECRETS}" in src.refused["s"].error
