@@ -143,17 +143,16 @@ class ClusterSource:
             self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
         for obj in pinned_objs:
             name = obj["metadata"]["name"]
+            if name in selected:  # an ImageSet of that name is in force (a refused one with no valid version is not)
+                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
+                                                  "ignoring this one")
+                continue
             try:
                 sel = objects.pinned_set(obj)
             except SetFileError as e:
                 errors[objects.source_of(obj)] = str(e)
                 kept = self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
-                refused.setdefault(name, objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e),
-                                                         kept))
-                continue
-            if name in selected:
-                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
-                                                  "ignoring this one")
+                refused[name] = objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e), kept)
                 continue
             selected[name] = sel
             pinned_raw[name] = _slim(obj)
