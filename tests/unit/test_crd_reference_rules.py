@@ -30,6 +30,9 @@ RULES = [r["rule"] for r in SCHEMA["x-kubernetes-validations"]]
 RX = [re.findall(r"r'([^']*)'", rule) for rule in RULES]  # each rule's regexes, in order
 
 
+_LOWER_ASCII = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
 def _m(s: str, rx: str) -> bool:
     return re.search(rx, s, re.ASCII) is not None  # CEL matches(): unanchored, RE2
 
@@ -41,10 +44,10 @@ def cel_accepts(s: str) -> bool:
     domainish = "/" in s and (_m(s, host[0]) or s.startswith("localhost/"))
     found = re.search(length[0], s, re.ASCII)
     prefix = found.group(0) if found else ""
-    single = _m(s, length[4])
-    adjust = (18 if "/" not in prefix else 10 if not domainish
-              else (2 if single else -6) if _m(s, length[3])
-              else 8 if _m(s, length[5]) and single else 0)
+    single, lower_ascii = _m(s, length[2]), s.translate(_LOWER_ASCII)
+    adjust = (18 if "/" not in s else 10 if not domainish
+              else (2 if single else -6) if lower_ascii.startswith("index.docker.io/")
+              else 8 if lower_ascii.startswith("docker.io/") and single else 0)
     return all((
         not _m(s, image_id[0]),
         not _m(s, glob[0]),
@@ -94,4 +97,16 @@ def test_rules_agree_with_the_shim_on_random_names() -> None:
     alphabet = "abAB09._-/:@"
     for _ in range(20000):
         s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        assert cel_accepts(s) == shim_accepts(s), s
+
+
+def test_rules_agree_with_the_shim_on_random_references() -> None:
+    """Names built from hosts, path components and tails near each rule's edge."""
+    rng = random.Random(3)
+    parts = ["docker.io", "index.docker.io", "Index.Docker.IO", "localhost", "reg.io", "r-1.x", "Host", "h:5000",
+             "[::1]", "a", "a_b", "a__b", "a-b", "a--b", "A", "a.b", "x" * 120, "-", ".", "_", "library", "sha256"]
+    tails = ["", ":v1", ":V1", ":.x", ":" + "t" * 128, ":" + "t" * 129, "@sha256:" + "a" * 64, "@sha256:" + "a" * 63,
+             "@sha512:" + "f" * 128, ":v@sha384:" + "0" * 96, "@md5:" + "a" * 32, "@", ":"]
+    for _ in range(20000):
+        s = "/".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) + rng.choice(tails)
         assert cel_accepts(s) == shim_accepts(s), s
