@@ -1,7 +1,8 @@
 """A declaration that cannot be applied never unpins: against a real kube-apiserver and containerd.
 
-* The API server refuses an ImageSet naming an image the shim would refuse (the CRD's CEL rules),
-  with the rule's message, and agrees with the shim on a corpus of names.
+* The API server refuses an ImageSet naming an image the shim would refuse (the CRD's pattern and
+  CEL rules), with the rule's message, and agrees with the shim on a corpus of names (up to the
+  CRD's maxLength).
 * When such an edit reaches the node anyway (an ImageSet CRD older than the shim: its rules taken
   out here; MCO's PinnedImageSet, whose CRD is not ours), the set's last valid version stays:
   pinned, present, RemoveImage refused, across a restart; the set's row says why.
@@ -89,17 +90,22 @@ def test_api_server_refuses_what_the_shim_refuses_with_the_rules_message(control
     body = json.loads(err.body)
     print(f"\n422 from the API server: {body['message']}")
     assert LOWER_CASE_RULE in body["message"] and "spec.images[0].name" in body["message"]
-    err = _dry_run(admin, "t-cel", ["registry.local/" + "a" * 280 + ":v1"])
+    err = _dry_run(admin, "t-cel", ["a" * 240])  # docker.io/library/ + 240 > 255
     assert err is not None and err.status == 422 and "longer than 255 characters" in err.body
+    err = _dry_run(admin, "t-cel", ["registry.local/" + "a" * 280 + ":v1"])
+    assert err is not None and err.status == 422  # longer than the CRD's maxLength
 
     disagree = [n for n in CORPUS if (_dry_run(admin, "t-cel", [n]) is None) != shim_accepts(n)]
     assert disagree == []
     print(f"API server and shim agree on all {len(CORPUS)} names of the corpus")
 
     # the rules fit the API server's runtime CEL budget for a full-size set of long names
+    shipped = yaml.safe_load((REPO / "deploy" / "cluster" / "crds.yaml").read_text().split("\n---\n")[0])
+    max_items = shipped["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "images"]["maxItems"]
     refs = [f"registry.example.com:5000/team-{i % 97}/application-{i}/component:v1.2.3@sha256:{i:064x}"
-            for i in range(10000)]
-    assert _dry_run(admin, "t-cel-big", refs) is None
+            for i in range(max_items)]
+    assert _dry_run(admin, "t-cel-big", refs) is None, f"{max_items} names of {len(refs[-1])} characters"
 
 
 def _status_text(admin_sock: str) -> str:
