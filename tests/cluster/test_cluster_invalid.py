@@ -69,17 +69,23 @@ def _replace_crd(admin: Admin, edit: Any) -> None:
 
 @contextlib.contextmanager
 def older_crd(admin: Admin) -> Iterator[None]:
-    """The ImageSet CRD without its CEL rules (as one applied before them), restored afterwards."""
+    """The ImageSet CRD without its name checks (as one applied before them), restored afterwards."""
     shipped = next(d for d in yaml.safe_load_all((REPO / "deploy" / "cluster" / "crds.yaml").read_text())
                    if d["metadata"]["name"] == CRD)
     bad = ["reg.example.com/Team/App:v1"]
-    _replace_crd(admin, lambda crd: _name_schema(crd).pop("x-kubernetes-validations", None))
+    def older(crd: dict[str, Any]) -> None:
+        name = _name_schema(crd)
+        name.pop("x-kubernetes-validations", None)
+        name.pop("pattern", None)
+        name["maxLength"] = 1024
+    _replace_crd(admin, older)
     try:
         wait_for(lambda: _dry_run(admin, "t-older-crd", bad) is None, 30, "the rules out of force", interval=0.2)
         yield
     finally:
         def restore(crd: dict[str, Any]) -> None:
-            _name_schema(crd)["x-kubernetes-validations"] = _name_schema(shipped)["x-kubernetes-validations"]
+            for key in ("x-kubernetes-validations", "pattern", "maxLength"):
+                _name_schema(crd)[key] = _name_schema(shipped)[key]
         _replace_crd(admin, restore)
         wait_for(lambda: _dry_run(admin, "t-older-crd", bad) is not None, 30, "the rules back", interval=0.2)
 
