@@ -11,6 +11,9 @@ successful read that no longer selects a set removes it (the object deleted, the
 or a pool no longer selecting it). A set whose newest version cannot be applied (an image name
 the shim refuses, a field it cannot read) keeps its last valid version, in force and in the
 state file, and is reported (``refused``: status row, Degraded ``InvalidSet``, Event, metric).
+A state file that cannot be written is an error in the log, in ``cri-shim status`` and in
+metrics, at start (checked before serving) and on every failed save; a failed save is tried
+again every ``cluster.backoff_max_seconds``.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets, metrics: Metrics | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, metrics: Metrics) -> None:
         self.cfg = cfg
         self.sets = sets
         self.metrics = metrics
@@ -65,7 +68,10 @@ class ClusterSource:
         self.selected: dict[str, Selected] = {}
         self.errors: dict[str, str] = {}  # by object (cluster:Kind/name, MachineConfigPool name, node)
         self.refused: dict[str, objects.Refused] = {}  # by set name: its newest version cannot be applied
-        self.state_error = ""
+        self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
+        self.state_write_failures = 0  # the start check and every save that failed
+        self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
+        metrics.cluster_state_file_error.set(0)  # not a previous source's (a reload that changed cluster.*)
         self.loaded_from_state = False
         self.applies = 0
         self.api: ApiClient | None = None
@@ -81,11 +87,23 @@ class ClusterSource:
     # ------------------------------------------------------------------ state file
 
     def load_state(self) -> None:
-        """At start, before serving: the sets applied last, so pins hold from the first call."""
+        """At start, before serving: the sets applied last, so pins hold from the first call;
+        and whether the file can be written (said once, clearly, before anything needs saving)."""
+        self._load()
+        try:
+            state.probe(self.cfg.state_file)
+        except OSError as e:
+            self._write_failed(e)
+            logs.log(_log, logging.ERROR, "cluster state file cannot be written: the sets applied from the API "
+                     "server will not hold after a restart while it is down (under systemd the unit needs "
+                     "StateDirectory=cri-shim, or ReadWritePaths= for the file's directory)",
+                     file=self.cfg.state_file, error=self.state_error)
+
+    def _load(self) -> None:
         try:
             loaded = state.load(self.cfg.state_file)
         except ValueError as e:
-            self.state_error = str(e)
+            self._state_problem(str(e))
             logs.log(_log, logging.ERROR, "cluster state file unusable; waiting for the API server", error=str(e))
             return
         if loaded is None:
@@ -103,11 +121,26 @@ class ClusterSource:
         assert self.labels is not None
         try:
             state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
-            self.state_error = ""
         except OSError as e:
-            self.state_error = f"{self.cfg.state_file}: cannot write: {e.strerror}"
+            self._write_failed(e)
+            self._unsaved = True
             logs.log(_log, logging.ERROR, "cannot save the cluster state file; a restart without the API server "
-                     "would start without these sets", error=self.state_error)
+                     "would start without these sets", error=self.state_error, failures=self.state_write_failures,
+                     retry_seconds=self.cfg.backoff_max_seconds)
+            return
+        if self._unsaved:
+            logs.log(_log, logging.INFO, "cluster state file saved again", file=self.cfg.state_file)
+        self._unsaved = False
+        self._state_problem("")
+
+    def _write_failed(self, e: OSError) -> None:
+        self.state_write_failures += 1
+        self.metrics.cluster_state_write_failures.inc()
+        self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
+
+    def _state_problem(self, error: str) -> None:
+        self.state_error = error
+        self.metrics.cluster_state_file_error.set(1 if error else 0)
 
     # ------------------------------------------------------------------ selection
 
@@ -203,9 +236,8 @@ class ClusterSource:
         return out
 
     def _report(self) -> None:
-        if self.metrics is not None:
-            self.metrics.image_set_invalid.labels(SOURCE).set(len(self.refused))
-            self.metrics.image_set_secret_errors.set(len(self.secret_errors()))
+        self.metrics.image_set_invalid.labels(SOURCE).set(len(self.refused))
+        self.metrics.image_set_secret_errors.set(len(self.secret_errors()))
 
     def _overrides(self) -> dict[str, Any]:
         """The narrowest per-role override of any selected set: fewest lanes, longest cooldown."""
@@ -312,7 +344,11 @@ class ClusterSource:
 
     async def _apply_loop(self) -> None:
         while True:
-            await self._dirty.wait()
+            try:  # while the last save failed, it is tried again when nothing else happened meanwhile
+                await asyncio.wait_for(self._dirty.wait(), self.cfg.backoff_max_seconds if self._unsaved else None)
+            except TimeoutError:
+                await asyncio.to_thread(self._save)
+                continue
             self._dirty.clear()
             if self.recompute():
                 await asyncio.to_thread(self._save)
@@ -340,6 +376,7 @@ class ClusterSource:
         if self.api is not None:
             await self.api.close()
             self.api = None
+        self.metrics.cluster_state_file_error.set(0)  # no source, no state file
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -360,6 +397,8 @@ class ClusterSource:
                                    for n, r in sorted(self.refused.items())}
         if self.state_error:
             out["state_error"] = self.state_error
+        if self.state_write_failures:
+            out["state_write_failures"] = self.state_write_failures
         if self.secrets is not None and self.secrets.by_set:
             out["pull_secrets"] = self.secrets.status()
         return out

@@ -32,7 +32,7 @@ def informer(items: list[dict[str, Any]] | None) -> Any:
 def source(tmp_path: Path, sets: Any = None, metrics: Metrics | None = None) -> tuple[ClusterSource, Any]:
     cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
     sets = sets if sets is not None else FakeSets()
-    return ClusterSource(cfg, sets, metrics), sets
+    return ClusterSource(cfg, sets, metrics if metrics is not None else Metrics()), sets
 
 
 def versioned(obj: dict[str, Any], generation: int, rv: str = "") -> dict[str, Any]:
