@@ -7,9 +7,13 @@ apply to this node and hands them to the image-set manager (one diff against the
 Safe without the API: what was applied last is saved to ``cluster.state_file`` and loaded
 before the shim serves. While a resource cannot be read (API down, not installed, forbidden),
 the sets it gave last stay in force: losing the API never unpins or drops a set. Only a
-successful read that no longer selects a set removes it. A state file that cannot be written is
-an error in the log, in ``cri-shim status`` and in metrics, at start (checked before serving)
-and on every failed save; a failed save is tried again every ``cluster.backoff_max_seconds``.
+successful read that no longer selects a set removes it (the object deleted, the node's labels
+or a pool no longer selecting it). A set whose newest version cannot be applied (an image name
+the shim refuses, a field it cannot read) keeps its last valid version, in force and in the
+state file, and is reported (``refused``: status row, Degraded ``InvalidSet``, Event, metric).
+A state file that cannot be written is an error in the log, in ``cri-shim status`` and in
+metrics, at start (checked before serving) and on every failed save; a failed save is tried
+again every ``cluster.backoff_max_seconds``.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class ClusterSource:
         self.node_name = node_name(cfg)
         self.labels: dict[str, str] | None = None  # None: not known yet
         self.selected: dict[str, Selected] = {}
-        self.errors: dict[str, str] = {}
+        self.errors: dict[str, str] = {}  # by object (cluster:Kind/name, MachineConfigPool name, node)
+        self.refused: dict[str, objects.Refused] = {}  # by set name: its newest version cannot be applied
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
         self.state_write_failures = 0  # the start check and every save that failed
         self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
@@ -141,45 +146,98 @@ class ClusterSource:
 
     def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
                 mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None) -> bool:
-        """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed."""
+        """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed.
+
+        A set whose newest version is refused (an invalid image name, an unreadable field) keeps
+        its last valid version in force, and the state file keeps that version's object: an
+        invalid edit never unpins. It is reported in ``refused`` (status row, Degraded, Event)."""
+        previous, old_own, old_pinned = self.selected, self._own_raw, self._pinned_raw
         selected, errors = objects.select(labels, own, [], [])
+        refused: dict[str, objects.Refused] = {}
+        own_raw: dict[str, dict[str, Any]] = {}
+        by_own = {o["metadata"]["name"]: o for o in own}
+        for name, obj in by_own.items():
+            if name in selected:
+                own_raw[name] = _slim(obj)
+            elif (err := errors.get(objects.source_of(obj))) is not None:
+                kept = self._keep(previous, name, "ImageSet", old_own, selected, own_raw)
+                refused[name] = objects.Refused(name, "ImageSet", objects.generation_of(obj), err, kept)
         if mco is not None:
             pinned, pools = mco
-            names, pool_errors = objects.pool_sets(pools, labels)
-            for err in pool_errors:
+            listed = objects.pool_sets(pools, labels)
+            for err in listed.errors:
                 errors[err.split(".spec", 1)[0]] = err
-            pinned_objs = [o for o in pinned if o["metadata"]["name"] in names]
+            pinned_objs = [o for o in pinned if o["metadata"]["name"] in listed.names]
+            undecided = listed.undecided - listed.names
         else:
-            pinned_objs = list(self._pinned_raw.values())
-        own_used = {s.set.name for s in selected.values()}
-        pinned_used: dict[str, dict[str, Any]] = {}
+            pinned_objs, undecided = list(old_pinned.values()), set()
+        pinned_raw: dict[str, dict[str, Any]] = {}
+        for name in sorted(undecided):  # a pool that cannot be read keeps what it gave
+            self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
         for obj in pinned_objs:
             name = obj["metadata"]["name"]
+            if name in selected:  # an ImageSet of that name is in force (a refused one with no valid version is not)
+                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
+                                                  "ignoring this one")
+                continue
             try:
                 sel = objects.pinned_set(obj)
             except SetFileError as e:
                 errors[objects.source_of(obj)] = str(e)
-                continue
-            if name in selected:
-                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
-                                                  "ignoring this one")
+                kept = self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
+                refused[name] = objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e), kept)
                 continue
             selected[name] = sel
-            pinned_used[name] = obj
+            pinned_raw[name] = _slim(obj)
+        own_keys = {f"cluster:{r.kind}/{n}" for n, r in refused.items()}  # logged below, with what stays
         for key, err in errors.items():
-            if self.errors.get(key) != err:
+            if self.errors.get(key) != err and key not in own_keys:
                 logs.log(_log, logging.ERROR, "cluster image set rejected", object=key, error=err)
-        self.errors = errors
-        by_own = {o["metadata"]["name"]: o for o in own}
-        self._own_raw = {n: _slim(by_own[n]) for n in own_used if n in by_own}
-        self._pinned_raw = {n: _slim(o) for n, o in pinned_used.items()}
+        for name, r in refused.items():
+            if self.refused.get(name) != r:
+                logs.log(_log, logging.ERROR, "cluster image set refused; its last valid version stays in force"
+                         if r.kept else "cluster image set refused; it has no valid version to apply",
+                         set=name, kind=r.kind, generation=r.generation, kept_generation=r.kept or "none",
+                         error=r.error)
+        for name in self.refused.keys() - refused.keys():
+            logs.log(_log, logging.INFO, "cluster image set no longer refused", set=name)
+        self.errors, self.refused = errors, refused
+        self._own_raw, self._pinned_raw = own_raw, pinned_raw
         changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
         self.selected = selected
         if self.secrets is not None:
             self.secrets.by_set = {n: s.secrets for n, s in selected.items() if s.secrets}
         self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()})
         self.sets.set_overrides(**self._overrides())
+        self._report()
         return changed
+
+    @staticmethod
+    def _keep(previous: dict[str, Selected], name: str, kind: str, old_raw: dict[str, dict[str, Any]],
+              selected: dict[str, Selected], raw: dict[str, dict[str, Any]]) -> str:
+        """Keep the version of ``name`` applied last (when it was of this kind); its generation, or ""."""
+        old = previous.get(name)
+        if old is None or old.set.kind != kind or name in selected or name not in old_raw:
+            return ""
+        selected[name] = old
+        raw[name] = old_raw[name]
+        return old.set.generation
+
+    def secret_errors(self) -> dict[str, str]:
+        """Set name -> why a pull Secret it names cannot be used (its last good entries, if any, stay)."""
+        if self.secrets is None:
+            return {}
+        errs = self.secrets.errors
+        out = {}
+        for name, s in self.selected.items():
+            bad = [errs[r] for r in s.secrets if r in errs]
+            if bad:
+                out[name] = "; ".join(bad)
+        return out
+
+    def _report(self) -> None:
+        self.metrics.image_set_invalid.labels(SOURCE).set(len(self.refused))
+        self.metrics.image_set_secret_errors.set(len(self.secret_errors()))
 
     def _overrides(self) -> dict[str, Any]:
         """The narrowest per-role override of any selected set: fewest lanes, longest cooldown."""
@@ -308,6 +366,7 @@ class ClusterSource:
         due = self.secrets.due()
         if due and await self.secrets.refresh(due):
             self.sets.reconciler.retry_failed()
+        self._report()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -332,6 +391,10 @@ class ClusterSource:
         }
         if self.errors:
             out["errors"] = dict(self.errors)
+        if self.refused:
+            out["refused_sets"] = {n: {"kind": r.kind, "refused_generation": r.generation, "error": r.error,
+                                       "in_force_generation": r.kept or "none"}
+                                   for n, r in sorted(self.refused.items())}
         if self.state_error:
             out["state_error"] = self.state_error
         if self.state_write_failures:

@@ -31,6 +31,7 @@ class ImageSets:
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None, use_inotify: bool = True,
                  poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
         self._on_pins = on_pins
         self._held_pins: list[tuple[str, str]] | None = None  # pins decided before the directory's first read
@@ -116,6 +117,7 @@ class ImageSets:
             if path in self.directory.files:
                 logs.log(_log, logging.INFO, "image set file accepted again", file=path)
         self.file_errors = result.errors
+        self.metrics.image_set_invalid.labels("file").set(len(result.errors))
         first = self.scans == 0
         self.scans += 1
         if result.changed or first:

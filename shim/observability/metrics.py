@@ -58,6 +58,12 @@ class Metrics(PullEvents):
                                       "through the shim.", ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
         self.image_set_images = Gauge("cri_shim_image_set_images", "Images of a declared image set, by state "
                                       "(declared, present, pulling, queued, failed).", ["set", "state"], registry=r)
+        self.image_set_invalid = Gauge("cri_shim_image_set_invalid", "Image-set declarations whose newest version "
+                                       "is refused, by source (file: files in image_sets.dir; cluster: sets); the "
+                                       "last valid version of each stays in force.", ["source"], registry=r)
+        self.image_set_secret_errors = Gauge("cri_shim_image_set_pull_secret_errors", "Cluster image sets naming a "
+                                             "pull Secret that cannot be read or used (the set stays in force).",
+                                             registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
         self.pull_bytes = Counter("cri_shim_pull_bytes", "Bytes upstream pulls downloaded into the runtime, as "
