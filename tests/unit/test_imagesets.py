@@ -88,7 +88,7 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
                      scheduler_cap: int = 4, free_bytes: int = 10 << 30, options: dict[str, Any] | None = None,
                      **cfg: Any) -> AsyncIterator[Harness]:
     settings = dict(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
-                    retry_max_seconds=0.2, docker_config=())
+                    retry_max_seconds=0.2, docker_config=(), state_file="")
     settings.update(cfg)
     config = ImageSetsConfig(**settings)
     upstream = Upstream(runtime.endpoint, 16 << 20)
