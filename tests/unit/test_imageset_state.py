@@ -137,7 +137,7 @@ async def test_restart_with_an_invalid_file_keeps_its_pins_from_the_first_update
     a.write_text(pinned("alpha", [A1]))
     saves: list[dict[str, str]] = []
     real_save = state.save
-    monkeypatch.setattr(state, "save", lambda p, files: (saves.append(files), real_save(p, files)))
+    monkeypatch.setattr(state, "save", lambda p, files: (real_save(p, files), saves.append(files)))  # written, then counted
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
         await reconciled(h, "alpha", 1)
         await eventually(lambda: len(saves) == 1)
@@ -211,3 +211,18 @@ async def test_a_state_file_that_cannot_be_written_is_an_error_until_a_save_succ
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_file_error") == 0
     assert "image-set state file saved again" in caplog.text
     assert list(json.loads(path.read_text())["files"]) == [str(sets / "a.yaml")]
+
+
+def test_the_two_state_files_must_differ(tmp_path: Path) -> None:
+    from shim.config import ConfigError, from_dict
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("{}")
+    same = str(tmp_path / "state.json")
+    with pytest.raises(ConfigError, match="image_sets.state_file.*must differ from cluster.state_file"):
+        from_dict({"image_sets": {"dir": str(tmp_path), "state_file": same},
+                   "cluster": {"kubeconfig": str(kubeconfig), "state_file": same}})
+    cfg = from_dict({"image_sets": {"dir": str(tmp_path)}, "cluster": {"kubeconfig": str(kubeconfig)}})
+    assert (cfg.image_sets.state_file, cfg.cluster.state_file) == ("/var/lib/cri-shim/file-sets.json",
+                                                                   "/var/lib/cri-shim/cluster-sets.json")
+    assert from_dict({"image_sets": {"dir": str(tmp_path), "state_file": ""}}).image_sets.state_file == ""
