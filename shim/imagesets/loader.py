@@ -202,6 +202,7 @@ class FileState:
     sets: list[ImageSet]  # what is in force (the last good content)
     error: str = ""  # why the current content is not used; "" when it is
     text: str | None = None  # the text of what is in force (None: nothing)
+    note: str = ""  # where what is in force came from, when not from this run (the state file)
 
 
 @dataclass
@@ -270,7 +271,7 @@ class SetDirectory:
         """What stays in force when ``path`` cannot be used: (sets, their text, what to add to the error)."""
         old = self.files.get(path)
         if old is not None:
-            return old.sets, old.text, ""
+            return old.sets, old.text, old.note
         text = self._restored.get(path) if self.scans == 0 else None
         if text is None:
             return [], None, ""
@@ -288,7 +289,7 @@ class SetDirectory:
         if self.dir_error and not self.dir_missing:  # unreadable, not gone: every file keeps what it has
             for path in sorted(self._restored) if self.scans == 0 else ():
                 sets, text, note = self._previous(path)
-                self.files[path] = FileState(UNREAD, sets, f"{self.dir_error}{note}", text)
+                self.files[path] = FileState(UNREAD, sets, f"{self.dir_error}{note}", text, note)
                 changed = True
         for path in list(self.files) if not self.dir_error or self.dir_missing else ():
             if path not in stamps:
@@ -305,7 +306,7 @@ class SetDirectory:
                 err = (f"{path}: {e} (image_sets.max_file_bytes)" if isinstance(e, safeyaml.TooBig)
                        else str(e) if isinstance(e, SetFileError) else f"{path}: cannot read: {e}")
                 previous, previous_text, note = self._previous(path)
-                self.files[path] = FileState(stamp, previous, err + note, previous_text)
+                self.files[path] = FileState(stamp, previous, err + note, previous_text, note)
                 new_errors.append(err + note)
                 changed |= old is None and bool(previous)
                 continue

@@ -196,7 +196,7 @@ class ImageSets:
         if first and self._held_pins is not None:
             self._pins_out(self._held_pins)
         self._scanned.set()
-        if self.cfg.state_file and (result.accepted_changed or self._unsaved):
+        if self.cfg.state_file and (result.accepted_changed or self._unsaved or (first and self.state_error)):
             await self._save()
 
     def halt(self) -> None:

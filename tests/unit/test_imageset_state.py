@@ -48,6 +48,10 @@ def test_first_scan_uses_the_saved_version_of_an_invalid_file_only(tmp_path: Pat
     assert r.accepted_changed  # b's text and c's deletion differ from what was saved
     assert d.accepted() == {str(a): saved[str(a)], str(b): b.read_text()}
 
+    _touch(a, BROKEN + "\n")  # still invalid: still the saved version, still said
+    r = d.scan()
+    assert r.sets["alpha"].refs == (A1,) and "is in force" in r.errors[str(a)] and not r.accepted_changed
+
     # the saved version is only for the start: later, a's own next valid content replaces it
     _touch(a, pinned("alpha", [A1, "registry.local/a:2"]))
     r = d.scan()
@@ -85,6 +89,7 @@ def test_accepted_content_changes_only_when_the_text_in_force_changes(tmp_path: 
     _touch(a, BROKEN)
     r = d.scan()
     assert not r.accepted_changed and r.sets["alpha"].refs == (A1,)  # an invalid edit keeps the saved text
+    assert "saved" not in r.errors[str(a)]  # this run's own version is in force
     _touch(a, pinned("alpha", [B1]))
     assert d.scan().accepted_changed
     a.unlink()
@@ -226,3 +231,13 @@ def test_the_two_state_files_must_differ(tmp_path: Path) -> None:
     assert (cfg.image_sets.state_file, cfg.cluster.state_file) == ("/var/lib/cri-shim/file-sets.json",
                                                                    "/var/lib/cri-shim/cluster-sets.json")
     assert from_dict({"image_sets": {"dir": str(tmp_path), "state_file": ""}}).image_sets.state_file == ""
+
+
+async def test_a_corrupt_state_file_with_nothing_to_keep_is_rewritten_at_start(runtime, store, tmp_path) -> None:
+    sets, path = tmp_path / "sets", tmp_path / "file-sets.json"
+    sets.mkdir()
+    path.write_text('{"version": 1, "files": 3}')
+    async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
+        assert "not a map of path to text" in h.status()["state_error"]
+        await eventually(lambda: "state_error" not in h.status())
+    assert json.loads(path.read_text()) == {"version": 1, "files": {}}
