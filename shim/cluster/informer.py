@@ -118,7 +118,10 @@ class Informer:
                 if line.strip():
                     self._event(json.loads(line))
         finally:
-            resp.release()
+            if resp.content.at_eof():
+                resp.release()  # ended by the server: the connection can serve the next request
+            else:
+                resp.close()  # cancelled or broken mid-stream: the server sees the watch end
 
     def _event(self, ev: dict[str, Any]) -> None:
         kind, obj = ev.get("type"), ev.get("object") or {}
@@ -138,7 +141,7 @@ class Informer:
 
     def _answered(self) -> None:
         self._reach.succeeded(self.name)
-        if self.failures:
+        if self.error or self.failures:
             logs.log(_log, logging.INFO, "watching again", resource=self.name)
             self.failures, self.error = 0, ""
 
@@ -175,7 +178,7 @@ class Informer:
         wait = retry_after(e, self.backoff_max)
         if wait is not None:  # asked to come back later: not a failure, no backoff
             self.throttled += 1
-            await asyncio.sleep(max(wait, self.backoff_initial / 10) * (1 + 0.2 * random.random()))
+            await asyncio.sleep(wait * (1 + 0.2 * random.random()))  # spread a fleet's retries
             return
         self.failures += 1
         self._reach.failed(self.name, e)

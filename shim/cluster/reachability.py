@@ -35,6 +35,7 @@ from ..observability import logs
 _log = logs.get("cluster")
 
 UNREACHABLE_STATUSES = frozenset({502, 503, 504})  # a proxy or load balancer answering for a missing server
+RETRY_AFTER_FLOOR = 0.1  # a Retry-After of 0 (or in the past) still waits this long
 
 
 def backoff(failures: int, initial: float, maximum: float, rng: Callable[[], float] = random.random) -> float:
@@ -57,8 +58,8 @@ def unreachable(e: BaseException) -> bool:
 
 
 def retry_after(e: BaseException, maximum: float, *, now: Callable[[], float] = time.time) -> float | None:
-    """Seconds a 429 asks to wait (``Retry-After``: seconds or an HTTP date), at most ``maximum``;
-    None when ``e`` is not a 429 with a usable Retry-After."""
+    """Seconds a 429 asks to wait (``Retry-After``: seconds or an HTTP date), between
+    ``RETRY_AFTER_FLOOR`` and ``maximum``; None when ``e`` is not a 429 with a usable Retry-After."""
     if not isinstance(e, ApiException) or e.status != 429 or not e.headers:
         return None
     raw = str(e.headers.get("Retry-After") or "").strip()
@@ -73,7 +74,7 @@ def retry_after(e: BaseException, maximum: float, *, now: Callable[[], float] = 
             return None
     if seconds != seconds:  # NaN
         return None
-    return min(max(seconds, 0.0), maximum)
+    return min(max(seconds, RETRY_AFTER_FLOOR), maximum)
 
 
 Probe = Callable[[], Awaitable[bool]]
