@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 from functools import partial
 from typing import Any, Callable
@@ -246,7 +247,7 @@ class ClusterSource:
     async def _mco_loop(self, custom: CustomObjectsApi) -> None:
         """Ask discovery whether MCO's pinned sets are served; watch them while they are.
 
-        Asked at start and every ``cluster.mco_discovery_seconds`` while they are not served (or
+        Asked at start and every ``cluster.mco_discovery_seconds`` (x 1..1.5) while they are not served (or
         while a watch of them fails): a cluster without MCO costs one discovery request per
         node per interval, never a list. When they go away, their watches stop and the
         PinnedImageSets applied last stay in force."""
@@ -270,7 +271,8 @@ class ClusterSource:
                 self.reach.succeeded("discovery")
                 self.mco_checks += 1
                 self._mco_served(kinds, custom)
-            await asyncio.sleep(self.cfg.mco_discovery_seconds)
+            # x 1..1.5: a fleet started together does not ask together
+            await asyncio.sleep(self.cfg.mco_discovery_seconds * (1 + 0.5 * random.random()))
 
     def _mco_served(self, kinds: tuple[Kind, Kind] | None, custom: CustomObjectsApi) -> None:
         first = self.mco_checks == 1

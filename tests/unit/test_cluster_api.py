@@ -24,7 +24,7 @@ from shim import config
 from shim.cluster import objects
 from shim.cluster.discovery import mco_kinds
 from shim.cluster.informer import Informer
-from shim.cluster.reachability import Reachability, backoff, retry_after, unreachable
+from shim.cluster.reachability import Reachability, retry_after, unreachable
 from shim.cluster.secrets import PullSecrets
 from shim.cluster.source import ClusterSource
 from tests.support.fake_kube import FakeKube
@@ -60,12 +60,6 @@ def never() -> Reachability:
 
 
 # ------------------------------------------------------------------ the backoff and its shared end
-
-def test_backoff_full_jitter_bounds_and_floor() -> None:
-    assert backoff(1, 1.0, 60.0, rng=lambda: 1.0) == 1.0
-    assert backoff(7, 1.0, 60.0, rng=lambda: 1.0) == 60.0  # 64 capped
-    assert backoff(3, 1.0, 60.0, rng=lambda: 0.0) == 0.1  # never 0: initial / 10
-
 
 def test_retry_after_seconds_date_capped_or_absent() -> None:
     def e429(value: str | None, status: int = 429) -> ApiException:
