@@ -88,9 +88,9 @@ class Informer:
         return obj
 
     async def _list(self) -> None:
-        self.lists += 1
         resp = await open_response(await self._list_fn(**self._kwargs, _preload_content=False,
                                                _request_timeout=self.request_timeout))
+        self.lists += 1  # answered
         try:
             body = json.loads(await resp.read())
         finally:
@@ -103,7 +103,6 @@ class Informer:
 
     async def _watch(self) -> None:
         assert self.resource_version is not None
-        self.watches += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.request_timeout,
                                         sock_read=2 * self.watch_timeout + self.request_timeout)
         # jittered like client-go's (timeout .. 2 x timeout): a fleet started together does not
@@ -112,6 +111,7 @@ class Informer:
         resp = await open_response(await self._list_fn(
             **self._kwargs, watch=True, resource_version=self.resource_version, allow_watch_bookmarks=True,
             timeout_seconds=seconds, _preload_content=False, _request_timeout=timeout))
+        self.watches += 1  # open
         try:
             self._answered()  # the watch is open: the API server answers
             while line := await resp.content.readline():
