@@ -80,6 +80,7 @@ rules:
 - level: Metadata
 """
 INTERNAL = "system:apiserver"  # the API server's loopback client
+BENCH_AGENT = "cluster-fleet-bench"  # this script's own requests (creating nodes, reading the statuses)
 
 
 class AuditLog:
@@ -90,6 +91,7 @@ class AuditLog:
         self._offset = 0
         self._rest = b""
         self.requests: dict[str, tuple[float, str, str, str, int]] = {}  # id -> (received, user, verb, what, code)
+        self.ours: set[str] = set()  # audit IDs of this script's own requests
 
     def read(self) -> None:
         try:
@@ -111,13 +113,15 @@ class AuditLog:
                 what = f"{what}.{ref['apiGroup']}"
             received = datetime.fromisoformat(ev["requestReceivedTimestamp"].replace("Z", "+00:00")).timestamp()
             code = int((ev.get("responseStatus") or {}).get("code") or 0)
+            if ev.get("userAgent") == BENCH_AGENT:
+                self.ours.add(ev["auditID"])
             self.requests[ev["auditID"]] = (received, ev.get("user", {}).get("username", ""), ev.get("verb", ""),
                                             what, code)
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
         """What arrived in [t0, t1): the fleet's requests per second, errors apart, and the API server's own."""
         self.read()
-        fleet = [r for r in self.requests.values() if t0 <= r[0] < t1 and r[1] != INTERNAL]
+        fleet = [r for i, r in self.requests.items() if t0 <= r[0] < t1 and r[1] != INTERNAL and i not in self.ours]
         internal = sum(1 for r in self.requests.values() if t0 <= r[0] < t1 and r[1] == INTERNAL)
         seconds = t1 - t0
         errors = [r for r in fleet if r[4] >= 400]
@@ -134,6 +138,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
                     rest_seconds: float) -> dict[str, Any]:
     refs = [f"registry.example/fleet/app-{i}:v1" for i in range(images)]
     api = await new_client_from_config(config_file=str(kubeconfig), persist_config=False)
+    api.user_agent = BENCH_AGENT
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     tag = f"{n}-{'mco' if mco else 'nomco'}"
     names = [f"sim-{tag}-{i:04d}" for i in range(n)]
@@ -148,6 +153,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     runtime.refs = refs + [f"registry.example/fleet/extra:v{n}"]
     nodes = []
     cfg_sets = ImageSetsConfig()
+    started = time.time()
     for name in names:
         sets = ImageSets(cfg_sets, runtime, PullScheduler(4, 2), Metrics(), on_pins=lambda p: None)  # type: ignore[arg-type]
         ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=mco,
@@ -178,6 +184,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
 
     gen1 = str(created["metadata"]["generation"])
     first = await fleet_at(gen1)
+    start = audit.window(started, time.time())
     await asyncio.sleep(6)  # let the last writes land
     t0 = time.time()
     await asyncio.sleep(rest_seconds)
@@ -199,6 +206,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
         await core.delete_node(name)
     await api.close()
     return {"nodes": n, "images": images, "mco": mco, "first_all_current_seconds": round(first, 2),
+            "start_requests": start["requests"], "start_errors": start["errors"],
             "rest": rest, "change_all_current_seconds": round(caught_up, 2),
             "change_requests": change["requests"], "change_errors_per_second": change["errors_per_second"]}
 
@@ -237,7 +245,8 @@ def main() -> None:
                 results.append(res)
                 if not args.json:
                     r = res["rest"]
-                    print(f"N={n} mco={mco}: all current {res['first_all_current_seconds']} s after start; at rest "
+                    print(f"N={n} mco={mco}: all current {res['first_all_current_seconds']} s after start "
+                          f"({res['start_requests']} requests, errors {res['start_errors'] or 'none'}); at rest "
                           f"({r['seconds']} s) {r['requests_per_second']} req/s, errors "
                           f"{r['errors_per_second']} req/s {r['errors'] or ''}; top {r['top']}; the API server's "
                           f"own {r['apiserver_own_per_second']} req/s; one set change: all nodes current after "
