@@ -347,6 +347,7 @@ class ClusterSource:
             "state_file": self.cfg.state_file,
             "sets": {n: {"kind": s.set.kind, "generation": s.set.generation} for n, s in sorted(self.selected.items())},
             "watches": {name: {"synced": inf.synced, "lists": inf.lists, "watches": inf.watches,
+                               **({"throttled": inf.throttled} if inf.throttled else {}),
                                **({"error": inf.error} if inf.error else {})}
                         for name, inf in self.informers.items()},
         }

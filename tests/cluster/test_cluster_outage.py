@@ -13,7 +13,7 @@ import time
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .test_cluster_sets import SHIM, delete, image_set, pinned, shim_config, wait_for
+from .test_cluster_sets import SHIM, delete, image_set, pinned, shim_config, shim_status, wait_for
 
 OUTAGE = 30.0
 RUNS = 3
@@ -34,13 +34,14 @@ def _apply_when_accepted(admin, body) -> float:
 
 
 def test_set_change_after_an_outage_reaches_the_registry_within_3_s(control_plane, admin, make_image, proxy,
-                                                                    shim_factory, tmp_path) -> None:
+                                                                    shim_factory, tmp_path, short_tmp) -> None:
     first = make_image()
     later = [make_image() for _ in range(RUNS)]
     admin.set_node_labels("node-a", {"t9": "yes"})
     refs = [first.ref]
     admin.apply_custom(*SHIM, "imagesets", image_set("t9-outage", refs, {"t9": "yes"}))
-    cfg = shim_config(control_plane, tmp_path, "node-a")
+    admin_sock = str(short_tmp / "admin.sock")
+    cfg = shim_config(control_plane, tmp_path, "node-a", server={"admin_socket": admin_sock})
     cfg["cluster"].update({"backoff_initial_seconds": 1, "backoff_max_seconds": 60, "watch_timeout_seconds": 300})
     results = []
     try:
@@ -56,8 +57,11 @@ def test_set_change_after_an_outage_reaches_the_registry_within_3_s(control_plan
             seen = wait_for(lambda img=img: (img.repository, img.tag) in proxy.stats().manifests_by_image and
                             time.monotonic(), 120, "the added image's manifest requested", interval=0.02)
             results.append((round(accepted - ready, 2), round(seen - accepted, 2)))
+        st = shim_status(admin_sock)
         print(f"\nafter a {OUTAGE:.0f} s outage: (change accepted s after /readyz, registry request s after that): "
-              f"{results}")
+              f"{results}; the shim's API readers: {st['api']}; 429s waited out per watch: "
+              f"{ {n: w.get('throttled', 0) for n, w in st['watches'].items()} }; errors now: "
+              f"{ {n: w['error'] for n, w in st['watches'].items() if w.get('error')} }")
         assert all(after <= LIMIT for _, after in results), results
         wait_for(lambda: all(pinned(shim).get(i.image_id) for i in later), 60, "every added image pinned")
     finally:
