@@ -155,10 +155,11 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     cfg_sets = ImageSetsConfig()
     started = time.time()
     for name in names:
-        sets = ImageSets(cfg_sets, runtime, PullScheduler(4, 2), Metrics(), on_pins=lambda p: None)  # type: ignore[arg-type]
+        metrics = Metrics()
+        sets = ImageSets(cfg_sets, runtime, PullScheduler(4, 2), metrics, on_pins=lambda p: None)  # type: ignore[arg-type]
         ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=mco,
                              state_file=str(workdir / f"{name}.json"), status_interval_seconds=5)
-        src = ClusterSource(ccfg, sets)
+        src = ClusterSource(ccfg, sets, metrics)
         await sets.start()
         await src.start()
         st = NodeStatus(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,

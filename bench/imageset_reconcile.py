@@ -77,24 +77,23 @@ def run(images: int, add: int, rounds: int, max_parallel: int) -> dict[str, obje
         startup_seconds = time.monotonic() - t
         startup_pulls = image_fleet.metric(port, "cri_shim_pull_requests_total", {"priority": "background"}) or 0
 
-        presence = image_fleet.Presence(str(containerd.socket))
-        results = []
-        assert registry.proxy is not None
-        for r in range(rounds):
-            new = extra[r * add:(r + 1) * add]
-            registry.proxy.reset()
-            with set_file.open("a") as f:
-                f.write("".join(f"    - name: {ref}\n" for ref in new))
-            t0 = time.monotonic()
-            all_present = presence.wait_all(new, timeout=120)
-            if all_present is None:
-                raise RuntimeError(f"round {r}: not all present after 120 s:\n{shim.log_tail()}")
-            starts = [rec.start for rec in registry.proxy.records() if rec.kind == "manifest"]
-            pulled = {key[0] + ":" + key[1] for key in registry.proxy.stats().manifests_by_image}
-            results.append({"first_pull_seconds": round(min(starts) - t0, 3) if starts else None,
-                            "all_present_seconds": round(all_present, 3),
-                            "images_requested_from_registry": len(pulled)})
-        presence.close()
+        with image_fleet.Presence(str(containerd.socket)) as presence:
+            results = []
+            assert registry.proxy is not None
+            for r in range(rounds):
+                new = extra[r * add:(r + 1) * add]
+                registry.proxy.reset()
+                with set_file.open("a") as f:
+                    f.write("".join(f"    - name: {ref}\n" for ref in new))
+                t0 = time.monotonic()
+                all_present = presence.wait_all(new, timeout=120)
+                if all_present is None:
+                    raise RuntimeError(f"round {r}: not all present after 120 s:\n{shim.log_tail()}")
+                starts = [rec.start for rec in registry.proxy.records() if rec.kind == "manifest"]
+                pulled = {key[0] + ":" + key[1] for key in registry.proxy.stats().manifests_by_image}
+                results.append({"first_pull_seconds": round(min(starts) - t0, 3) if starts else None,
+                                "all_present_seconds": round(all_present, 3),
+                                "images_requested_from_registry": len(pulled)})
         total_pulls = image_fleet.metric(port, "cri_shim_pull_requests_total", {"priority": "background"}) or 0
         return {
             "images_present": images, "added_per_round": add, "rounds": results, "max_parallel": max_parallel,

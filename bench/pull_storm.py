@@ -84,6 +84,53 @@ async def _storm(endpoint: str, requests: list[bytes], timeout: float) -> tuple[
     return [r for r, _ in done], [t for _, t in done]
 
 
+WATCHER_GRACE_SECONDS = 10.0
+
+
+def _start_watcher(workdir: Path, interval: float) -> subprocess.Popen[bytes]:
+    """`cri-shim status --watch` on the shim's admin socket, its stdout and stderr in files
+    (``WORKDIR/status-watch.out``, ``.err``): nothing reads them during the storm, so a pipe
+    would fill up and stop the watcher."""
+    with open(workdir / "status-watch.out", "wb") as out, open(workdir / "status-watch.err", "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "shim", "status", "--watch", "--interval", str(interval),
+                                 "--admin-socket", str(workdir / "admin.sock")],
+                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+
+def _stop_watcher(watcher: subprocess.Popen[bytes], workdir: Path, log: Callable[[str], None],
+                  grace: float = WATCHER_GRACE_SECONDS) -> str:
+    """Stop `cri-shim status --watch` as an operator would (Ctrl-C: SIGINT), then SIGTERM and
+    SIGKILL ``grace`` seconds apart; log what it printed and how it ended. Returns its stdout.
+
+    The watcher only shows the storm: however it ends, the demo's outcome is the storm's."""
+    sent: list[str] = []
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        if watcher.poll() is not None:
+            break
+        if sent:
+            log(f"  `cri-shim status --watch` did not exit within {grace:.0f} s of {sent[-1]}: sending {sig.name}")
+        watcher.send_signal(sig)
+        sent.append(sig.name)
+        try:
+            watcher.wait(timeout=grace)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    out = (workdir / "status-watch.out").read_text(errors="replace")
+    err = (workdir / "status-watch.err").read_text(errors="replace")
+    if watcher.returncode is None:
+        how = f"still running {grace:.0f} s after SIGKILL (pid {watcher.pid})"
+    else:
+        how = f"stopped by {sent[-1]}" if sent else "ended by itself"
+        if watcher.returncode not in (0, -signal.SIGINT):
+            how += f", exit status {watcher.returncode}"
+    log(f"  `cri-shim status --watch` during the storm ({how}):\n"
+        + textwrap.indent(out.rstrip() or "(it printed nothing)", "  | "))
+    if err.strip():
+        log("  its stderr:\n" + textwrap.indent(err.rstrip()[-3000:], "  | "))
+    return out
+
+
 def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[bytes], expected: list[str],
            *, max_parallel: int, link_bps: int | None, conn_bps: int | None, timeout: float,
            log: Callable[[str], None], status_watch: float = 0.0) -> dict[str, Any]:
@@ -91,7 +138,7 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
     assert proxy is not None
     ctd = Containerd(workdir / f"ctd-{name}", registries=[reg.host], log_level="warn")
     shim: ShimProcess | None = None
-    watcher: subprocess.Popen[str] | None = None
+    watcher: subprocess.Popen[bytes] | None = None
     watched = ""
     try:
         ctd.start()
@@ -103,20 +150,15 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
             shim = ShimProcess(workdir / "shim", upstream=ctd.socket, config=config, log_level="info").start()
             endpoint = str(shim.socket)
             if status_watch:  # `cri-shim status --watch` as an operator would run it, during the storm
-                watcher = subprocess.Popen(
-                    [sys.executable, "-m", "shim", "status", "--watch", "--interval", str(status_watch),
-                     "--admin-socket", str(shim.workdir / "admin.sock")],
-                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                watcher = _start_watcher(shim.workdir, status_watch)
         proxy.reset()
         proxy.set_link_throttle(link_bps)
         proxy.set_throttle(conn_bps)
         log(f"  {name}: {len(requests)} concurrent PullImage calls to {'the shim' if shim else 'containerd'}")
         results, seconds = asyncio.run(_storm(endpoint, requests, timeout))
         if watcher is not None:
-            watcher.send_signal(signal.SIGINT)
-            watched = watcher.communicate(timeout=10)[0]
+            watched = _stop_watcher(watcher, shim.workdir, log)
             watcher = None
-            log("  `cri-shim status --watch` during the storm:\n" + textwrap.indent(watched.rstrip(), "  | "))
         stats = proxy.stats()
         records = proxy.records()
         answers = [cri.decode_pull_image_response(r.response) if r.ok and r.response else None for r in results]
@@ -144,9 +186,8 @@ def _phase(name: str, reg: RegistryWithProxy, workdir: Path, requests: list[byte
         log(f"containerd log tail:\n{ctd.log_tail()}")
         raise
     finally:
-        if watcher is not None:
-            watcher.kill()
-            watcher.wait()
+        if watcher is not None and shim is not None:
+            _stop_watcher(watcher, shim.workdir, log)
         proxy.set_link_throttle(None)
         proxy.set_throttle(None)
         if shim is not None:

@@ -4,6 +4,15 @@ CONTINUATION) and a gzip bomb on an intercepted method; plus whether an honest
 client's Version call still works afterwards.
 
     python bench/relay_abuse.py [--pings 5000000] [--header-mib 128] [--bomb-mib 512] [--json]
+    python bench/relay_abuse.py --honest [--busy 2] [--rounds 3]
+
+``--honest``: instead, the latency a kubelet-like client sees while each attack of
+tests/e2e/test_relay_abuse.py runs (a fresh shim per attack): one kept connection,
+Version (relayed) then ImageStatus of a pinned image (intercepted) every 50 ms;
+p50, p99 and max per attack, and the calls that failed. The attacker runs in a process
+of its own (as the tests' uid-changing attacker does), so it never takes this
+process's GIL from the honest client. ``--busy N`` keeps N busy loops running
+meanwhile (normal priority; both cores of a 2-core box with 2), stopped at the end.
 
 The shim runs as a separate process (`python -m shim serve`) in front of a scripted
 runtime (tests/support/fake_runtime.py) in this process.
@@ -13,11 +22,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -228,6 +243,109 @@ async def main_async(args: argparse.Namespace) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- --honest
+
+PINNED = "example.invalid/pinned:1"  # a pin makes ImageStatus intercepted
+HONEST_ATTACKS = ("ping_flood", "silent_sockets", "continuation_flood", "huge_header_blocks", "gzip_bomb",
+                  "data_beyond_window", "queued_pulls")
+
+
+def queued_pulls(path: str) -> dict:
+    """The memory test's attack: 40 PullImage requests of 15 MiB on one connection, then 40
+    just under 4 MiB (pulls.max_parallel 1, a pull that does not finish)."""
+    from tests.e2e.test_relay_abuse import queue_big_pulls
+
+    big = queue_big_pulls(path, 40, 15 << 20, 0.0)
+    near = queue_big_pulls(path, 40, (4 << 20) - (64 << 10), 3.0)
+    return {"15MiB": big, "4MiB": near}
+
+
+def run_attack(name: str, path: str, timeout: float = 300) -> None:
+    """The attack in a new interpreter (this process keeps its GIL for the honest client);
+    its errors go to stderr."""
+    module = "bench.relay_abuse" if name == "queued_pulls" else "tests.e2e.test_relay_abuse"
+    code = f"import sys, {module} as m; m.{name}(sys.argv[1])"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code, path], env=env, timeout=timeout, check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """``n`` processes spinning at normal priority, stopped (and reaped) on the way out."""
+    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+async def honest_during(name: str, workdir: str) -> tuple[list[float], list[str]]:
+    """The honest client's latencies (seconds) and failures during one run of ``name``."""
+    from tests.e2e.test_relay_abuse import Honest  # the tests' kubelet-like client
+    from tests.support import cri
+
+    async def slow_pull(request: bytes, context: object) -> bytes:
+        await asyncio.sleep(3600)
+        return b""
+
+    d = tempfile.mkdtemp(prefix=f"{name}-", dir=workdir)
+    rt = await FakeRuntime(os.path.join(d, "rt.sock")).start()
+    rt.unary[VERSION] = cri.version_request()
+    rt.unary[PULL] = slow_pull
+    shim = await start_shim(rt.endpoint, d, {"server": {"admin_socket": ""}, "pins": {"images": [PINNED]},
+                                             "pulls": {"max_parallel": 1, "progress_interval_seconds": 0}})
+    try:
+        honest = Honest(shim.path, interval=0.05, fresh_every=0,
+                        also=(("ImageStatus", cri.image_status_request(PINNED)),))
+        honest.start()
+        try:
+            await asyncio.to_thread(run_attack, name, shim.path)
+            await asyncio.sleep(0.5)
+        finally:
+            await honest.stop()
+        failures = honest.failures + ([] if shim.proc.poll() is None else [f"the shim exited ({shim.proc.returncode})"])
+        return honest.latencies, failures
+    finally:
+        await shim.astop()
+        await rt.stop()
+
+
+async def honest_main(args: argparse.Namespace) -> dict:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # silent_sockets holds 600 connections
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    workdir = tempfile.mkdtemp(prefix="cri-shim-honest-")
+    out: dict = {"busy_loops": args.busy, "rounds": args.rounds, "cpus": os.cpu_count()}
+    try:
+        with busy_loops(args.busy):
+            for name in args.attacks or HONEST_ATTACKS:
+                lat: list[float] = []
+                failures: list[str] = []
+                p99s = []
+                for _ in range(args.rounds):
+                    one, failed = await honest_during(name, workdir)
+                    lat += one
+                    failures += failed
+                    p99s.append(round(percentile(sorted(one), 0.99) * 1e3, 1) if one else None)
+                lat.sort()
+                out[name] = {"calls": len(lat), "failed": len(failures), "first_failures": failures[:2],
+                             "p50_ms": round(statistics.median(lat) * 1e3, 1) if lat else None,
+                             "p99_ms": round(percentile(lat, 0.99) * 1e3, 1) if lat else None,
+                             "max_ms": round(lat[-1] * 1e3, 1) if lat else None, "p99_ms_by_round": p99s}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pings", type=int, default=5_000_000)
@@ -235,8 +353,12 @@ def main() -> None:
     ap.add_argument("--bomb-mib", type=int, default=512)
     ap.add_argument("--connections", type=int, default=250, help="abusive connections (server.max_connections: 256)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--honest", action="store_true", help="the honest client's latency during each attack instead")
+    ap.add_argument("--busy", type=int, default=0, help="busy loops kept running meanwhile (--honest)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each attack (--honest)")
+    ap.add_argument("--attacks", nargs="*", choices=HONEST_ATTACKS, help="only these (--honest)")
     args = ap.parse_args()
-    result = asyncio.run(main_async(args))
+    result = asyncio.run(honest_main(args) if args.honest else main_async(args))
     print(json.dumps(result, indent=2))
 
 

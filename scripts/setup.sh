@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what cri-shim's demo and tests need on a fresh Debian 12 machine (idempotent).
-# Debian: containerd, docker-registry, skopeo, systemd (systemd-analyze); Python: the
+# Debian: containerd, docker-registry, skopeo, systemd (systemd-analyze), stress-ng; Python: the
 # package with its test extras; Go: crictl v1.37.0. Run as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,8 @@ command -v docker-registry >/dev/null || need_apt+=(docker-registry)
 command -v skopeo >/dev/null || need_apt+=(skopeo)
 command -v systemd-analyze >/dev/null || need_apt+=(systemd)
 command -v go >/dev/null || [ -x /usr/local/go/bin/go ] || need_apt+=(golang-go)
+# scripts/test.sh --under-load (CI); the demo (--base) does not need it
+[ "${1:-}" = "--base" ] || command -v stress-ng >/dev/null || need_apt+=(stress-ng)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -19,7 +21,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if ! "$PY" -c 'import shim, grpc, pytest, hypothesis, bcrypt, hpack, mypy, ruff, importlinter' 2>/dev/null \
+if ! "$PY" -c 'import shim, grpc, pytest, pytest_timeout, hypothesis, bcrypt, hpack, mypy, ruff, importlinter' 2>/dev/null \
    || ! "$PY" -c 'import importlib.metadata as m; m.version("cri-shim")' 2>/dev/null; then
   echo "setup: pip install -e .[test]"
   "$PY" -m pip install -q --disable-pip-version-check --root-user-action=ignore -e '.[test]'

@@ -120,9 +120,15 @@ def _status(args: argparse.Namespace) -> int:
             print(f"cri-shim: status is off: server.admin_socket is empty in {args.config}", file=sys.stderr)
             return 1
     if args.watch:
-        from .process.status_view import watch_status
+        # Ctrl-C (SIGINT) ends a watch, also when started with SIGINT ignored, as a shell without
+        # job control starts `cmd &` (Python then leaves SIGINT ignored: the watch never ended).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            from .process.status_view import watch_status
 
-        return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
+            return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
+        except KeyboardInterrupt:  # Ctrl-C ends a watch, also before its first view
+            return 0
     return print_status(admin_socket, as_json=args.json)
 
 

@@ -111,6 +111,15 @@ def size(minimum: int = 0) -> Parse:
     return lambda key, v: _size(key, v, minimum)
 
 
+def fraction() -> Parse:
+    """A number in (0, 1]: a share of something."""
+    def parse(key: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ConfigError(key, f"expected a number above 0 and at most 1 (a share), got {shown(v)}")
+        return float(v)
+    return parse
+
+
 def strings(*, none_is_empty: bool = False) -> Parse:
     def parse(key: str, v: Any) -> tuple[str, ...]:
         return () if v is None and none_is_empty else _str_list(key, v)
@@ -188,6 +197,10 @@ class PullsConfig:
     # no manifest and no byte this long: ended; progress not judged (CRI-O, progress off): the slot is
     # given back and the pull goes on (pulls/lease.py); 0 = both off
     no_progress_timeout_seconds: float = knob(60.0, duration())
+    # clients outside server.trusted_uids (pulls/slots.py): their share of max_parallel (at least 1, at
+    # most max_parallel - 1 slots), and the most one uid may run of it
+    untrusted_share: float = knob(0.5, fraction())
+    max_parallel_per_uid: int = knob(1, integer(1))
 
 
 MIN_PROGRESS_INTERVAL = 0.1
@@ -238,7 +251,8 @@ class ClusterConfig:
     """Image sets from the Kubernetes API (README "Image sets for a fleet")."""
     kubeconfig: str = knob("", text())  # empty: the cluster source is off
     node_name: str = knob("", text())  # empty: this host's name, lowercased (kubelet's default)
-    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())  # last applied sets, before the API
+    # the sets applied last, loaded before the API answers; its directory is the unit's StateDirectory=
+    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())
     mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often
@@ -399,8 +413,16 @@ def _host_port(key: str, v: Any) -> str:
     return s
 
 
+MAX_UID = 2**32 - 2  # (uid_t) -1 is no uid
+
+
 def _uids(key: str, v: Any) -> tuple[int, ...]:
-    return _list_of(key, v, _int, "numeric uids")
+    def uid(k: str, x: Any) -> int:
+        n = _int(k, x)
+        if n > MAX_UID:
+            raise ConfigError(k, f"must be a uid (0 to {MAX_UID}), got {shown(x)}")
+        return n
+    return _list_of(key, v, uid, "numeric uids")
 
 
 def _allowed_services(key: str, v: Any) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from .cri.call import (
     forwardable,
 )
 from .cri.methods import Cardinality, cardinality
+from .cri.peer import UNIDENTIFIED
 from .cri.routing import Intercept, Refusal, Router
 from .cri.upstream import Upstream
 from .errors import Metadata, RpcError
@@ -316,7 +317,7 @@ class Proxy(grpc.GenericRpcHandler):
 
     def _call(self, method: str, context: Context, sent_as: str) -> Call:
         return Call(method, forward_metadata(context), Deadline.after(context.time_remaining()), self.upstream,
-                    sent_as=sent_as)
+                    sent_as=sent_as, peer=UNIDENTIFIED)
 
     def _intercepted_unary(self, method: str, handler: Handler,
                            sent_as: str) -> Callable[[bytes, Any], Awaitable[bytes]]:

@@ -7,7 +7,9 @@ apply to this node and hands them to the image-set manager (one diff against the
 Safe without the API: what was applied last is saved to ``cluster.state_file`` and loaded
 before the shim serves. While a resource cannot be read (API down, not installed, forbidden),
 the sets it gave last stay in force: losing the API never unpins or drops a set. Only a
-successful read that no longer selects a set removes it.
+successful read that no longer selects a set removes it. A state file that cannot be written is
+an error in the log, in ``cri-shim status`` and in metrics, at start (checked before serving)
+and on every failed save; a failed save is tried again every ``cluster.backoff_max_seconds``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..config import ClusterConfig
 from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
+from ..observability.metrics import Metrics
 from . import objects, state
 from .discovery import mco_kinds
 from .informer import Informer
@@ -55,14 +58,18 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, metrics: Metrics) -> None:
         self.cfg = cfg
         self.sets = sets
+        self.metrics = metrics
         self.node_name = node_name(cfg)
         self.labels: dict[str, str] | None = None  # None: not known yet
         self.selected: dict[str, Selected] = {}
         self.errors: dict[str, str] = {}
-        self.state_error = ""
+        self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
+        self.state_write_failures = 0  # the start check and every save that failed
+        self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
+        metrics.cluster_state_file_error.set(0)  # not a previous source's (a reload that changed cluster.*)
         self.loaded_from_state = False
         self.applies = 0
         self.api: ApiClient | None = None
@@ -84,11 +91,23 @@ class ClusterSource:
     # ------------------------------------------------------------------ state file
 
     def load_state(self) -> None:
-        """At start, before serving: the sets applied last, so pins hold from the first call."""
+        """At start, before serving: the sets applied last, so pins hold from the first call;
+        and whether the file can be written (said once, clearly, before anything needs saving)."""
+        self._load()
+        try:
+            state.probe(self.cfg.state_file)
+        except OSError as e:
+            self._write_failed(e)
+            logs.log(_log, logging.ERROR, "cluster state file cannot be written: the sets applied from the API "
+                     "server will not hold after a restart while it is down (under systemd the unit needs "
+                     "StateDirectory=cri-shim, or ReadWritePaths= for the file's directory)",
+                     file=self.cfg.state_file, error=self.state_error)
+
+    def _load(self) -> None:
         try:
             loaded = state.load(self.cfg.state_file)
         except ValueError as e:
-            self.state_error = str(e)
+            self._state_problem(str(e))
             logs.log(_log, logging.ERROR, "cluster state file unusable; waiting for the API server", error=str(e))
             return
         if loaded is None:
@@ -106,11 +125,26 @@ class ClusterSource:
         assert self.labels is not None
         try:
             state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
-            self.state_error = ""
         except OSError as e:
-            self.state_error = f"{self.cfg.state_file}: cannot write: {e.strerror}"
+            self._write_failed(e)
+            self._unsaved = True
             logs.log(_log, logging.ERROR, "cannot save the cluster state file; a restart without the API server "
-                     "would start without these sets", error=self.state_error)
+                     "would start without these sets", error=self.state_error, failures=self.state_write_failures,
+                     retry_seconds=self.cfg.backoff_max_seconds)
+            return
+        if self._unsaved:
+            logs.log(_log, logging.INFO, "cluster state file saved again", file=self.cfg.state_file)
+        self._unsaved = False
+        self._state_problem("")
+
+    def _write_failed(self, e: OSError) -> None:
+        self.state_write_failures += 1
+        self.metrics.cluster_state_write_failures.inc()
+        self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
+
+    def _state_problem(self, error: str) -> None:
+        self.state_error = error
+        self.metrics.cluster_state_file_error.set(1 if error else 0)
 
     # ------------------------------------------------------------------ selection
 
@@ -304,7 +338,11 @@ class ClusterSource:
 
     async def _apply_loop(self) -> None:
         while True:
-            await self._dirty.wait()
+            try:  # while the last save failed, it is tried again when nothing else happened meanwhile
+                await asyncio.wait_for(self._dirty.wait(), self.cfg.backoff_max_seconds if self._unsaved else None)
+            except TimeoutError:
+                await asyncio.to_thread(self._save)
+                continue
             self._dirty.clear()
             if self.recompute():
                 await asyncio.to_thread(self._save)
@@ -338,6 +376,7 @@ class ClusterSource:
         if self.api is not None:
             await self.api.close()
             self.api = None
+        self.metrics.cluster_state_file_error.set(0)  # no source, no state file
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -355,6 +394,8 @@ class ClusterSource:
             out["errors"] = dict(self.errors)
         if self.state_error:
             out["state_error"] = self.state_error
+        if self.state_write_failures:
+            out["state_write_failures"] = self.state_write_failures
         if self.secrets is not None and self.secrets.by_set:
             out["pull_secrets"] = self.secrets.status()
         if self.cfg.mco:

@@ -4,6 +4,10 @@ Written (atomically: temp file + rename) after every change that was applied; re
 start, before the shim serves, so the same pins hold from the first CRI call even when the API
 server cannot be reached. It holds the node's labels and the set objects that applied, never a
 Secret's content.
+
+Its directory must be writable by the shim: the shipped unit makes it so with
+``StateDirectory=cri-shim`` (``/var/lib/cri-shim``, the default's directory) under
+``ProtectSystem=strict``. ``probe`` checks that at start, before anything needs saving.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ def save(path: str, labels: dict[str, str], own: list[dict[str, Any]], pinned: l
         except FileNotFoundError:
             pass
         raise
+
+
+def probe(path: str) -> None:
+    """Raises OSError when a file cannot be created beside ``path`` (what ``save`` needs)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def load(path: str) -> tuple[dict[str, str], list[dict[str, Any]], list[dict[str, Any]]] | None:

@@ -27,6 +27,7 @@ from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
 from ..imagesets.manager import ImageSets
 from ..imagesets.reconciler import State, _keys
 from ..observability import logs
+from ..pulls.failure import REASONS
 from ..pulls.poller import ProgressPoller
 from ..reference import pull_name
 from .informer import describe
@@ -34,26 +35,8 @@ from .objects import FIELD_MANAGER, NODE_STATUS
 from .source import ClusterSource
 
 _log = logs.get("cluster")
-REASONS = ("auth", "notFound", "noSpace", "stalled", "other")
 _CONDITION_REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
                      "other": "PullFailed"}
-
-
-def classify(error: str) -> str:
-    """A failed pull's typed reason, from the gRPC code and message the runtime gave."""
-    e = error.lower()
-    code = error.split(":", 1)[0]
-    if "stalled" in e:
-        return "stalled"
-    if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(
-            s in e for s in ("401", "403", "unauthorized", "authorization failed", "failed to authorize",
-                             "denied", "authentication required")):
-        return "auth"
-    if code == "NOT_FOUND" or any(s in e for s in ("not found", "manifest unknown", "name unknown", "404")):
-        return "notFound"
-    if code == "RESOURCE_EXHAUSTED" or "no space left" in e:
-        return "noSpace"
-    return "other"
 
 
 def _now() -> str:
@@ -113,7 +96,7 @@ class NodeStatus:
             for key in _keys(s) if c["failed"] or c["pulling"] else ():
                 img = rec.images.get(key)
                 if img is not None and img.state is State.FAILED:
-                    reasons[classify(img.error)] += 1
+                    reasons[img.reason] += 1
                 elif img is not None and img.state is State.PULLING:
                     d, t = by_pull.get(pull_name(img.spelled), (0, 0))
                     done, total = done + d, total + t

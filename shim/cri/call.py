@@ -22,6 +22,7 @@ import grpc
 
 from ..errors import Metadata, RpcError
 from ..observability.tracing import NOOP_SPAN, Span, Tracing
+from .peer import Peer
 from .upstream import Upstream
 
 # Request headers that belong to the hop, not to the call: never forwarded as the call's metadata.
@@ -71,6 +72,7 @@ class Call:
     span: Span = NOOP_SPAN  # this call's SERVER span (a no-op span when tracing is off)
     sent_as: str = ""  # :path as the client spelled it, if not ``method``
     started: float = field(default_factory=time.perf_counter)
+    peer: Peer = field(kw_only=True)  # who called (cri/peer.py): its uid decides its share of the pull slots
 
     def time_remaining(self) -> float | None:
         return self.deadline.remaining()

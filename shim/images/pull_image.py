@@ -19,7 +19,7 @@ from ..errors import RpcError, check_image_name, invalid_request
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
-from ..pulls.scheduler import Priority
+from ..pulls.slots import Priority
 from ..runtime_handlers.resolver import inject
 from .service import ImageService, decode
 
@@ -62,7 +62,9 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
             request = inject(request, image, decision, svc.metrics, logging.INFO)
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
     key = pull_key(req, handler, namespace=namespace, sent_as=call.sent_as)
-    svc.metrics.pull_requests_total.labels("foreground").inc()
+    # kubelet (root) and server.trusted_uids go first; any other local client within its share (pulls/slots.py)
+    priority = Priority.FOREGROUND if call.peer.trusted else Priority.UNTRUSTED
+    svc.metrics.pull_requests_total.labels(priority.name.lower()).inc()
     span = call.span
     if span.is_recording():
         span.set_attributes({"cri_shim.image": image, "cri_shim.runtime_handler": handler,
@@ -79,7 +81,8 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
                 raise
 
     try:
-        outcome = await svc.scheduler.pull(key, run, priority=Priority.FOREGROUND, timeout=call.time_remaining(),
+        outcome = await svc.scheduler.pull(key, run, priority=priority, uid=call.peer.uid,
+                                           timeout=call.time_remaining(),
                                            listener=span.add_event if span.is_recording() else None)
     except RpcError as e:
         _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)

@@ -7,14 +7,24 @@ the lookup too) to the image's ID, tags and digests. If a pin matches any of the
 call fails with FAILED_PRECONDITION naming the image and the pin. A runtime removes
 every name of an image at once, so a pin on any one name protects the image under all.
 
-With ``pins.mode: mark-only`` the removal goes ahead (and is logged). An image the
-runtime does not know, and every call made while there are no pins, reaches the
-runtime as the client sent it. If the lookup itself fails, that error is returned and
-nothing is removed: a pin is never bypassed because the runtime could not be asked.
+With ``pins.mode: mark-only`` the removal goes ahead (and is logged). Every call made
+while there are no pins reaches the runtime as the client sent it. If the lookup itself
+fails, that error is returned and nothing is removed: a pin is never bypassed because
+the runtime could not be asked.
+
+A name the runtime does not know is never sent on: a pull of it (by another client, or
+straight to the runtime) could land between the lookup and the removal, and the runtime
+would remove an image nobody checked. The shim answers as every supported runtime answers
+a RemoveImage of a missing image (RemoveImage is idempotent in CRI: containerd 1.6/1.7/2.x
+return an empty response when their LocalResolve finds nothing, CRI-O v1.34 when its storage
+and artifact store know neither the name nor the ID): an empty RemoveImageResponse. An empty
+name names nothing and still goes to the runtime, which answers it its own way.
 
 The removal names the image the shim checked by its ID (``removal_request``), so a pull
 that re-points the name between the check and the removal cannot make the runtime
-remove another image. While image sets are configured but their directory is not read
+remove another image. What no CRI call can close: a pull that gives the checked image itself
+(same content) a pinned name in between; the runtime then removes it under all its names.
+While image sets are configured but their directory is not read
 yet (start, or a reload to a new ``image_sets.dir``), every call first waits for it,
 up to ``image_sets.pins_wait_seconds`` (then UNAVAILABLE).
 """
@@ -38,6 +48,8 @@ from .pinned import pin_of
 from .service import ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pins")
+# What containerd and CRI-O answer a RemoveImage of an image they do not have (an empty message).
+MISSING_IMAGE_RESPONSE = api_pb2.RemoveImageResponse().SerializeToString()
 
 
 def status_request(remove_request: bytes, parsed: api_pb2.RemoveImageRequest) -> bytes:
@@ -104,6 +116,10 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
                                f"{pins.describe(pin)}; not removing it")
             logs.log(_log, logging.INFO, "removing a pinned image (pins.mode is mark-only)", image=name,
                      id=image.id, tags=tags, pin=pins.describe(pin))
+        if image is None and name:
+            logs.log(_log, logging.DEBUG, "remove: the runtime does not know the image; answered without it",
+                     image=name)
+            return MISSING_IMAGE_RESPONSE
         if image is not None:
             request = removal_request(request, req, image)
     with counting_upstream_errors(svc, "RemoveImage"):

@@ -41,7 +41,7 @@ import enum
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,9 +57,11 @@ from ..images.pins import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
+from ..pulls.failure import PullFailure
 from ..pulls.key import pull_key
 from ..pulls.progress import human_bytes
-from ..pulls.scheduler import Priority, PullScheduler
+from ..pulls.scheduler import PullScheduler
+from ..pulls.slots import Priority
 from ..reference import InvalidReference, normalize
 from .loader import ImageSet
 
@@ -96,12 +98,21 @@ class _Image:
     since: float = 0.0  # clock when state last changed
     attempts: int = 0
     retry_at: float = 0.0
-    error: str = ""
+    failure: PullFailure | None = None  # the last failed pull's code and details, as the runtime gave them
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> ImageKey:
         return (self.ref, self.handler)
+
+    @property
+    def error(self) -> str:
+        return str(self.failure) if self.failure is not None else ""
+
+    @property
+    def reason(self) -> str:
+        """The last failure's typed reason (pulls/failure.py REASONS)."""
+        return self.failure.reason if self.failure is not None else "other"
 
 
 def _keys(s: ImageSet) -> list[ImageKey]:
@@ -311,7 +322,7 @@ class Reconciler:
             if img.ref in present:
                 if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
                     self._set(img, State.PRESENT, now)
-                    img.attempts, img.error = 0, ""
+                    img.attempts, img.failure = 0, None
             elif img.state is State.PRESENT and img.since >= started:
                 pass  # pulled while the list was on its way: newer than the list
             elif img.state in (State.UNKNOWN, State.PRESENT):
@@ -490,7 +501,7 @@ class Reconciler:
             if self.images.get(img.key) is not img:
                 return  # dropped meanwhile
             img.attempts += 1
-            img.error = f"{error.code.name}: {error.details}"
+            img.failure = PullFailure.of(error)
             delay = self._backoff(img.attempts)
             img.retry_at = self._clock() + delay
             self._set(img, State.FAILED, self._clock())
@@ -498,7 +509,7 @@ class Reconciler:
                      sets=",".join(sorted(img.sets)), code=error.code.name, error=error.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
-        img.attempts, img.error = 0, ""
+        img.attempts, img.failure = 0, None
         self._set(img, State.PRESENT, self._clock())
         logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, handler=handler,
                  handler_source=handler_source, credentials=cred.source if cred else "none",
@@ -572,6 +583,9 @@ class Reconciler:
                                    **c, "last_error": self._last_error(s) or blocked}
             if s.pin:
                 row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
+            if c["failed"]:
+                row["failed_reasons"] = dict(Counter(img.reason for k in _keys(s) if (img := self.images.get(k))
+                                                     is not None and img.state is State.FAILED))
             if s.ignored:
                 row["ignored_fields"] = list(s.ignored)
             if any(s.handlers):
@@ -583,7 +597,7 @@ class Reconciler:
             "images": {st: sum(1 for i in self.images.values() if i.state.value == st)
                        for st in ("present", "pulling", "queued", "failed", "unknown")},
             "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
-                        "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error,
+                        "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error, "reason": i.reason,
                         "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed[:20]],
             "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
                      "mountpoints": list(self._mounts), "blocked": self.disk_blocked},

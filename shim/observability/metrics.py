@@ -20,6 +20,7 @@ from prometheus_client import (
 )
 
 from ..pulls.scheduler import Flight, PullEvents
+from ..pulls.slots import Running
 from .metrics_http import MetricsServer
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -37,6 +38,9 @@ class Metrics(PullEvents):
         self.pull_requests_total = Counter("cri_shim_pull_requests", "PullImage calls received from CRI "
                                            "clients, by priority.", ["priority"], registry=r)
         self.pulls_in_flight = Gauge("cri_shim_pulls_in_flight", "Upstream pulls running now.", registry=r)
+        self.pulls_running = Gauge("cri_shim_pulls_running", "Upstream pulls running now, by the class of "
+                                   "caller they count against (trusted, untrusted, background; pulls.untrusted_share).",
+                                   ["class"], registry=r)
         self.queue_length = Gauge("cri_shim_pull_queue_length", "Pulls waiting for a slot.", registry=r)
         self.queue_wait = Histogram("cri_shim_pull_queue_wait_seconds", "Time a pull waited for a slot "
                                     "before going upstream.", ["priority"], buckets=_WAIT_BUCKETS, registry=r)
@@ -74,6 +78,13 @@ class Metrics(PullEvents):
         self.pull_slot_released = Counter("cri_shim_pull_slot_released", "Upstream pulls that went on without a "
                                           "pull slot: unanswered after pulls.no_progress_timeout_seconds while "
                                           "their progress could not be judged (e.g. CRI-O).", registry=r)
+        self.cluster_state_write_failures = Counter(
+            "cri_shim_cluster_state_write_failures", "Failed writes of cluster.state_file: the check at start "
+            "and every save that failed (each one logged as an error).", registry=r)
+        self.cluster_state_file_error = Gauge(
+            "cri_shim_cluster_state_file_error", "1 while cluster.state_file cannot be written or could not be "
+            "read at start (see cri-shim status: cluster.state_error), 0 once a save succeeds; pins from the "
+            "cluster then do not hold after a restart while the API server is down.", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 
@@ -81,6 +92,11 @@ class Metrics(PullEvents):
     def queue_changed(self, queued: int, in_flight: int) -> None:
         self.queue_length.set(queued)
         self.pulls_in_flight.set(in_flight)
+
+    def running_changed(self, running: Running) -> None:
+        for cls, n in (("trusted", running.trusted), ("untrusted", running.untrusted),
+                       ("background", running.background)):
+            self.pulls_running.labels(cls).set(n)
 
     def flight_started(self, flight: Flight, waited: float) -> None:
         self.queue_wait.labels(flight.priority.name.lower()).observe(waited)

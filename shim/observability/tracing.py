@@ -19,7 +19,8 @@ Context travels as W3C ``traceparent``/``tracestate`` in gRPC metadata. An inter
 call gets a SERVER span, child of the incoming context; the metadata forwarded to the
 runtime then carries that span as parent, so the runtime's spans join the same trace.
 ``baggage`` and all other metadata pass unchanged. When tracing is off nothing here runs
-on any call path: ``Proxy`` only consults ``Tracing`` when ``enabled``.
+on any call path: ``Proxy`` only consults ``Tracing`` when ``enabled``; and the
+OpenTelemetry SDK and exporters are not even imported (only the API, for its no-op span).
 
 Span attributes are method names, image references, handlers, counts and codes, never
 request metadata or credentials.
@@ -32,15 +33,12 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import Span as Span
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -48,6 +46,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from ..cri.methods import canonical
 from ..errors import Metadata, RpcError
 from . import logs
+
+if TYPE_CHECKING:  # the SDK and its exporters are imported only when tracing is on (from_env)
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 _log = logs.get("tracing")
 
@@ -146,6 +149,9 @@ class Tracing:
             return cls.off()
         if not exporters:
             return cls.off()
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
         provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
@@ -313,6 +319,8 @@ def _otlp_exporter(protocol: str) -> SpanExporter:
 
 def _resource() -> Resource:
     """OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES win; otherwise service.name is cri-shim."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+
     r = Resource.create({SERVICE_VERSION: shim_version()})
     if str(r.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         r = r.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))

@@ -23,7 +23,6 @@ from ..cri.routing import Router
 from ..cri.upstream import Upstream
 from ..images import image_status, list_images, pull_image, remove_image
 from ..images.service import ImageService
-from ..imagesets import ImageSets
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pulls.lease import SlotLease
@@ -34,9 +33,12 @@ from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
 from .status import StatusSource, collect
 
-if TYPE_CHECKING:  # the Kubernetes client is imported only when cluster.kubeconfig is set (seconds)
+if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory at rest"): the
+    # Kubernetes client only with cluster.kubeconfig (seconds, about 45 MiB), image sets (and the
+    # credential readers) only with image_sets.dir or cluster.kubeconfig
     from ..cluster.source import ClusterSource
     from ..cluster.status import NodeStatus
+    from ..imagesets import ImageSets
 
 
 class App:
@@ -52,7 +54,8 @@ class App:
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
         self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
-                                       dedup=cfg.pulls.dedup, observers=[self.metrics])
+                                       dedup=cfg.pulls.dedup, untrusted_share=cfg.pulls.untrusted_share,
+                                       max_parallel_per_uid=cfg.pulls.max_parallel_per_uid, observers=[self.metrics])
         self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
         self.scheduler.observers.append(self.progress)
         self.lease = SlotLease(self.scheduler, self.progress.unjudged, cfg.pulls.no_progress_timeout_seconds)
@@ -79,7 +82,9 @@ class App:
             raise ConfigError("pins.images", str(e)) from None
         self.handlers.configure(cfg.runtime_handlers, handler_rules)
         self.cfg = cfg
-        self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup)
+        self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup,
+                                 untrusted_share=cfg.pulls.untrusted_share,
+                                 max_parallel_per_uid=cfg.pulls.max_parallel_per_uid)
         self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
         self.images.pins_wait_seconds = cfg.image_sets.pins_wait_seconds
         self.progress.configure(cfg.pulls)
@@ -127,6 +132,8 @@ class App:
             if not wanted:
                 self.images.set_declared_pins([])
         if wanted:
+            from ..imagesets import ImageSets
+
             if cfg.image_sets.dir:  # the directory's first read sets the pins and opens the gate; the
                 self.images.expect_declared_pins()  # cluster's state file is read before serving (below)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
@@ -142,7 +149,7 @@ class App:
         from ..cluster.status import NodeStatus
 
         c = cfg.cluster
-        self.cluster = ClusterSource(c, self.image_sets)
+        self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
         self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,

@@ -45,7 +45,8 @@ def collect(cfg: Config, scheduler: PullScheduler, progress: ProgressPoller | No
         "pulls": {"max_parallel": cfg.pulls.max_parallel, "dedup": cfg.pulls.dedup,
                   "progress_interval_seconds": cfg.pulls.progress_interval_seconds,
                   "stall_timeout_seconds": cfg.pulls.stall_timeout_seconds,
-                  "stall_min_bytes_per_second": cfg.pulls.stall_min_bytes_per_second, **pulls},
+                  "stall_min_bytes_per_second": cfg.pulls.stall_min_bytes_per_second,
+                  "slots": scheduler.slots.describe(), "running": scheduler.running.describe(), **pulls},
         "tracing": dict(tracing.description) if tracing.enabled else {"exporter": "off"},
     }
     for name, source in list(sources.items()):

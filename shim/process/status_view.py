@@ -84,7 +84,8 @@ def _pull_line(p: dict[str, Any]) -> str:
     if p.get("handler"):
         parts.append(f"handler={p['handler']}")
     if p.get("priority") and p["priority"] != "foreground":
-        parts.append(f"[{p['priority']}]")
+        who = f" uid {p['uid']}" if "uid" in p else ""
+        parts.append(f"[{p['priority']}{who}]")
     waiters = p.get("waiters", 0)
     parts.append(f"{waiters} waiting" if waiters != 1 else "1 waiting")
     if "running_seconds" in p:
@@ -166,6 +167,11 @@ def render(doc: dict[str, Any]) -> str:
     lines.append(f"pulls      {len(running)} running{f' ({released} without a slot)' if released else ''}, "
                  f"{len(queued)} queued  "
                  f"(max_parallel {cap or 'unlimited'}, collapse {'on' if pulls.get('dedup', True) else 'off'})")
+    by_class, slots = pulls.get("running", {}), pulls.get("slots", {})
+    if by_class.get("untrusted") or by_class.get("background"):
+        lines.append(f"  by class trusted {by_class.get('trusted', 0)}, untrusted {by_class.get('untrusted', 0)} "
+                     f"(of {slots.get('untrusted_slots')}; by uid {by_class.get('untrusted_by_uid', {})}), "
+                     f"background {by_class.get('background', 0)} (of {slots.get('background_slots')})")
     for label, rows in (("running", running), ("queued", queued)):
         for i, p in enumerate(rows):
             lines.append(f"  {label if i == 0 else '':8} {_pull_line(p)}")

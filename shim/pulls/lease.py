@@ -15,8 +15,10 @@ join it, and the next queued pull starts. A pull the guard judges (or any pull w
 later: its progress may have become unknown, or a reload set a cap, meanwhile.
 
 What this costs: on such a node the cap counts only the pulls that started less than the
-timeout ago, so more than ``pulls.max_parallel`` slow pulls can run at once. Released pulls
-are bounded by the calls waiting for them (the last caller to leave cancels one, as any pull).
+timeout ago, so more than ``pulls.max_parallel`` slow pulls can run at once, but never more
+than twice it (the slot rule's hard bound, slots.py: at the bound nothing new starts), and a
+released pull of an untrusted peer or of prefetch still counts against its share. A released
+pull ends as any pull: the last caller to leave cancels it.
 """
 
 from __future__ import annotations

@@ -25,35 +25,38 @@ A running flight may be *released* (``release``, the slot lease of lease.py): it
 upstream and its callers keep waiting for it (identical pulls still join it), but it no
 longer counts against the cap, and the next queued flight starts.
 
-Queues are FIFO within a class; foreground (kubelet, any CRI client) goes before
-background (image-set prefetch), which also has its own sub-cap. A foreground
-caller joining a queued background flight lifts it into the foreground queue.
+A flight has a class (``Priority``): **foreground** (a CRI client whose uid is in
+``server.trusted_uids``: kubelet), **untrusted** (any other CRI client, charged to its uid) or
+**background** (image-set prefetch). Who may start, and in which order, is the slot rule of
+slots.py: trusted first, untrusted peers within their share (and one uid within its own
+limit), prefetch within its sub-cap, the two together never the last slot, and never more
+than twice the cap running in the runtime, released flights included. Queues are FIFO
+within a class (and, for untrusted flights, within a uid: queue.py).
 
-Background flights never hold the last slot under the cap: at most
-``min(background_max_parallel, max_parallel - 1)`` of them run, so a foreground pull
-waits only while at least one other foreground flight runs (config refuses
-``image_sets.max_parallel >= pulls.max_parallel``, so the sub-cap is the smaller one).
+The class of a collapsed flight (the priority rule): a **queued** flight has the class of the
+highest caller waiting for it now, and an untrusted one is charged to the uid of its oldest
+untrusted caller still waiting; it moves to that lane when a caller joins or leaves. A
+**running** flight keeps the class it started with, except that a trusted caller joining it
+makes it foreground: it then counts against no share (kubelet never waits behind the share of
+an untrusted peer whose pull it shares, and the peer's share gets the slot back). A running
+flight is never lowered: what it counts against was checked when it started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Awaitable, Callable, Iterable, Mapping
 
 import grpc
 
 from ..errors import RpcError
 from .key import PullKey
-
-
-class Priority(IntEnum):
-    FOREGROUND = 0
-    BACKGROUND = 1
+from .queue import Lanes
+from .slots import Priority, Running, Slots
 
 
 @dataclass(slots=True)
@@ -86,6 +89,9 @@ class PullEvents:
     def flight_released(self, flight: Flight, why: str) -> None:
         """``flight`` goes on upstream without a slot (``PullScheduler.release``), because ``why``."""
 
+    def running_changed(self, running: Running) -> None:
+        """What runs in the runtime now, by class, changed (or may have)."""
+
 
 Runner = Callable[[], Awaitable[bytes]]
 # A waiting caller's progress listener: (event name, attributes), e.g. a span's add_event.
@@ -106,6 +112,9 @@ class Flight:
     result: str | None = None  # success | error | cancelled, once finished
     released_at: float | None = None  # when it stopped holding a slot (release); it still runs
     listeners: list[Listener] = field(default_factory=list)  # of the callers waiting now
+    uid: int | None = None  # an untrusted flight's: the uid it is charged to (the priority rule)
+    callers: dict[Priority, int] = field(default_factory=dict)  # the callers waiting now, by class
+    uids: dict[int, int] = field(default_factory=dict)  # the untrusted ones by uid, oldest first
 
     @property
     def queued(self) -> bool:
@@ -113,48 +122,73 @@ class Flight:
 
 
 class PullScheduler:
-    """At most ``max_parallel`` flights upstream (0 = no cap); background ones at most
-    ``background_max_parallel`` of those, and never all of them (one slot is foreground's)."""
+    """At most ``max_parallel`` flights holding a slot (0 = no cap), by the slot rule of slots.py."""
 
     def __init__(self, max_parallel: int, background_max_parallel: int = 1, *, dedup: bool = True,
+                 untrusted_share: float = 0.5, max_parallel_per_uid: int = 1,
                  observers: Iterable[PullEvents] = (), clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_parallel = max_parallel
-        self.background_max_parallel = background_max_parallel
+        self.slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid)
         self.dedup = dedup
         self.observers: list[PullEvents] = list(observers)  # metrics, progress: told in this order
         self._clock = clock
         self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
-        self._queues: dict[Priority, deque[Flight]] = {p: deque() for p in Priority}
+        self._queue: Lanes[Flight] = Lanes()
         self._running: set[Flight] = set()  # upstream; each holds a slot unless released (released_at)
         self._seq = itertools.count()
         self._closed: RpcError | None = None
 
     # ------------------------------------------------------------------ public
 
-    def configure(self, max_parallel: int, background_max_parallel: int, dedup: bool) -> None:
-        """Change the caps (reload). Raising a cap starts queued flights at once."""
-        self.max_parallel, self.background_max_parallel, self.dedup = max_parallel, background_max_parallel, dedup
+    @property
+    def max_parallel(self) -> int:
+        return self.slots.max_parallel
+
+    @property
+    def background_max_parallel(self) -> int:
+        return self.slots.background_max_parallel
+
+    @property
+    def background_slots(self) -> int:
+        return self.slots.background_slots
+
+    def configure(self, max_parallel: int, background_max_parallel: int, dedup: bool, *,
+                  untrusted_share: float = 0.5, max_parallel_per_uid: int = 1) -> None:
+        """Change the caps (reload). Raising a cap starts queued flights at once; with no slot
+        left for untrusted peers (a cap of 1) their queued flights are refused."""
+        slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid)
+        self.slots, self.dedup = slots, dedup
+        if slots.untrusted_slots == 0:
+            for flight in self._queue.take(Priority.UNTRUSTED):
+                self._forget(flight)
+                if not flight.future.done():
+                    flight.future.set_exception(self._no_untrusted_slot())
+            self._changed()
         self._dispatch()
 
     async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
-                   timeout: float | None = None, listener: Listener | None = None) -> PullOutcome:
-        """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds.
+                   uid: int | None = None, timeout: float | None = None,
+                   listener: Listener | None = None) -> PullOutcome:
+        """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds, for a
+        caller of class ``priority`` (``uid``: an untrusted caller's uid).
 
         Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``timeout`` runs out
-        (also while still queued: no slot is taken), UNAVAILABLE when shutting down.
+        (also while still queued: no slot is taken), UNAVAILABLE when shutting down,
+        RESOURCE_EXHAUSTED for an untrusted caller when the cap leaves no slot to its class.
         """
         if self._closed is not None:
             raise self._closed
+        if priority is Priority.UNTRUSTED and uid is None:
+            uid = -1
         flight = self._joinable(key, priority) if self.dedup else None
         joined = flight is not None
         if flight is None:
-            flight = self._new_flight(key, priority, run)
+            if priority is Priority.UNTRUSTED and self.slots.untrusted_slots == 0:
+                raise self._no_untrusted_slot()
+            flight = self._new_flight(key, priority, run, uid)
         else:
             for o in self.observers:
                 o.joined(flight)
-            if priority < flight.priority:
-                self._lift(flight, priority)
-        flight.waiters += 1
+        self._arrive(flight, priority, uid)
         if listener is not None:
             flight.listeners.append(listener)
         try:
@@ -167,11 +201,9 @@ class PullScheduler:
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"cri-shim: deadline exceeded {where} {key.image}") from None
         finally:
-            flight.waiters -= 1
             if listener is not None:
                 flight.listeners.remove(listener)
-            if flight.waiters == 0 and not flight.future.done():
-                self._abandon(flight)
+            self._leave(flight, priority, uid)
         started = flight.started_at if flight.started_at is not None else self._clock()
         return PullOutcome(response, joined, max(0.0, started - flight.enqueued_at))
 
@@ -179,12 +211,10 @@ class PullScheduler:
               message: str = "cri-shim is shutting down; retry the pull") -> None:
         """Refuse new pulls and fail every queued one (running ones may finish)."""
         self._closed = RpcError(code, f"cri-shim: {message}")
-        for q in self._queues.values():
-            while q:
-                flight = q.popleft()
-                self._forget(flight)
-                if not flight.future.done():
-                    flight.future.set_exception(self._closed)
+        for flight in self._queue.drain():
+            self._forget(flight)
+            if not flight.future.done():
+                flight.future.set_exception(self._closed)
         self._changed()
 
     def fail_running(self, flight: Flight, error: RpcError) -> bool:
@@ -214,7 +244,15 @@ class PullScheduler:
 
     @property
     def queued(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return len(self._queue)
+
+    @property
+    def running(self) -> Running:
+        """The flights running in the runtime, counted by class (the slot rule's view)."""
+        counts = Running()
+        for f in self._running:
+            counts.add(f.priority, f.uid, f.released_at is not None)
+        return counts
 
     @property
     def in_flight(self) -> int:
@@ -229,13 +267,15 @@ class PullScheduler:
             d: dict[str, object] = {"id": f.seq, "image": f.key.image, "handler": f.key.handler,
                                     "priority": f.priority.name.lower(), "waiters": f.waiters,
                                     "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
+            if f.uid is not None:
+                d["uid"] = f.uid
             if f.started_at is not None:
                 d["running_seconds"] = round(now - f.started_at, 3)
             if f.released_at is not None:
                 d["slot_released_seconds"] = round(now - f.released_at, 3)
             return d
 
-        queue = [row(f) for p in Priority for f in self._queues[p]]
+        queue = [row(f) for f in self._queue]
         return {"queued": queue, "in_flight": [row(f) for f in sorted(self._running, key=lambda f: f.seq)]}
 
     # ------------------------------------------------------------------ internals
@@ -252,47 +292,71 @@ class PullScheduler:
             return group[0]
         return None
 
-    def _new_flight(self, key: PullKey, priority: Priority, run: Runner) -> Flight:
+    def _new_flight(self, key: PullKey, priority: Priority, run: Runner, uid: int | None) -> Flight:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
-        flight = Flight(key, priority, run, next(self._seq), self._clock(), fut)
+        flight = Flight(key, priority, run, next(self._seq), self._clock(), fut,
+                        uid=uid if priority is Priority.UNTRUSTED else None)
         if self.dedup:
             self._flights.setdefault((key.image, key.handler), []).append(flight)
-        self._queues[priority].append(flight)
+        self._queue.push(flight)
         self._dispatch()
         self._changed()
         return flight
 
-    def _lift(self, flight: Flight, priority: Priority) -> None:
+    def _arrive(self, flight: Flight, priority: Priority, uid: int | None) -> None:
+        """A caller of ``priority`` (and ``uid``) waits for ``flight`` now."""
+        flight.waiters += 1
+        flight.callers[priority] = flight.callers.get(priority, 0) + 1
+        if uid is not None and priority is Priority.UNTRUSTED:
+            flight.uids[uid] = flight.uids.get(uid, 0) + 1
+        self._reclass(flight)
+
+    def _leave(self, flight: Flight, priority: Priority, uid: int | None) -> None:
+        """A caller stopped waiting for ``flight`` (answered, deadline, cancelled)."""
+        flight.waiters -= 1
+        flight.callers[priority] -= 1
+        if uid is not None and priority is Priority.UNTRUSTED:
+            flight.uids[uid] -= 1
+            if not flight.uids[uid]:
+                del flight.uids[uid]
+        if flight.future.done():
+            return
+        if flight.waiters == 0:
+            self._abandon(flight)
+        else:
+            self._reclass(flight)
+
+    def _reclass(self, flight: Flight) -> None:
+        """Apply the priority rule (module docstring) to ``flight`` after a caller came or went."""
+        top = min((p for p, n in flight.callers.items() if n), default=None)
+        if top is None or flight.future.done():
+            return
+        uid = next(iter(flight.uids), -1) if top is Priority.UNTRUSTED else None
         if flight.queued:
-            self._queues[flight.priority].remove(flight)
-            self._queues[priority].append(flight)
-        flight.priority = priority
-        self._dispatch()
+            if (top, uid) != (flight.priority, flight.uid):
+                self._queue.remove(flight)
+                flight.priority, flight.uid = top, uid
+                self._queue.push(flight)
+                self._dispatch()
+        elif top is Priority.FOREGROUND and flight.priority is not Priority.FOREGROUND:
+            flight.priority, flight.uid = top, None  # its share gets its slot back
+            self._dispatch()
+            self._changed()
 
-    def _has_slot(self, priority: Priority) -> bool:
-        held = [f for f in self._running if f.released_at is None]
-        if self.max_parallel and len(held) >= self.max_parallel:
-            return False
-        if priority is Priority.BACKGROUND:
-            bg = sum(1 for f in held if f.priority is Priority.BACKGROUND)
-            return bg < self.background_slots
-        return True
-
-    @property
-    def background_slots(self) -> int:
-        """How many background flights may run: one slot under the cap is always foreground's."""
-        if self.max_parallel:
-            return min(self.background_max_parallel, self.max_parallel - 1)
-        return self.background_max_parallel
+    def _no_untrusted_slot(self) -> RpcError:
+        return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"cri-shim: no pull slot for clients outside server.trusted_uids: pulls.max_parallel "
+                        f"{self.slots.max_parallel} keeps its only slot for trusted clients (kubelet)")
 
     def _dispatch(self) -> None:
         started = False
-        for priority in Priority:
-            q = self._queues[priority]
-            while q and self._has_slot(priority):
-                self._start(q.popleft())
-                started = True
+        while True:
+            flight = self._queue.pop_next(functools.partial(self.slots.may_start, running=self.running))
+            if flight is None:
+                break
+            self._start(flight)
+            started = True
         if started:
             self._changed()
 
@@ -355,7 +419,7 @@ class PullScheduler:
         the queue, or cancel the upstream call."""
         self._forget(flight)
         if flight.queued:
-            self._queues[flight.priority].remove(flight)
+            self._queue.remove(flight)
             flight.future.set_exception(error or RpcError(grpc.StatusCode.CANCELLED, "cri-shim: pull abandoned"))
             self._changed()
         elif flight.task is not None and not flight.task.done():
@@ -364,8 +428,10 @@ class PullScheduler:
             flight.task.cancel()
 
     def _changed(self) -> None:
+        running = self.running
         for o in self.observers:
             o.queue_changed(self.queued, self.in_flight)
+            o.running_changed(running)
 
 
 def _consume(fut: asyncio.Future[bytes]) -> None:

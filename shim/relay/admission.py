@@ -23,19 +23,12 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..cri.peer import Peer
 from .memory import UNTRUSTED_SHARE
 
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-
-
-@dataclass(frozen=True)
-class Peer:
-    uid: int = -1  # -1: unknown (then untrusted)
-    pid: int = 0
-    trusted: bool = False
 
 
 def peer_of(transport: Any, trusted_uids: Iterable[int]) -> Peer:

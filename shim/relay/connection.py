@@ -38,10 +38,11 @@ from typing import cast
 import grpc
 
 from ..cri.call import Deadline, Handler
+from ..cri.peer import Peer
 from ..errors import RpcError
 from ..observability import logs
 from . import events, grpcwire, h2
-from .admission import Peer, peer_of
+from .admission import peer_of
 from .core import Phase, RelayCore
 from .host import FD_ERRNOS, Host, Send
 from .streams import LocalStream
@@ -415,7 +416,7 @@ class ClientConnection(asyncio.Protocol):
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"cri-shim: {s.path} expects one request message, got {len(messages)}")
             coro = self.host.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
-                                   sent_as="" if sent_as == s.path else sent_as)
+                                   sent_as="" if sent_as == s.path else sent_as, peer=self.peer)
             del messages
             async with asyncio.timeout_at(deadline.at):  # the caller's deadline (grpc-timeout), if any
                 await coro

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from ..cri.call import Deadline, Handler
+from ..cri.peer import Peer
 from ..cri.routing import Intercept, Refusal
 from ..errors import Metadata
 from .admission import Conn
@@ -40,8 +41,8 @@ class Host(Protocol):
         """The routing decision for a ``:path`` (shim/cri/routing.py)."""
 
     async def serve(self, method: str, handler: Handler, request: bytes, metadata: Metadata, deadline: Deadline,
-                    send: Send, sent_as: str = "") -> None:
-        """Run an intercepted call's handler; ``send`` each response message."""
+                    send: Send, sent_as: str = "", *, peer: Peer) -> None:
+        """Run an intercepted call's handler for ``peer``; ``send`` each response message."""
 
     # connection bookkeeping (admission.py)
     def admit(self, conn: Conn) -> bool: ...

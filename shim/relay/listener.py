@@ -23,6 +23,7 @@ from typing import Any, cast
 from ..config import ServerConfig
 from ..cri.call import Call, Deadline, Handler
 from ..cri.methods import Cardinality, cardinality
+from ..cri.peer import Peer
 from ..cri.routing import Intercept, Refusal, Router
 from ..cri.upstream import Upstream
 from ..errors import Metadata
@@ -141,8 +142,8 @@ class Relay:
                      hint="raise LimitNOFILE in the unit or lower server.max_connections")
 
     async def serve(self, method: str, handler: Handler, request: bytes, metadata: Metadata, deadline: Deadline,
-                    send: Send, sent_as: str = "") -> None:
-        call = Call(method, metadata, deadline, self.upstream, sent_as=sent_as)
+                    send: Send, sent_as: str = "", *, peer: Peer) -> None:
+        call = Call(method, metadata, deadline, self.upstream, sent_as=sent_as, peer=peer)
         with self._observe(call):
             if cardinality(method) is Cardinality.SERVER_STREAM:  # the handler is a StreamHandler
                 async for msg in cast(AsyncIterator[bytes], handler(request, call)):

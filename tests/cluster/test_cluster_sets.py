@@ -269,7 +269,7 @@ def test_update_while_pulling_cancels_what_it_made_unnecessary(control_plane, ad
 def test_failed_image_typed_in_status_and_event(control_plane, admin, make_image, registry, shim_factory,
                                                 tmp_path) -> None:
     good = make_image()
-    missing = f"{registry.host}/e2e/no-such-image-{time.monotonic_ns()}:v1"
+    missing = f"{registry.host}/e2e/no-such-image-{time.monotonic_ns()}@sha256:{'4031' * 16}"  # 401, 403: notFound
     admin.set_node_labels("node-a", {"t7": "yes"})
     admin.apply_custom(*SHIM, "imagesets", image_set("t7-broken", [good.ref, missing], {"t7": "yes"}))
     try:

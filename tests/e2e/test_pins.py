@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import threading
 import time
 import urllib.request
 from typing import Callable
@@ -21,7 +22,7 @@ import pytest
 from tests.support import cri
 from tests.support.containerd import Containerd
 from tests.support.crictl import Crictl
-from tests.support.fixtures import CRIO, CriRuntime
+from tests.support.fixtures import CRIO, RUNTIMES, CriRuntime
 from tests.support.oci import PushedImage
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
@@ -33,8 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pull(containerd: Containerd, img: PushedImage) -> None:
-    res = cri.call(containerd.socket, "PullImage", cri.pull_image_request(img.ref), timeout=60)
+def pull(runtime: Containerd | CriRuntime, img: PushedImage) -> None:
+    res = cri.call(runtime.socket, "PullImage", cri.pull_image_request(img.ref), timeout=60)
     assert res.ok, res
 
 
@@ -180,8 +181,62 @@ def test_mark_only_marks_and_removes(containerd, make_image, shim_factory) -> No
     assert "removing a pinned image" in shim.log_text()
 
 
-def test_unknown_image_answered_by_containerd(containerd, shim_factory) -> None:
-    shim = shim_factory({"pins": {"images": ["registry.k8s.io/pause:*"]}})
-    via_shim = remove(shim, "example.invalid/nothing:here")
-    direct = cri.call(containerd.socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
-    assert (via_shim.code, via_shim.details) == (direct.code, direct.details)
+@pytest.mark.parametrize("cri_runtime", RUNTIMES, indirect=True)
+def test_unknown_image_answered_as_the_runtime_answers(cri_runtime: CriRuntime, shim_factory) -> None:
+    """The shim answers a RemoveImage of a name the runtime does not know itself (never sending it on):
+    the same answer the runtime gives, for a tag, a digest reference and an ID."""
+    shim = shim_factory({"pins": {"images": ["registry.k8s.io/pause:*"]}}, upstream=cri_runtime.socket)
+    for name in ("example.invalid/nothing:here", "example.invalid/nothing@sha256:" + "40" * 32, "sha256:" + "41" * 32):
+        via_shim = remove(shim, name)
+        direct = cri.call(cri_runtime.socket, "RemoveImage", cri.remove_image_request(name))
+        assert (via_shim.code, via_shim.details, via_shim.response) == (direct.code, direct.details, direct.response)
+        assert via_shim.ok and via_shim.response == b""
+
+
+RACE_TRIALS = 100
+RACE_BUDGET_SECONDS = 240.0  # the whole race test; each trial takes well under a second
+
+
+@pytest.mark.parametrize("cri_runtime", RUNTIMES, indirect=True)
+def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(cri_runtime: CriRuntime, make_image,
+                                                                   shim_factory, engine) -> None:
+    """RemoveImage of a pinned name in a loop through the shim while the name is pulled straight from
+    the runtime: the removes that find nothing are answered without reaching the runtime, so the pull
+    that lands between one's lookup and its removal is never removed."""
+    img = make_image()
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [img.ref]}}, upstream=cri_runtime.socket)
+    removed = straddled = 0
+    deadline = time.monotonic() + RACE_BUDGET_SECONDS
+    with grpc.insecure_channel(cri.target(shim.socket)) as channel:
+        remove_call = channel.unary_unary(cri.method_path("RemoveImage"))
+        request = cri.remove_image_request(img.ref)
+        for trial in range(RACE_TRIALS):
+            assert time.monotonic() < deadline, f"{trial} trials in {RACE_BUDGET_SECONDS:g} s"
+            assert cri.call(cri_runtime.socket, "RemoveImage", request).ok  # straight to the runtime: absent
+            assert not present(cri_runtime, img.ref)
+            pulled = threading.Event()
+            answers: list[grpc.StatusCode] = []
+
+            def remove_in_a_loop() -> None:
+                after = 0
+                while after < 3 and time.monotonic() < deadline:  # a few more once the pull has landed
+                    try:
+                        remove_call(request, timeout=10)
+                        answers.append(grpc.StatusCode.OK)
+                    except grpc.RpcError as e:
+                        answers.append(e.code())  # type: ignore[attr-defined]
+                    after += pulled.is_set()
+
+            remover = threading.Thread(target=remove_in_a_loop, name=f"remove-{trial}")
+            remover.start()
+            try:
+                pull(cri_runtime, img)
+            finally:
+                pulled.set()
+                remover.join(timeout=30)
+            assert not remover.is_alive()
+            assert set(answers) <= {grpc.StatusCode.OK, grpc.StatusCode.FAILED_PRECONDITION}, answers
+            straddled += answers[0] is grpc.StatusCode.OK and grpc.StatusCode.FAILED_PRECONDITION in answers
+            removed += not present(cri_runtime, img.ref)
+    assert removed == 0, f"{removed} of {RACE_TRIALS} pulls removed"
+    assert straddled >= RACE_TRIALS // 2, f"only {straddled} trials had a remove before and after the pull landed"

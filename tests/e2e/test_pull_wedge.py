@@ -12,6 +12,10 @@ Where the shim cannot see progress (CRI-O has no containerd content API; contain
 ``pulls.progress_interval_seconds: 0``) no one can tell a hung registry from a slow one:
 there a pull still unanswered after the same timeout gives back its slot and goes on
 (shim/pulls/lease.py), so the healthy pull still starts, and nothing is ended.
+
+Another uid (``nobody``, in the socket's group) cannot use either to hold back root: its
+trickling pulls, or 40 hung ones whose leases end, keep to the untrusted share of the slots
+(docs/pulls.md "Fair between peers") and a root pull is answered within ``ROOT_BOUND_S``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import pytest
 from shim.process.admin import fetch_status
 from tests.support import cri, oci
 from tests.support.fixtures import CRIO, CriRuntime
+from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
+from tests.support.shim import start_shim
+from tests.support.slow_pulls import hold_pulls
 
 pytestmark = pytest.mark.e2e
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -177,3 +184,95 @@ async def test_hung_pulls_whose_progress_is_unknown_give_back_their_slots(
     assert "without a pull slot" in log and "made no progress" not in log
     for _, e in answers:  # whatever the runtime answered, the shim ended none of them
         assert not (isinstance(e, grpc.aio.AioRpcError) and e.details().startswith("cri-shim:")), e.details()
+
+
+TRICKLE_BPS = 32 * 1024  # issue 33: containerd 1.6 shows such a pull's offset in 1 MiB steps, every 32 s
+ROOT_BOUND_S = 5.0  # docs/pulls.md "Fair between peers": a root pull does not wait for an untrusted one
+
+
+async def shim_nobody_can_reach(upstream, tmp_path, d, pulls: dict):
+    """A shim whose socket (in the shared dir ``d``) ``nobody`` may use, with ``pulls`` settings."""
+    settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(d / "admin.sock")}, "pulls": pulls}
+    return await start_shim(upstream, tmp_path / "shim", settings, listen_path=f"{d}/shim.sock")
+
+
+async def root_pull(shim, d, ref: str) -> tuple[dict, object, float]:
+    """The pulls' counts by class now, then a root pull of ``ref`` as kubelet's: (counts, answer, seconds)."""
+    running = (await asyncio.to_thread(fetch_status, str(d / "admin.sock")))["pulls"]["running"]
+    t0 = time.monotonic()
+    async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
+        answer = await ch.unary_unary(PULL)(cri.pull_image_request(ref), timeout=NO_DEADLINE)
+    return running, answer, time.monotonic() - t0
+
+
+async def test_another_uid_trickling_into_every_slot_does_not_hold_back_a_root_pull(
+        containerd_factory, make_image, proxy, tmp_path) -> None:
+    """``nobody`` (in the socket's group) pulls 4 images whose layers trickle at 32 KiB/s: neither
+    guard fires (the no-progress guard sees a MiB every 32 s; the stall guard is off by default).
+    It gets its share, 2 of ``max_parallel: 4`` (``max_parallel_per_uid: 4``: the whole share), and
+    a root pull of a small image is answered within seconds.
+    main @ f24ec3f: the 4 pulls held every slot; the root pull failed after 150 s (DEADLINE_EXCEEDED)."""
+    require_root()
+    ctd = containerd_factory()
+    slow = [make_image(layers=[oci.make_layer({"big.bin": os.urandom(4 * MiB)})]) for _ in range(4)]
+    small = make_image(layers=[oci.make_layer({"small.txt": b"x" * 1024})])
+    hold_s = 30.0
+    with shared_dir() as d, proxy.throttled(TRICKLE_BPS):
+        shim = await shim_nobody_can_reach(ctd.socket, tmp_path, d, {"max_parallel": 4, "max_parallel_per_uid": 4})
+        try:
+            nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path,
+                                                             [i.ref for i in slow], hold_s, timeout=hold_s + 60))
+            await until(lambda: sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow) >= 2,
+                        "nobody's pulls download (trickling)")
+            await asyncio.sleep(2.0)
+            running, answer, waited = await root_pull(shim, d, small.ref)
+            codes = await nobody
+            downloading = sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow)
+        finally:
+            await shim.astop()
+    print(f"\n  nobody's 4 trickling pulls ({TRICKLE_BPS // 1024} KiB/s): {running}; root pull of a 1 KiB image "
+          f"answered in {waited:.2f} s; nobody's pulls: {codes} ({downloading} reached the registry)")
+    assert cri.decode_pull_image_response(answer)
+    assert waited < ROOT_BOUND_S
+    assert running["untrusted_by_uid"] == {str(NOBODY): 2} and running["trusted"] == 0
+    assert downloading == 2  # the other two stayed queued in the shim
+    assert codes == {"DEADLINE_EXCEEDED": 4}
+
+
+@pytest.mark.parametrize("cri_runtime", ["containerd-1.6", CRIO], indirect=True)
+async def test_hung_untrusted_pulls_keep_to_their_share_where_progress_is_unknown(
+        cri_runtime: CriRuntime, make_image, proxy, tmp_path) -> None:
+    """The lease regime: ``nobody`` sends 40 pulls whose manifests hang; their leases end every
+    6 s, yet no more than their share (2) ever reach the registry, and a root pull is answered
+    within seconds. main @ f24ec3f (5 s leases): the root pull waited 48 s, then 40 pulls ran in
+    the runtime at once against a cap of 4."""
+    require_root()
+    small = make_image(layers=[oci.make_layer({"small.txt": b"x" * 1024})])
+    repository = small.repository + "-hung"
+    proxy.hang(repository, manifest=True)
+    hung = [f"{small.host}/{repository}:t{i}" for i in range(40)]
+    pulls: dict[str, object] = {"max_parallel": 4, "max_parallel_per_uid": 2,
+                                "no_progress_timeout_seconds": NO_PROGRESS}
+    if not cri_runtime.is_crio:
+        pulls["progress_interval_seconds"] = 0
+    hold_s = 3 * NO_PROGRESS + 15
+    with shared_dir() as d:
+        shim = await shim_nobody_can_reach(cri_runtime.socket, tmp_path, d, pulls)
+        try:
+            nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, hung, hold_s,
+                                                             timeout=hold_s + 60))
+            await until(lambda: "without a pull slot" in shim.logs(), "the first leases end",
+                        timeout=NO_PROGRESS + 20)
+            await asyncio.sleep(NO_PROGRESS + 1)  # another round of leases
+            running, answer, waited = await root_pull(shim, d, small.ref)
+            reached = sum(proxy.stats().manifest_requests_for(repository, f"t{i}") > 0 for i in range(40))
+            codes = await nobody
+        finally:
+            await shim.astop()
+    print(f"\n  {cri_runtime.name}: nobody's 40 hung pulls, {NO_PROGRESS:g} s leases: {running}; {reached} reached "
+          f"the registry; root pull answered in {waited:.2f} s; nobody's pulls: {codes}")
+    assert cri.decode_pull_image_response(answer)
+    assert waited < ROOT_BOUND_S
+    assert reached == 2
+    assert running["untrusted_by_uid"] == {str(NOBODY): 2} and running["released"] == 2
+    assert codes == {"DEADLINE_EXCEEDED": 40}

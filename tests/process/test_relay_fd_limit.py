@@ -5,7 +5,6 @@ that, callers are told so, and the listener accepts again once descriptors are f
 from __future__ import annotations
 
 import asyncio
-import resource
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ async def version(endpoint: str, timeout: float = 5) -> bytes:
 def shim_with_fd_limit(upstream: str, workdir: Path, sock_dir: Path, nofile: int) -> ShimProcess:
     """A shim process whose RLIMIT_NOFILE is ``nofile``, soft and hard (it cannot raise it)."""
     return new_shim(upstream, workdir, {"server": {"engine": "relay"}}, listen_path=sock_dir / "shim.sock",
-                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+                    nofile=(nofile, nofile))
 
 
 async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_recovers(runtime: FakeRuntime,

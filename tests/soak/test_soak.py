@@ -45,9 +45,9 @@ from tests.support.registry import free_port
 from tests.support.runtime_process import (CONTAINER_STATUS, LIST_CONTAINERS, SLOW, SOAK_IMAGES, SOAK_STATS,
                                            RuntimeProcess, soak_list_containers, soak_store)
 
-pytestmark = pytest.mark.soak
-
 BUDGET = float(os.environ.get("CRI_SHIM_SOAK_SECONDS", "60"))
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(BUDGET + 600)]
 CALLS, PULLS = 100_000, 1_000  # per engine
 CAP = 3
 VERSION = "/runtime.v1.RuntimeService/Version"
@@ -238,12 +238,14 @@ async def runtime_stats(endpoint: str) -> dict:
 async def test_soak(tmp_path, shim_factory, soak_report, engine: str) -> None:
     seconds = BUDGET / 2
     rt = RuntimeProcess(tmp_path / "rt.sock", soak=True).start()
+    chans: list[grpc.aio.Channel] = []
+    runner: asyncio.Future[None] | None = None
     try:
         port = free_port()
         shim = shim_factory({"server": {"engine": engine, "admin_socket": ""}, "log": {"level": "warning"},
                              "pulls": {"max_parallel": CAP}, "pins": {"images": ["registry.k8s.io/pause:*"]},
                              "metrics": {"address": f"127.0.0.1:{port}"}}, upstream=rt.socket, log_level="warning")
-        chans = [grpc.aio.insecure_channel(shim.endpoint) for _ in range(2)]  # kubelet: runtime + image
+        chans += [grpc.aio.insecure_channel(shim.endpoint) for _ in range(2)]  # kubelet: runtime + image
         load, pulls, gate = Load(shim.endpoint, chans), Tally(), asyncio.Event()
         gate.set()
         loop = asyncio.get_running_loop()
@@ -294,4 +296,8 @@ async def test_soak(tmp_path, shim_factory, soak_report, engine: str) -> None:
         assert growth <= 6 * 2**20
         assert shim.running
     finally:
+        if runner is not None:
+            runner.cancel()
+        for ch in chans:  # also when the test failed (closing twice is harmless)
+            await ch.close()
         rt.kill()

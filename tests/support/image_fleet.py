@@ -103,3 +103,9 @@ class Presence:
 
     def close(self) -> None:
         self._channel.close()
+
+    def __enter__(self) -> "Presence":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -42,7 +42,7 @@ import socket as pysocket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +118,14 @@ class ShimProcess:
         module: str = "shim",
         config_name: str = "config.yaml",
         admin_socket: str | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        nofile: tuple[int, int | None] | None = None,
     ) -> None:
         """``config``: a mapping (written as YAML) or raw YAML text (written as it is).
         ``admin_socket``: what a mapping config's ``server.admin_socket`` defaults to
-        (None: ``WORKDIR/admin.sock``; ``""``: off). ``preexec_fn`` runs in the child
-        before exec (e.g. to set an rlimit, as systemd does)."""
+        (None: ``WORKDIR/admin.sock``; ``""``: off). ``nofile``: the process's RLIMIT_NOFILE,
+        ``(soft, hard)`` (hard None: unchanged), set as systemd's LimitNOFILE= would, by
+        util-linux's ``prlimit`` exec'ing the shim (no Python runs between fork and exec: this
+        process runs gRPC threads)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.module = module
@@ -139,7 +141,7 @@ class ShimProcess:
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.admin_socket = str(self.workdir / "admin.sock") if admin_socket is None else admin_socket
-        self.preexec_fn = preexec_fn
+        self.nofile = nofile
         self._proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
         self.killed = False  # set by stop() when SIGTERM was not enough
@@ -174,6 +176,13 @@ class ShimProcess:
         level = ["--log-level", self.log_level] if self.log_level else []
         return [sys.executable, "-m", self.module, "serve", "--listen", self.endpoint,
                 "--upstream", self.upstream, "--config", str(self.config_path), *level, *self.extra_args]
+
+    def command(self) -> list[str]:
+        """What is spawned: :meth:`argv`, behind ``prlimit`` (which execs it, same pid) with ``nofile``."""
+        if self.nofile is None:
+            return self.argv()
+        soft, hard = self.nofile
+        return ["prlimit", f"--nofile={soft}:{'' if hard is None else hard}", "--", *self.argv()]
 
     def log_text(self) -> str:
         try:
@@ -245,9 +254,9 @@ class ShimProcess:
             if self.starts > 1:  # a restart: mark where this run's log begins
                 log.write(f"\n===== harness: start #{self.starts}: {' '.join(self.argv())} =====\n".encode())
                 log.flush()
-            self._proc = subprocess.Popen(self.argv(), cwd=REPO_ROOT, env=shim_env(self.extra_env), stdout=log,
+            self._proc = subprocess.Popen(self.command(), cwd=REPO_ROOT, env=shim_env(self.extra_env), stdout=log,
                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=self.preexec_fn)
+                                          start_new_session=True)
 
     # ------------------------------------------------------------------ waits (one check, two loops)
 
@@ -371,12 +380,12 @@ def default_settings(settings: Mapping[str, Any] | None) -> dict[str, Any]:
 def new_shim(upstream: str | os.PathLike[str], workdir: str | os.PathLike[str], settings: Config | None = None,
              *, listen_path: str | os.PathLike[str] | None = None, extra_args: Sequence[str] = (),
              env: Mapping[str, str] | None = None,
-             preexec_fn: Callable[[], None] | None = None) -> ShimProcess:
+             nofile: tuple[int, int | None] | None = None) -> ShimProcess:
     """A ShimProcess with the :func:`start_shim` defaults, not started."""
     return ShimProcess(workdir, upstream=upstream,
                        config=settings if isinstance(settings, str) else default_settings(settings),
                        socket_path=listen_path, log_level=None, extra_args=extra_args, env=env,
-                       config_name="cri-shim.yaml", admin_socket="", preexec_fn=preexec_fn)
+                       config_name="cri-shim.yaml", admin_socket="", nofile=nofile)
 
 
 async def start_shim(upstream: str | os.PathLike[str], workdir: str | os.PathLike[str],

@@ -21,6 +21,26 @@ def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
 
 
+def hold_pulls(path: str, refs: list[str], hold_s: float) -> dict[str, int]:
+    """PullImage of every one of ``refs`` at once through the socket ``path``, each with a
+    deadline of ``hold_s``; returns their status codes, counted. Runs as another uid too
+    (tests/support/other_uid.py ``run_as``: JSON in and out)."""
+    async def main() -> dict[str, int]:
+        async with grpc.aio.insecure_channel(f"unix://{path}") as ch:
+            pull = ch.unary_unary(PULL)
+
+            async def one(ref: str) -> str:
+                try:
+                    await pull(pull_request(ref), timeout=hold_s)
+                    return "OK"
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+
+            codes = await asyncio.gather(*(one(r) for r in refs))
+        return {c: codes.count(c) for c in set(codes)}
+    return asyncio.run(main())
+
+
 @dataclass
 class SlowPulls:
     """Each pull takes ``seconds``; ``current``/``max`` are the runtime's concurrent pulls."""

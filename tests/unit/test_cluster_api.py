@@ -27,6 +27,7 @@ from shim.cluster.informer import Informer
 from shim.cluster.reachability import Reachability, retry_after, unreachable
 from shim.cluster.secrets import PullSecrets
 from shim.cluster.source import ClusterSource
+from shim.observability.metrics import Metrics
 from tests.support.fake_kube import FakeKube
 from tests.unit.test_cluster_source import FakeSets, node, pis, pool
 
@@ -259,7 +260,7 @@ async def test_without_mco_one_discovery_request_per_interval_and_no_list(kube: 
                                state_file=str(tmp_path / "state.json"), mco_discovery_seconds=1.0)
     sets = FakeSets()
     sets.reconciler.retry_failed = lambda: None
-    src = ClusterSource(cfg, sets)  # type: ignore[arg-type]
+    src = ClusterSource(cfg, sets, Metrics())  # type: ignore[arg-type]
     await src.start()
     try:
         await until(lambda: src.mco_checks >= 2, "asked twice (start, one interval later)")

@@ -4,6 +4,7 @@ credentials, cap, deadlines, errors and bad input, as a CRI client sees them."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
@@ -89,6 +90,37 @@ async def test_cap_limits_concurrent_upstream_pulls(runtime: FakeRuntime, engine
             slow.release.set()
             await asyncio.gather(*tasks)
     assert slow.max_active == 2 and len(runtime.calls("PullImage")) == 6
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted", "untrusted"])
+async def test_the_callers_uid_decides_its_share_of_the_slots(runtime: FakeRuntime, engine: str,
+                                                              trusted: bool) -> None:
+    """The relay reads the caller's uid (SO_PEERCRED): outside server.trusted_uids its pulls get
+    pulls.untrusted_share of the slots (1 of 2). The grpc engine cannot read it: trusted there."""
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    uid = os.getuid()
+    settings = {"pulls": {"max_parallel": 2}, "server": {"trusted_uids": [uid] if trusted else [uid + 1]}}
+    async with running_shim(runtime.endpoint, settings, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pull_request(f"reg/app{i}:1"), timeout=10)) for i in range(3)]
+            await wait_for(lambda: shim.app.scheduler.queued + shim.app.scheduler.in_flight == 3)
+            await asyncio.sleep(0.05)
+            running = shim.app.scheduler.running.describe()
+            gauge = shim.app.metrics.registry.get_sample_value
+            as_trusted = trusted or engine == "grpc"
+            if as_trusted:
+                assert (slow.active, running["trusted"], running["untrusted"]) == (2, 2, 0)
+                assert gauge("cri_shim_pulls_running", {"class": "trusted"}) == 2
+                assert gauge("cri_shim_pull_requests_total", {"priority": "foreground"}) == 3
+            else:
+                assert (slow.active, running["untrusted"], running["untrusted_by_uid"]) == (1, 1, {str(uid): 1})
+                assert gauge("cri_shim_pulls_running", {"class": "untrusted"}) == 1
+                assert gauge("cri_shim_pull_requests_total", {"priority": "untrusted"}) == 3
+                assert [r["uid"] for r in shim.app.scheduler.snapshot()["queued"]] == [uid, uid]
+            slow.release.set()
+            await asyncio.gather(*tasks)
 
 
 async def test_deadline_while_queued_is_deadline_exceeded(runtime: FakeRuntime, engine: str) -> None:

@@ -123,17 +123,20 @@ async def test_runtime_dying_mid_call_fails_fast(tmp_path) -> None:
         await asyncio.sleep(30)
         return b""
     rt.unary[BIG] = hang
-    async with running_shim(rt.endpoint, engine="relay") as shim:
-        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-            call = ch.unary_unary(BIG)(b"", timeout=20)
-            await asyncio.wait_for(started.wait(), 5)
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            await rt.stop()
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await call
-            assert e.value.code() is grpc.StatusCode.UNAVAILABLE
-            assert loop.time() - t0 < 3
+    try:
+        async with running_shim(rt.endpoint, engine="relay") as shim:
+            async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+                call = ch.unary_unary(BIG)(b"", timeout=20)
+                await asyncio.wait_for(started.wait(), 5)
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                await rt.stop()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert loop.time() - t0 < 3
+    finally:
+        await rt.stop()  # a no-op once stopped; the runtime's server, also when the test failed
 
 
 def test_hpack_decoder_mirrors_dynamic_table() -> None:

@@ -120,23 +120,26 @@ async def test_connections_over_the_cap_are_closed_when_all_are_busy_and_idle_on
     async with running_shim(runtime.endpoint, {"server": {"max_connections": 3}}, engine="relay") as shim:
         busy = [grpc.aio.insecure_channel(shim.endpoint, options=[("grpc.use_local_subchannel_pool", 1)])
                 for _ in range(3)]  # three connections, not one shared
-        calls = [ch.unary_unary(LIST)(b"", timeout=20) for ch in busy]  # a call in flight on each
-        for _ in range(200):
-            if len(runtime.calls("ListContainers")) == 3:
-                break
-            await asyncio.sleep(0.02)
-        reader, writer = await asyncio.open_unix_connection(shim.path)
-        writer.write(h2.PREFACE)
-        assert await closed_by_peer(reader, 5) == 0  # refused: every connection is busy
-        assert "connection refused: server.max_connections reached" in caplog.text
-        release.set()
-        assert await asyncio.gather(*calls) == [b"late"] * 3
-        # now idle: a new client gets a connection, one idle connection is sent away (GOAWAY)
-        assert await version(shim.endpoint) == b"v"
-        assert "closed a connection to make room" in caplog.text
-        assert len(shim.server.relay.connections) <= 3
-        for ch in busy:
-            await ch.close()
+        try:
+            calls = [ch.unary_unary(LIST)(b"", timeout=20) for ch in busy]  # a call in flight on each
+            for _ in range(200):
+                if len(runtime.calls("ListContainers")) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            reader, writer = await asyncio.open_unix_connection(shim.path)
+            writer.write(h2.PREFACE)
+            assert await closed_by_peer(reader, 5) == 0  # refused: every connection is busy
+            assert "connection refused: server.max_connections reached" in caplog.text
+            release.set()
+            assert await asyncio.gather(*calls) == [b"late"] * 3
+            # now idle: a new client gets a connection, one idle connection is sent away (GOAWAY)
+            assert await version(shim.endpoint) == b"v"
+            assert "closed a connection to make room" in caplog.text
+            assert len(shim.server.relay.connections) <= 3
+        finally:  # also when the test failed
+            release.set()
+            for ch in busy:
+                await ch.close()
 
 
 async def test_silent_sockets_at_the_cap_make_room_for_a_new_client(runtime: FakeRuntime, caplog) -> None:

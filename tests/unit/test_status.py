@@ -101,6 +101,34 @@ async def test_a_failing_status_source_does_not_hide_the_rest(engine: str,
     assert doc["upstream"]["state"] in ("ready", "idle", "connecting")
 
 
+async def test_status_shows_pulls_by_class_and_uid(runtime: FakeRuntime, admin_socket: str) -> None:
+    """Relay engine, this process's uid outside server.trusted_uids: 1 of its 3 pulls runs."""
+    gate = asyncio.Event()
+
+    async def slow(request: bytes, context) -> bytes:
+        await gate.wait()
+        return api_pb2.PullImageResponse(image_ref="sha256:" + "3" * 64).SerializeToString()
+
+    runtime.unary[PULL] = slow
+    uid = os.getuid()
+    settings = {"server": {"admin_socket": admin_socket, "trusted_uids": [uid + 1]}}
+    async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            calls = [asyncio.ensure_future(ch.unary_unary(PULL)(pull_request(f"app{i}:1"), timeout=10))
+                     for i in range(3)]
+            while shim.app.scheduler.queued != 2:
+                await asyncio.sleep(0.01)
+            doc = json.loads((await status(admin_socket, as_json=True))[1])
+            text = (await status(admin_socket, as_json=False))[1]
+            gate.set()
+            await asyncio.gather(*calls)
+    assert doc["pulls"]["running"] == {"trusted": 0, "untrusted": 1, "background": 0, "released": 0,
+                                       "untrusted_by_uid": {str(uid): 1}}
+    assert [(q["priority"], q["uid"]) for q in doc["pulls"]["queued"]] == [("untrusted", uid)] * 2
+    assert f"untrusted 1 (of 2; by uid {{'{uid}': 1}})" in text
+    assert f"[untrusted uid {uid}]" in text
+
+
 async def test_status_when_the_shim_is_not_there(admin_socket: str, capsys) -> None:
     assert await asyncio.to_thread(cli.main, ["status", "--admin-socket", admin_socket]) == 1
     err = capsys.readouterr().err
@@ -115,7 +143,12 @@ async def test_status_through_the_cli(engine: str, runtime: FakeRuntime, admin_s
     assert doc["pid"] == os.getpid() and doc["pulls"] == {"max_parallel": 4, "dedup": True, "queued": [],
                                                           "in_flight": [], "progress_interval_seconds": 1.0,
                                                           "stall_timeout_seconds": 0.0,
-                                                          "stall_min_bytes_per_second": 65536}
+                                                          "stall_min_bytes_per_second": 65536,
+                                                          "slots": {"max_parallel": 4, "hard_bound": 8,
+                                                                    "untrusted_slots": 2, "per_uid_slots": 1,
+                                                                    "background_slots": 2},
+                                                          "running": {"trusted": 0, "untrusted": 0, "background": 0,
+                                                                      "released": 0, "untrusted_by_uid": {}}}
 
 
 async def test_admin_socket_answers_only_get_status(engine: str, runtime: FakeRuntime, admin_socket: str) -> None:
