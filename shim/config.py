@@ -264,7 +264,9 @@ class ClusterConfig:
     backoff_initial_seconds: float = knob(1.0, duration(at_least=0.1))  # after an API error, doubling with jitter
     backoff_max_seconds: float = knob(60.0, duration())  # ... up to this
     request_timeout_seconds: float = knob(30.0, duration(at_least=1.0))  # one list, get or apply request
-    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read the pull Secrets that sets name
+    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read a pull Secret we may get, not watch
+    probe_interval_seconds: float = knob(1.0, duration(at_least=0.1))  # while unreachable, GET /readyz this often
+    mco_discovery_seconds: float = knob(600.0, duration(at_least=1.0))  # ask again whether MCO's group is served
 
 
 @dataclass(frozen=True)
