@@ -4,7 +4,7 @@ The last valid content of each file of the directory is kept in ``image_sets.sta
 (shim/imagesets/state.py): loaded before the shim serves (``load_state``), saved when the
 content in force of a file changes. A state file that cannot be written is an error in the
 log, in ``cri-shim status`` and in metrics, at start and on every failed save; a failed save is
-tried again every ``image_sets.retry_max_seconds``.
+tried again every ``image_sets.retry_max_seconds`` (at least 1 s).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class ImageSets:
                      error=self.directory.dir_error)
         while True:
             try:  # after a failed save: rescan (cheap when nothing changed) and save again
-                async with asyncio.timeout(self.cfg.retry_max_seconds if self._unsaved else None):
+                async with asyncio.timeout(max(self.cfg.retry_max_seconds, 1.0) if self._unsaved else None):
                     await self.watcher.wait_settled(self.cfg.debounce_seconds)
             except TimeoutError:
                 pass
