@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,8 @@ class ImageSetsConfig:
     retry_max_seconds: float = knob(300.0, duration())  # >= retry_initial_seconds
     runtime_timeout_seconds: float = knob(30.0, duration(above=0))  # the reconciler's ListImages / ImageFsInfo
     pins_wait_seconds: float = knob(10.0, duration(above=0))  # RemoveImage waits for the first read of dir
+    # the last valid content of each file of dir, loaded before serving; "" = off
+    state_file: str = knob("/var/lib/cri-shim/file-sets.json", text())
     docker_config: tuple[str, ...] = knob(("/var/lib/kubelet/config.json",),  # registry credentials for prefetch
                                           strings(none_is_empty=True))
     credential_provider_config: str = knob("", text())  # kubelet CredentialProviderConfig file; empty: no plugins
@@ -580,6 +583,10 @@ def _check_config(cfg: Config, d: Mapping[str, Any]) -> Config:
         raise ConfigError("image_sets.max_parallel",
                           f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
                           f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")
+    if (image_sets.dir and cfg.cluster.kubeconfig and image_sets.state_file
+            and os.path.abspath(image_sets.state_file) == os.path.abspath(cfg.cluster.state_file)):
+        raise ConfigError("image_sets.state_file", f"must differ from cluster.state_file, got "
+                          f"{shown(image_sets.state_file)} for both")
     return cfg
 
 

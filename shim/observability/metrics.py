@@ -91,6 +91,13 @@ class Metrics(PullEvents):
             "cri_shim_cluster_state_file_error", "1 while cluster.state_file cannot be written or could not be "
             "read at start (see cri-shim status: cluster.state_error), 0 once a save succeeds; pins from the "
             "cluster then do not hold after a restart while the API server is down.", registry=r)
+        self.image_sets_state_write_failures = Counter(
+            "cri_shim_image_sets_state_write_failures", "Failed writes of image_sets.state_file: the check at "
+            "start and every save that failed (each one logged as an error).", registry=r)
+        self.image_sets_state_file_error = Gauge(
+            "cri_shim_image_sets_state_file_error", "1 while image_sets.state_file cannot be written or could not "
+            "be read at start (see cri-shim status: image_sets.state_error), 0 once a save succeeds; a file of "
+            "image_sets.dir that is invalid at a restart then loses its sets.", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 
