@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,6 +236,8 @@ class ImageSetsConfig:
     max_images: int = knob(250_000, integer(1))  # images declared over all sets; a set beyond it is refused
     runtime_timeout_seconds: float = knob(30.0, duration(above=0))  # the reconciler's ListImages / ImageFsInfo
     pins_wait_seconds: float = knob(10.0, duration(above=0))  # RemoveImage waits for the first read of dir
+    # the last valid content of each file of dir, loaded before serving; "" = off
+    state_file: str = knob("/var/lib/cri-shim/file-sets.json", text())
     docker_config: tuple[str, ...] = knob(("/var/lib/kubelet/config.json",),  # registry credentials for prefetch
                                           strings(none_is_empty=True))
     credential_provider_config: str = knob("", text())  # kubelet CredentialProviderConfig file; empty: no plugins
@@ -272,7 +275,9 @@ class ClusterConfig:
     backoff_initial_seconds: float = knob(1.0, duration(at_least=0.1))  # after an API error, doubling with jitter
     backoff_max_seconds: float = knob(60.0, duration())  # ... up to this
     request_timeout_seconds: float = knob(30.0, duration(at_least=1.0))  # one list, get or apply request
-    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read the pull Secrets that sets name
+    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read a pull Secret we may get, not watch
+    probe_interval_seconds: float = knob(1.0, duration(at_least=0.1))  # while unreachable, GET /readyz this often
+    mco_discovery_seconds: float = knob(600.0, duration(at_least=1.0))  # ask again whether MCO's group is served
 
 
 @dataclass(frozen=True)
@@ -589,6 +594,10 @@ def _check_config(cfg: Config, d: Mapping[str, Any]) -> Config:
         raise ConfigError("image_sets.max_parallel",
                           f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
                           f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")
+    if (image_sets.dir and cfg.cluster.kubeconfig and image_sets.state_file
+            and os.path.abspath(image_sets.state_file) == os.path.abspath(cfg.cluster.state_file)):
+        raise ConfigError("image_sets.state_file", f"must differ from cluster.state_file, got "
+                          f"{shown(image_sets.state_file)} for both")
     return cfg
 
 

@@ -1,6 +1,7 @@
 """`cri-shim fleet status`: per set, over every node's NodeImageSetStatus, how many nodes it
 selects, how many are done (current generation = desired), progressing and failing, and which
-nodes fail with what reason. Read-only: one list of the status objects."""
+nodes fail with what reason (a pull's typed reason, or the set's: ``InvalidSet``,
+``PullSecretUnavailable``). Read-only: one list of the status objects."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def summarize(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             s["selected"] += 1
             s["generations"].add(row.get("desiredGeneration", ""))
             images = row.get("images") or {}
-            if images.get("failed") or row.get("failedReasons"):
+            if images.get("failed") or row.get("failedReasons") or row.get("reason"):
                 s["failing"] += 1
-                reasons = ",".join(sorted(row.get("failedReasons") or {})) or "other"
+                reasons = ",".join(sorted({*(row.get("failedReasons") or {}), *([row["reason"]] if row.get("reason")
+                                                                                  else [])})) or "other"
                 s["failures"].append({"node": node, "reasons": reasons, "error": row.get("error", "")})
             elif row.get("currentGeneration") == row.get("desiredGeneration"):
                 s["done"] += 1

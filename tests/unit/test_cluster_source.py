@@ -112,7 +112,7 @@ class FakeSets:
 def fake_informer(items: list[dict[str, Any]] | None) -> SimpleNamespace:
     """None: never read (API down from the start)."""
     return SimpleNamespace(synced=items is not None, items={o["metadata"]["name"]: o for o in items or []},
-                           lists=int(items is not None), watches=0, error="")
+                           lists=int(items is not None), watches=0, throttled=0, error="")
 
 
 def node(labels: dict[str, str]) -> dict[str, Any]:
