@@ -38,8 +38,8 @@ table the physical limit (distinct bytes over the link rate) and the p50 of the 
 image at a time at the full link rate, most pods per byte first: Smith's rule, which minimises
 the mean time until present; the small images' pods arriving ``--gap`` later is ignored).
 
-``--hung``: two pods whose registries hang (one never answers the manifest, one's blob stops after
-1.5 MiB; the counting proxy keeps both connections open for 600 s), then a healthy pod once both
+``--hung``: two pods whose registries hang (``--hung-kinds``; by default one never answers the
+manifest, one's blob stops after 1.5 MiB; the counting proxy keeps the connections open for 600 s), then a healthy pod once both
 hung pulls reached the registry; reported: seconds until the healthy pod is Running (at most
 ``--hung-wait``) and how the hung pulls ended (kubelet's log). The shim runs with
 ``pulls.no_progress_timeout_seconds: --no-progress`` (default 60, the shipped default).
@@ -221,9 +221,10 @@ def one_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_
 
 
 def hung_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_ref: str,
-             hung: tuple[PushedImage, PushedImage], healthy: PushedImage, base: Path, wait: float,
+             hung: list[PushedImage], kinds: list[str], healthy: PushedImage, base: Path, wait: float,
              no_progress: float) -> dict[str, Any]:
-    """Two hung registries, then a healthy pod: how long until the healthy pod is Running."""
+    """Hung registries (``kinds``: manifest or blob, one per image of ``hung``), then a healthy pod:
+    how long until the healthy pod is Running."""
     proxy = reg.proxy
     assert proxy is not None
     load = load_average()
@@ -231,12 +232,14 @@ def hung_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause
     work, ctd, direct, shim, kubelet, _ = start_node(name, binaries, reg, pause_ref, base, shim_config)
     try:
         proxy.reset()
-        proxy.hang(hung[0].repository, manifest=True)
-        proxy.hang(hung[1].repository, blob_after=3 << 19)
-        kubelet.add_static_pod(static_pod("hung-manifest", hung[0].ref))
-        kubelet.add_static_pod(static_pod("hung-blob", hung[1].ref))
-        proxy.wait_until(lambda s: s.manifest_requests_for(hung[0].repository, hung[0].tag) > 0
-                         and s.inflight_blob_gets > 0, 60)
+        for i, (kind, image) in enumerate(zip(kinds, hung)):
+            if kind == "manifest":
+                proxy.hang(image.repository, manifest=True)
+            else:
+                proxy.hang(image.repository, blob_after=3 << 19)
+            kubelet.add_static_pod(static_pod(f"hung-{kind}-{i}", image.ref))
+        proxy.wait_until(lambda s: all(s.manifest_requests_for(image.repository, image.tag) > 0 for image in hung)
+                         and s.inflight_blob_gets >= kinds.count("blob"), 60)
         wall0, t0 = time.time(), time.monotonic()
         kubelet.add_static_pod(static_pod("healthy", healthy.ref))
         pod = kubelet.pod_name("healthy")
@@ -249,6 +252,7 @@ def hung_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause
         failed = events(kubelet.log(), wall0, "Failed")
         ended = sorted((round(at, 1), pod, message[:300]) for pod, (at, message) in failed.items() if "hung-" in pod)
         return {"run": name, "what": RUNS[name][0], "load_average": round(load, 1),
+                "hung": ",".join(kinds), "no_progress_timeout": no_progress if RUNS[name][2] else None,
                 "healthy_running_seconds": None if took is None else round(took, 1), "waited_at_most": wait,
                 "hung_pulls_failed": ended}
     finally:
@@ -298,12 +302,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def hung_table(rows: list[dict[str, Any]], wait: float) -> str:
-    lines = ["| run | healthy pod Running after | the hung pulls ended (kubelet's Failed events) | load |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| run | hung | shim's no-progress timeout | healthy pod Running after "
+             "| the hung pulls ended (kubelet's Failed events) | load |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         took = f"{r['healthy_running_seconds']} s" if r["healthy_running_seconds"] is not None else f"not within {wait:g} s"
         ended = "; ".join(f"{pod} {at} s: {msg[:120]}" for at, pod, msg in r["hung_pulls_failed"]) or "not within the wait"
-        lines.append(f"| ({r['run']}) {r['what']} | {took} | {ended} | {r['load_average']} |")
+        timeout = f"{r['no_progress_timeout']:g} s" if r["no_progress_timeout"] else "–"
+        lines.append(f"| ({r['run']}) {r['what']} | {r['hung']} | {timeout} | {took} | {ended} | {r['load_average']} |")
     return "\n".join(lines)
 
 
@@ -328,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-mib", type=float, default=5.0)
     ap.add_argument("--gap", type=float, default=1.0, help="seconds between the big pods and the small ones")
     ap.add_argument("--hung", action="store_true", help="the hung-registry rows (module docstring)")
+    ap.add_argument("--hung-kinds", default="manifest,blob",
+                    help="how each hung registry hangs: manifest (never answered) or blob (stops after 1.5 MiB)")
     ap.add_argument("--hung-wait", type=float, default=400.0, help="seconds to wait for the healthy pod")
     ap.add_argument("--no-progress", type=float, default=60.0, help="the shim's pulls.no_progress_timeout_seconds")
     ap.add_argument("--runs", default=None, help="default a,b,c,d (with --hung: c,d)")
@@ -350,10 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         node = build_node_images(reg, base / "images")
         if args.hung:
             tag = f"{time.time_ns():x}"
-            hung = (node.variant(reg, f"kstorm/hung-manifest-{tag}"), node.with_filler(reg, f"kstorm/hung-blob-{tag}", 4))
+            kinds = [k.strip() for k in args.hung_kinds.split(",")]
+            if not kinds or not set(kinds) <= {"manifest", "blob"}:
+                ap.error("--hung-kinds: manifest or blob, comma-separated")
+            hung = [node.with_filler(reg, f"kstorm/hung-{k}{i}-{tag}", 4) for i, k in enumerate(kinds)]
             for name in [n for _ in range(max(1, args.repeat)) for n in runs]:
                 log(f"hung run ({name}) {RUNS[name][0]} ...")
-                rows.append(hung_run(name, binaries, reg, node.pause.ref, hung, node.busybox, base, args.hung_wait,
+                rows.append(hung_run(name, binaries, reg, node.pause.ref, hung, kinds, node.busybox, base, args.hung_wait,
                                      args.no_progress))
                 log(f"  {rows[-1]}")
             print(json.dumps(rows, indent=2) if args.json else hung_table(rows, args.hung_wait))
