@@ -250,7 +250,7 @@ def hung_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause
                 break
             time.sleep(0.25)
         failed = events(kubelet.log(), wall0, "Failed")
-        ended = sorted((round(at, 1), pod, message[:300]) for pod, (at, message) in failed.items() if "hung-" in pod)
+        ended = sorted((round(at, 1), pod, message[-400:]) for pod, (at, message) in failed.items() if "hung-" in pod)
         return {"run": name, "what": RUNS[name][0], "load_average": round(load, 1),
                 "hung": ",".join(kinds), "no_progress_timeout": no_progress if RUNS[name][2] else None,
                 "healthy_running_seconds": None if took is None else round(took, 1), "waited_at_most": wait,
@@ -307,7 +307,7 @@ def hung_table(rows: list[dict[str, Any]], wait: float) -> str:
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         took = f"{r['healthy_running_seconds']} s" if r["healthy_running_seconds"] is not None else f"not within {wait:g} s"
-        ended = "; ".join(f"{pod} {at} s: {msg[:120]}" for at, pod, msg in r["hung_pulls_failed"]) or "not within the wait"
+        ended = "; ".join(f"{pod} {at} s: …{msg[-160:]}" for at, pod, msg in r["hung_pulls_failed"]) or "not within the wait"
         timeout = f"{r['no_progress_timeout']:g} s" if r["no_progress_timeout"] else "–"
         lines.append(f"| ({r['run']}) {r['what']} | {r['hung']} | {timeout} | {took} | {ended} | {r['load_average']} |")
     return "\n".join(lines)
