@@ -4,7 +4,8 @@
                                   [--runs a,b,c,d] [--repeat 1] [--json]
     python bench/kubelet_storm.py --mixed [--big-pods 4] [--big-mib 200] [--small-pods 20]
                                   [--small-images 5] [--small-mib 5] [--gap 1] [--link-mibps 20] ...
-    python bench/kubelet_storm.py --hung [--runs c,d] [--hung-wait 400] [--no-progress 60]
+    python bench/kubelet_storm.py --hung [--runs c,d] [--hung-kinds manifest,blob] [--hung-wait 400]
+                                  [--no-progress 60]
 
 A standalone kubelet v1.35 (static pods, the node suite's tests/support/node.py) runs
 ``--pods`` pods, pod ``i`` using image ``i % images`` (busybox plus incompressible filler,
@@ -30,19 +31,21 @@ proxy); the PullImage calls kubelet made and those that reached containerd (cont
 ``cri_shim_pull_requests_total``). With ``--repeat N`` the runs are interleaved
 (a, b, c, d, a, b, ...) and the table shows each figure's range over the N rounds.
 
-``--mixed``: ``--big-pods`` pods of one ``--big-mib`` image arrive first, ``--gap`` seconds later
-``--small-pods`` pods over ``--small-images`` images of ``--small-mib`` (the storm kubelet's
-options handle worst). Also reported per run: seconds from writing a pod's manifest until its image is present, from
-kubelet's own ``Pulled`` events (logged with ``--vmodule=event=3``), p50 and max; and beside the
-table the physical limit (distinct bytes over the link rate) and the p50 of the best order (one
-image at a time at the full link rate, most pods per byte first: Smith's rule, which minimises
-the mean time until present; the small images' pods arriving ``--gap`` later is ignored).
+``--mixed``: ``--big-pods`` pods of one ``--big-mib`` image arrive first, ``--gap`` seconds
+later ``--small-pods`` pods over ``--small-images`` images of ``--small-mib`` (the storm
+kubelet's options handle worst). Also reported per run: seconds from writing a pod's manifest
+until its image is present, from kubelet's own ``Pulled`` events (logged with
+``--vmodule=event=3``), p50 and max; registry requests; and beside the table the physical limit
+(distinct bytes over the link rate) and the p50 of the best order (one image at a time at the
+full link rate, most pods per byte first: Smith's rule, which minimises the mean time until
+present; the small images' pods arriving ``--gap`` later is ignored).
 
 ``--hung``: two pods whose registries hang (``--hung-kinds``; by default one never answers the
-manifest, one's blob stops after 1.5 MiB; the counting proxy keeps the connections open for 600 s), then a healthy pod once both
-hung pulls reached the registry; reported: seconds until the healthy pod is Running (at most
-``--hung-wait``) and how the hung pulls ended (kubelet's log). The shim runs with
-``pulls.no_progress_timeout_seconds: --no-progress`` (default 60, the shipped default).
+manifest, one's blob stops after 1.5 MiB; the counting proxy keeps the connections open for
+600 s), then a healthy pod once both hung pulls reached the registry; reported: seconds until the
+healthy pod is Running (at most ``--hung-wait``) and when and how the hung pulls ended (kubelet's
+``Failed`` events). The shim runs with ``pulls.no_progress_timeout_seconds: --no-progress``
+(default 60, the shipped default).
 
 A warning is printed (and the load average recorded in every row) when the 1-minute load
 average is above 1: on a busy machine the figures measure the machine.
