@@ -161,7 +161,7 @@ class ClusterSource:
         its last valid version in force, and the state file keeps that version's object: an
         invalid edit never unpins. It is reported in ``refused`` (status row, Degraded, Event)."""
         previous, old_own, old_pinned = self.selected, self._own_raw, self._pinned_raw
-        selected, errors = objects.select(labels, own, [], [])
+        selected, errors = objects.select(labels, own)
         refused: dict[str, objects.Refused] = {}
         own_raw: dict[str, dict[str, Any]] = {}
         by_own = {o["metadata"]["name"]: o for o in own}
