@@ -55,30 +55,36 @@ def test_label_selector(selector: dict[str, Any], labels: dict[str, str], expect
     assert objects.selects(selector, labels, none_selects_all=False) is expected
 
 
-def test_selection_own_sets_pools_and_name_clash() -> None:
+def test_selection_own_sets_pools_and_name_clash(tmp_path: Path) -> None:
     labels = {"node-role.kubernetes.io/worker": "", "zone": "a"}
-    sel, errors = objects.select(
-        labels,
-        [own("gpu", ["reg/x:1"], {"matchLabels": {"zone": "a"}}, pin=True),
-         own("other-zone", ["reg/y:1"], {"matchLabels": {"zone": "b"}}),
-         own("everywhere", ["reg/z:1"]),
-         own("clash", ["reg/c:1"])],
-        [pis("worker-set", ["reg/w@sha256:" + "a" * 64]), pis("master-set", ["reg/m:1"]), pis("clash", ["reg/d:1"])],
-        [pool("worker", {"matchExpressions": [{"key": "node-role.kubernetes.io/worker", "operator": "Exists"}]},
-              ["worker-set", "clash"]),
-         pool("master", {"matchLabels": {"node-role.kubernetes.io/master": ""}}, ["master-set"]),
-         pool("no-selector", None, ["master-set"])])
-    assert sorted(sel) == ["clash", "everywhere", "gpu", "worker-set"]
+    src, sets = source(tmp_path)
+    src.informers = {
+        "node": fake_informer([node(labels)]),
+        "imagesets": fake_informer([own("gpu", ["reg/x:1"], {"matchLabels": {"zone": "a"}}, pin=True),
+                                    own("other-zone", ["reg/y:1"], {"matchLabels": {"zone": "b"}}),
+                                    own("everywhere", ["reg/z:1"]),
+                                    own("clash", ["reg/c:1"])]),
+        "pinnedimagesets": fake_informer([pis("worker-set", ["reg/w@sha256:" + "a" * 64]),
+                                          pis("master-set", ["reg/m:1"]), pis("clash", ["reg/d:1"])]),
+        "machineconfigpools": fake_informer([
+            pool("worker", {"matchExpressions": [{"key": "node-role.kubernetes.io/worker", "operator": "Exists"}]},
+                 ["worker-set", "clash"]),
+            pool("master", {"matchLabels": {"node-role.kubernetes.io/master": ""}}, ["master-set"]),
+            pool("no-selector", None, ["master-set"])]),
+    }
+    assert src.recompute()
+    sel = src.selected
+    assert sorted(sel) == sorted(sets.sources["cluster"]) == ["clash", "everywhere", "gpu", "worker-set"]
     assert sel["gpu"].set.pin is True and sel["gpu"].set.generation == "3"
     assert sel["everywhere"].set.pin is False
     assert sel["worker-set"].set.kind == "PinnedImageSet" and sel["worker-set"].set.pin is True
     assert sel["clash"].set.kind == "ImageSet"
-    assert "same name" in errors["cluster:PinnedImageSet/clash"]
+    assert "same name" in src.errors["cluster:PinnedImageSet/clash"]
     assert sel["gpu"].set.ignored == ()  # nodeSelector is used here, not ignored
 
 
 def test_bad_set_reported_others_applied() -> None:
-    sel, errors = objects.select({}, [own("bad", ["reg/*:1"]), own("good", ["reg/a:1"])], [], [])
+    sel, errors = objects.select({}, [own("bad", ["reg/*:1"]), own("good", ["reg/a:1"])])
     assert list(sel) == ["good"]
     assert "globs" in errors["cluster:ImageSet/bad"]
 
