@@ -402,7 +402,16 @@ class ClusterSource:
                 await asyncio.to_thread(self._save)
                 continue
             self._dirty.clear()
-            if self.recompute():
+            try:
+                applied = self.recompute()
+            except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
+                self._inputs = None  # the same inputs are looked at again, not skipped as already applied
+                logs.log(_log, logging.ERROR, "cluster image sets not applied; the sets applied last stay in force",
+                         error=f"{type(e).__name__}: {e}", retry_seconds=self.cfg.backoff_max_seconds)
+                await asyncio.sleep(self.cfg.backoff_max_seconds)
+                self._dirty.set()
+                continue
+            if applied:
                 await asyncio.to_thread(self._save)
                 self.changed.set()
                 if self.secrets is not None:

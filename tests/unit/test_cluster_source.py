@@ -233,6 +233,32 @@ async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
         await asyncio.gather(loop, return_exceptions=True)
 
 
+async def test_an_apply_that_raises_keeps_the_sets_and_is_tried_again(tmp_path: Path, caplog) -> None:
+    """An object no rule foresaw makes recompute raise: the apply loop logs it, keeps the sets in force
+    and applies the same inputs again later, instead of ending silently."""
+    src, sets = source(tmp_path)
+    src.cfg = dataclasses.replace(src.cfg, backoff_max_seconds=0.05)
+    src.informers = {"node": fake_informer([node({"zone": "a"})]), "imagesets": fake_informer([own("a", ["reg/a:1"])])}
+    real, calls = src.recompute, []
+
+    def flaky() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            real()  # remembers its inputs, then fails part-way
+            raise KeyError("name")
+        return real()
+    src.recompute = flaky  # type: ignore[method-assign]
+    loop = asyncio.create_task(src._apply_loop())
+    try:
+        src._dirty.set()
+        await until(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
+        assert "a" in src.selected
+        assert any(r.getMessage().startswith("cluster image sets not applied") for r in caplog.records)
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
 async def until(cond: Any, timeout: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
