@@ -214,6 +214,7 @@ class ImageSets:
             self.watcher.close()
             self.watcher = None
         self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
+        self.metrics.image_set_invalid.labels("file").set(0)  # ... and no file refused
 
     def snapshot(self) -> Snapshot:
         """What every set in force stands at (typed; costs the number of sets)."""
