@@ -115,7 +115,7 @@ class State(enum.IntEnum):
 
 @dataclass(eq=False, slots=True)
 class _Image:
-    """One declared image: about 200 bytes with its key tuple and dict slot (docs/image-sets.md)."""
+    """One declared image: about 270 bytes with its key tuple and index entries (docs/image-sets.md)."""
     ref: str  # canonical
     spelled: str  # as first declared: what is pulled (so a kubelet pull of the same string collapses)
     sets: tuple[str, ...]  # names of the sets that declare it
