@@ -121,6 +121,15 @@ def fraction() -> Parse:
     return parse
 
 
+def rate() -> Parse:
+    """Requests a second: a finite number >= 0 (0 = no limit)."""
+    def parse(key: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(key, f"expected a number of requests per second >= 0, got {shown(v)}")
+        return float(v)
+    return parse
+
+
 def strings(*, none_is_empty: bool = False) -> Parse:
     def parse(key: str, v: Any) -> tuple[str, ...]:
         return () if v is None and none_is_empty else _str_list(key, v)
@@ -223,6 +232,8 @@ class ImageSetsConfig:
     debounce_seconds: float = knob(0.2, duration())
     retry_initial_seconds: float = knob(5.0, duration())
     retry_max_seconds: float = knob(300.0, duration())  # >= retry_initial_seconds
+    retry_per_second: float = knob(5.0, rate())  # retries of failed images per registry host per second; 0 = no limit
+    max_images: int = knob(250_000, integer(1))  # images declared over all sets; a set beyond it is refused
     runtime_timeout_seconds: float = knob(30.0, duration(above=0))  # the reconciler's ListImages / ImageFsInfo
     pins_wait_seconds: float = knob(10.0, duration(above=0))  # RemoveImage waits for the first read of dir
     # the last valid content of each file of dir, loaded before serving; "" = off

@@ -309,7 +309,7 @@ class ClusterSource:
         self.secrets = PullSecrets(core, refresh_seconds=self.cfg.secret_refresh_seconds,
                                    request_timeout=self.cfg.request_timeout_seconds,
                                    watcher=partial(self._secret_watch, core),
-                                   on_change=self.sets.reconciler.retry_failed)
+                                   on_change=self.sets.retry_failed)
         self.secrets.by_set = {n: s.secrets for n, s in self.selected.items() if s.secrets}
         self.sets.reconciler.set_credentials = self.secrets.for_sets
 
@@ -428,7 +428,7 @@ class ClusterSource:
         assert self.secrets is not None
         due = self.secrets.due()
         if due and await self.secrets.refresh(due):
-            self.sets.reconciler.retry_failed()
+            self.sets.retry_failed()
         self._report()
 
     async def stop(self) -> None:

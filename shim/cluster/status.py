@@ -33,7 +33,6 @@ from typing import Any, Callable
 from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
 
 from ..imagesets.manager import ImageSets
-from ..imagesets.reconciler import State, _keys
 from ..observability import logs
 from ..pulls.failure import REASONS
 from ..pulls.poller import ProgressPoller
@@ -92,8 +91,7 @@ class NodeStatus:
         return out
 
     def document(self) -> dict[str, Any]:
-        rec = self.sets.reconciler
-        pins = rec._pins() if rec._pins is not None else None
+        snap = self.sets.snapshot()
         by_pull = self._bytes()
         rows = []
         totals: Counter[str] = Counter()
@@ -102,39 +100,36 @@ class NodeStatus:
         problems: dict[str, list[str]] = {r: [] for r in SET_REASONS}
         cluster_sets = self.sets.sources.get("cluster", {})
         refused, secret_errors = self.source.refused, self.source.secret_errors()
-        for name, s in sorted(rec.sets.items()):
-            c = rec._counts(s)
-            reasons: Counter[str] = Counter()
+        for name, v in snap.sets.items():
+            c = v.counts.as_dict()
+            reasons: Counter[str] = Counter(v.failed_reasons)
             done = total = 0
-            for key in _keys(s) if c["failed"] or c["pulling"] else ():
-                img = rec.images.get(key)
-                if img is not None and img.state is State.FAILED:
-                    reasons[img.reason] += 1
-                elif img is not None and img.state is State.PULLING:
-                    d, t = by_pull.get(pull_name(img.spelled), (0, 0))
-                    done, total = done + d, total + t
-            if c["queued"] and rec.disk_blocked:
+            for spelled in v.pulling:
+                d, t = by_pull.get(pull_name(spelled), (0, 0))
+                done, total = done + d, total + t
+            if c["queued"] and snap.disk_blocked:
                 reasons["noSpace"] += c["queued"]
-            pinned_ok = not s.pin or pins is None or all(pins.match([r]) is not None for r in s.refs)
-            if c["present"] == c["declared"] and pinned_ok:
-                self.current[name] = s.generation
-            err = rec._last_error(s) or (rec.disk_blocked if c["queued"] and rec.disk_blocked else "")
-            if c["failed"] or (c["queued"] and rec.disk_blocked):
-                self.failed[name] = (s.generation, err)
+            if v.complete:
+                self.current[name] = v.generation
+            err = v.last_error or (snap.disk_blocked if c["queued"] and snap.disk_blocked else "")
+            if c["failed"] or (c["queued"] and snap.disk_blocked):
+                self.failed[name] = (v.generation, err)
                 errors.append(f"{name}: {err}")
             from_cluster = name in cluster_sets
-            problem = self._problem(name, s.source, from_cluster, refused, secret_errors)
+            problem = self._problem(name, v.source, from_cluster, refused, secret_errors)
             row: dict[str, Any] = {
-                "name": name, "kind": s.kind, "source": "cluster" if from_cluster else "file",
-                "desiredGeneration": s.generation,
-                "images": {k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")},
+                "name": name, "kind": v.kind, "source": "cluster" if from_cluster else "file",
+                "desiredGeneration": v.generation,
+                "images": c,
             }
             if name in self.current:
                 row["currentGeneration"] = self.current[name]
             if name in self.failed:
                 row["lastFailedGeneration"] = self.failed[name][0]
-                if c["failed"] or (c["queued"] and rec.disk_blocked):
+                if c["failed"] or (c["queued"] and snap.disk_blocked):
                     row["error"] = self.failed[name][1][:1024]
+            if name in snap.refused:
+                row["error"] = snap.refused[name][:1024]
             if reasons:
                 row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons[r]}
             if total:
@@ -142,20 +137,22 @@ class NodeStatus:
             if problem is not None:
                 self._mark(row, *problem, problems)
             rows.append(row)
-            totals.update({k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")})
+            totals.update(c)
             reasons_all.update(reasons)
+        for name, why in snap.refused.items():  # beyond image_sets.max_images
+            errors.append(f"{name}: {why}")
         for name, r in refused.items():  # refused with no version in force: a row all the same
-            if name not in rec.sets:
+            if name not in snap.sets:
                 row = {"name": name, "kind": r.kind, "source": "cluster", "desiredGeneration": r.generation,
                        "images": {k: 0 for k in ("declared", "present", "pulling", "queued", "failed")}}
                 self._mark(row, INVALID_SET, r.generation, r.error, problems)
                 rows.append(row)
         rows.sort(key=lambda r: r["name"])
         for name in list(self.current):
-            if name not in rec.sets:
+            if name not in snap.sets:
                 del self.current[name]
         for name in list(self.failed):
-            if name not in rec.sets and name not in refused:
+            if name not in snap.sets and name not in refused:
                 del self.failed[name]
         n_current = sum(1 for r in rows if r.get("currentGeneration") == r["desiredGeneration"])
         summary = {"sets": len(rows), "current": n_current, **{k: totals[k] for k in
@@ -285,8 +282,7 @@ class NodeStatus:
                     self.events_sent += 1
                 except Exception as e:
                     logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
-        for key in [k for k in self._event_at if k[0] not in self.sets.reconciler.sets
-                    and k[0] not in self.source.refused]:
+        for key in [k for k in self._event_at if not self.sets.in_force(k[0]) and k[0] not in self.source.refused]:
             del self._event_at[key]
 
     def start(self) -> None:
@@ -322,10 +318,9 @@ class NodeStatus:
 
     async def _settle(self, limit: float = 2.0) -> None:
         """Wait (at most ``limit`` s) until the reconciler has finished a pass over the new sets."""
-        rec = self.sets.reconciler
-        before = rec.last_pass
+        before = self.sets.passes
         deadline = self._clock() + limit
-        while rec.last_pass is before and self._clock() < deadline:
+        while self.sets.passes == before and self._clock() < deadline:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:

@@ -23,6 +23,7 @@ from ..pulls.scheduler import PullScheduler
 from . import state
 from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
+from .snapshot import Snapshot
 from .watcher import POLL_SECONDS, DirWatcher
 
 _log = logs.get("imagesets")
@@ -214,6 +215,27 @@ class ImageSets:
             self.watcher = None
         self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
         self.metrics.image_set_invalid.labels("file").set(0)  # ... and no file refused
+
+    def snapshot(self) -> Snapshot:
+        """What every set in force stands at (typed; costs the number of sets)."""
+        return self.reconciler.snapshot()
+
+    @property
+    def passes(self) -> int:
+        """Runtime reads finished so far (grows by one per pass)."""
+        return self.reconciler.passes
+
+    def in_force(self, name: str) -> bool:
+        """Whether a set of this name is applied now."""
+        return name in self.reconciler.sets
+
+    def resync(self) -> None:
+        """Read the runtime's images again now."""
+        self.reconciler.resync()
+
+    def retry_failed(self) -> None:
+        """Credentials changed: retry failed images now."""
+        self.reconciler.retry_failed()
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

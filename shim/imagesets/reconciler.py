@@ -1,17 +1,34 @@
 """Keeping declared image sets present: diff against the runtime, pull only the difference.
 
-One pass reads the runtime's images once (ListImages), marks every declared image
-present or missing, and queues the missing ones. Pulls go through the node-wide
-scheduler at background priority, at most ``image_sets.max_parallel`` of ours at a
-time; each lane pauses ``cooldown_seconds`` after a pull. Before each pull starts, the
-free space of the runtime's image filesystem (ImageFsInfo mountpoint + statvfs) is
-checked against ``min_free_bytes``; when short, nothing new starts and status says why.
+A pass reads the runtime's images (ListImages) and compares the names it holds with the
+names of the last pass: only images whose name appeared or went, and images declared
+since, change state. A few newly declared images (up to ``PROBE_MAX``) are looked up
+one by one with ImageStatus instead, so adding ten images to a 20,000-image set costs ten
+lookups, not a list of the whole runtime. A full pass still runs every ``RESYNC_SECONDS``
+(GC, crictl rmi). Pulls go through the node-wide scheduler at background priority, at most
+``image_sets.max_parallel`` of ours at a time; each lane pauses ``cooldown_seconds`` after a
+pull. Before each pull starts, the free space of the runtime's image filesystem
+(ImageFsInfo mountpoint + statvfs) is checked against ``min_free_bytes``; when short,
+nothing new starts and status says why.
 
 A failed image is retried after ``retry_initial_seconds``, doubling up to
-``retry_max_seconds``; it never holds the others back. An image dropped from every
-set is forgotten: its queued or running prefetch is cancelled (the scheduler drops
-the flight unless a CRI client joined it, whose pull goes on), its pin is released,
-and the image itself is left to kubelet's garbage collection.
+``retry_max_seconds``; it never holds the others back. Retries wait in a due-time queue
+(due.py) and then for a token of their registry host's retry budget
+(``image_sets.retry_per_second``). An image dropped from every set is forgotten: its
+queued or running prefetch is cancelled (the scheduler drops the flight unless a CRI
+client joined it, whose pull goes on), its pin is released, and the image itself is left
+to kubelet's garbage collection.
+
+Work costs the change: ``set_sets`` diffs each set whose spec changed against its previous
+version (an unchanged set costs nothing, an edited one its size); counts by state per set
+and in total are kept as images change state; the loop wakes for what fell due (the heap's
+top), never scanning every image. What the reconciler knows is published as a typed
+``Snapshot`` (snapshot.py), built per set from those counts.
+
+At most ``image_sets.max_images`` images are declared over all sets (each set's entries
+summed). A set that would go beyond is refused (its previous version, if any, stays in
+force), with the reason in status and the log: the process never grows toward its memory
+limit because of a declaration.
 
 Each pull is for the image's runtime handler: the one its set declares, else the
 first ``runtime_handlers.rules`` entry that matches the image without a pod (no
@@ -22,16 +39,17 @@ several matching entries are tried in order, most specific first, as kubelet doe
 The scheduler's join rule applies: a prefetch joins a CRI client's running pull of the
 same image and handler whatever its credentials.
 
-The reconciler's own ListImages and ImageFsInfo calls have a deadline
+The reconciler's own ListImages, ImageStatus and ImageFsInfo calls have a deadline
 (``image_sets.runtime_timeout_seconds``): a runtime that hangs is a failed list, retried
 with backoff, never a stuck loop.
 
 Nothing here is on the path of a CRI call: kubelet never waits for a reconcile.
 
-Why one module of ~600 lines: every part here (the diff, the lanes, the disk guard, the
-retry clock, the per-set counts) reads and writes the same per-image state (``_Image``)
-under one rule: only ``_feed`` starts pulls. Split across modules, that state would have
-to be shared by reference and the rule would no longer be visible in one place.
+Why one module: every part here (the diff, the lanes, the disk guard, the retry clock, the
+per-set counts) reads and writes the same per-image state (``_Image``) under two rules:
+only ``_feed`` starts pulls, and only ``_set`` (and ``_join``/``_leave``) change a state,
+so the counts stay true. Split across modules, that state would be shared by reference and
+the rules would no longer be visible in one place.
 """
 
 from __future__ import annotations
@@ -43,14 +61,14 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import grpc
 
 from ..config import ImageSetsConfig
 from ..credentials import Credential, DockerConfigFiles, Keyring
 from ..credentials.plugins import PluginProviders, ProviderConfigError
-from ..cri.methods import IMAGE_FS_INFO, LIST_IMAGES, PULL_IMAGE
+from ..cri.methods import IMAGE_FS_INFO, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..images.pins import PinSet
@@ -62,13 +80,16 @@ from ..pulls.key import pull_key
 from ..pulls.progress import human_bytes
 from ..pulls.scheduler import PullScheduler
 from ..pulls.slots import Priority
-from ..reference import InvalidReference, normalize
+from ..reference import InvalidReference, normalize, split_domain
+from .due import DueQueue, RetryBudget
 from .loader import ImageSet
+from .snapshot import Counts, SetSnapshot, Snapshot
 
 _log = logs.get("imagesets")
 
 RESYNC_SECONDS = 60.0  # re-read the runtime's images this often (GC, crictl rmi)
 DISK_RECHECK_SECONDS = 30.0  # while short of space
+PROBE_MAX = 64  # up to this many newly declared images: ImageStatus each, not a full ListImages
 PROGRESS_STEPS = (25, 50, 75, 100)
 STATES = ("declared", "present", "pulling", "queued", "failed")
 
@@ -80,19 +101,24 @@ PREFETCH_POD = api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(
     name="cri-shim-prefetch", uid="cri-shim-prefetch", namespace="cri-shim"))
 
 
-class State(enum.Enum):
-    UNKNOWN = "unknown"  # declared since the last ListImages
-    PRESENT = "present"
-    QUEUED = "queued"  # missing, waiting for a lane (or for disk space)
-    PULLING = "pulling"  # handed to the scheduler
-    FAILED = "failed"  # waiting for its retry
+class State(enum.IntEnum):
+    UNKNOWN = 0  # declared since the last ListImages
+    PRESENT = 1
+    QUEUED = 2  # missing, waiting for a lane (or for disk space)
+    PULLING = 3  # handed to the scheduler
+    FAILED = 4  # waiting for its retry
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Image:
+    """One declared image: about 270 bytes with its key tuple and index entries (docs/image-sets.md)."""
     ref: str  # canonical
     spelled: str  # as first declared: what is pulled (so a kubelet pull of the same string collapses)
-    sets: set[str]
+    sets: tuple[str, ...]  # names of the sets that declare it
     handler: str = ""  # declared by its set(s); "" = a matching rule's, if any
     state: State = State.UNKNOWN
     since: float = 0.0  # clock when state last changed
@@ -115,8 +141,23 @@ class _Image:
         return self.failure.reason if self.failure is not None else "other"
 
 
+class _Book:
+    """One set's counts, kept as its images change state."""
+    __slots__ = ("counts", "reasons", "errored", "pinned")
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(State)
+        self.reasons: Counter[str] = Counter()  # of its FAILED images
+        self.errored: dict[_Image, None] = {}  # its images with a failure, most recent last
+        self.pinned: tuple[object, str, int] | None = None  # (pins object, generation, pinned count)
+
+
 def _keys(s: ImageSet) -> list[ImageKey]:
     return list(zip(s.refs, s.handlers or ("",) * len(s.refs)))
+
+
+def _host(img: _Image) -> str:
+    return split_domain(img.ref)[0]
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
@@ -152,17 +193,28 @@ class Reconciler:
         self.resync_seconds = resync_seconds
         self.disk_recheck_seconds = disk_recheck_seconds
 
-        self.sets: dict[str, ImageSet] = {}
-        self.images: dict[ImageKey, _Image] = {}
+        self.sets: dict[str, ImageSet] = {}  # the versions in force (a refused edit keeps the previous one)
+        self._images: dict[ImageKey, _Image] = {}
+        self._handlers_of: dict[str, set[str]] = {}  # ref -> its non-empty declared handlers (rare)
+        self._books: dict[str, _Book] = {}
+        self._tuples: dict[tuple[str, ...], tuple[str, ...]] = {}  # interned _Image.sets values
+        self._totals = [0] * len(State)
+        self._declared = 0  # entries summed over the sets in force (image_sets.max_images)
+        self._refused: dict[str, tuple[str, str]] = {}  # set -> (generation refused, why)
+        self._unknown: dict[_Image, None] = {}  # declared since the last pass, in declaration order
+        self._present: set[str] = set()  # every normalized name the runtime had at the last pass
         self._queue: deque[_Image] = deque()
-        self._lanes: set[asyncio.Task[None]] = set()
+        self._due: DueQueue[_Image] = DueQueue()
+        self._budget: RetryBudget[_Image] = RetryBudget(cfg.retry_per_second)
+        self._lanes: dict[asyncio.Task[None], _Image] = {}
         self._wake = asyncio.Event()
         self._need_list = True
         self._list_failures = 0
         self._next_list = 0.0
         self._declared_pins: list[tuple[str, str]] | None = None
         self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
-        self._gauge_sets: set[str] = set()
+        self._dirty: set[str] = set()  # sets whose gauges / progress line are due
+        self._gone: set[str] = set()  # removed sets whose gauge series are to be dropped
         self._norm_cache: dict[str, str] = {}
 
         self.runtime_error = ""
@@ -172,12 +224,14 @@ class Reconciler:
         self._fs_error = ""
         self.free_bytes: int | None = None
         self.last_pass: dict[str, Any] = {}
+        self.passes = 0
         self.pulls_started = 0
 
     # ------------------------------------------------------------------ inputs
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = cfg
+        self._budget.per_second = cfg.retry_per_second
         self.credentials.configure(cfg.docker_config)
         self._load_plugins(cfg)
         self._wake.set()
@@ -195,52 +249,201 @@ class Reconciler:
                      error=str(e))
 
     def set_sets(self, sets: dict[str, ImageSet]) -> None:
-        """The declared sets changed: re-diff (one ListImages), cancel what is no longer declared."""
-        declared: dict[ImageKey, tuple[str, set[str]]] = {}
-        for s in sets.values():
-            for key, spelled in zip(_keys(s), s.spelled):
-                entry = declared.get(key)
-                if entry is None:
-                    declared[key] = (spelled, {s.name})
-                else:
-                    entry[1].add(s.name)
+        """The declared sets changed. Costs the change: a set equal to the one in force costs
+        nothing; an added, edited or removed set costs its size. Newly declared images are
+        looked up (ImageStatus or one ListImages); what is no longer declared is cancelled."""
         now = self._clock()
-        for key in [k for k in self.images if k not in declared]:
-            img = self.images.pop(key)
-            if img.task is not None:
-                img.task.cancel()
-                logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=key[0],
-                         handler=key[1])
-        for key, (spelled, names) in declared.items():
-            known = self.images.get(key)
-            if known is None:
-                self.images[key] = _Image(key[0], spelled, names, handler=key[1], since=now)
-            else:
-                known.sets = names
-        self._queue = deque(i for i in self._queue if self.images.get(i.key) is i)
-        for name, s in sets.items():
-            old = self.sets.get(name)
-            if old is None or old.generation != s.generation:
-                logs.log(_log, logging.INFO, "image set loaded", set=name, kind=s.kind, generation=s.generation,
-                         images=len(s.refs), pin=s.pin, file=s.source)
-                if s.ignored:
-                    logs.log(_log, logging.INFO, "image set fields ignored on a single node", set=name,
-                             fields=",".join(s.ignored))
-        for name in self.sets.keys() - sets.keys():
+        pins_touched = False
+        for name in [n for n in self.sets if n not in sets]:
+            gone = self.sets.pop(name)
+            pins_touched |= gone.pin
+            for key in _keys(gone):
+                self._leave(key, name)
+            self._declared -= len(gone.refs)
+            del self._books[name]
+            self._progress.pop(name, None)
+            self._dirty.discard(name)
+            self._gone.add(name)
             logs.log(_log, logging.INFO, "image set removed; its images stay until kubelet GC removes them",
                      set=name)
-        self.sets = dict(sets)
-        self._update_pins()
-        self._need_list = True
-        self._next_list = 0.0
+        for name in [n for n in self._refused if n not in sets]:
+            del self._refused[name]
+        for name in sorted(sets):
+            s = sets[name]
+            old = self.sets.get(name)
+            if old is s or old == s:
+                self._refused.pop(name, None)
+                continue
+            total = self._declared - (len(old.refs) if old is not None else 0) + len(s.refs)
+            if total > self.cfg.max_images:
+                self._refuse(s, old, total)
+                continue
+            if self._refused.pop(name, None) is not None:
+                logs.log(_log, logging.INFO, "image set accepted again", set=name, generation=s.generation)
+            pins_touched |= s.pin or (old is not None and old.pin)
+            self._apply(s, old, now)
+        if pins_touched or self._declared_pins is None:
+            self._update_pins()
+        if self._unknown:
+            self._need_list = True
         self._wake.set()
+
+    def _refuse(self, s: ImageSet, old: ImageSet | None, total: int) -> None:
+        why = (f"{s.source}: set {s.name!r} generation {s.generation} declares {len(s.refs)} images; with the "
+               f"other sets that is {total}, above image_sets.max_images {self.cfg.max_images}; "
+               + (f"generation {old.generation} stays in force" if old is not None else "not applied"))
+        if self._refused.get(s.name) != (s.generation, why):
+            logs.log(_log, logging.ERROR, "image set refused: too many images declared on this node", set=s.name,
+                     generation=s.generation, images=len(s.refs), declared=total, max_images=self.cfg.max_images,
+                     kept=old.generation if old is not None else "")
+        self._refused[s.name] = (s.generation, why)
+
+    def _apply(self, s: ImageSet, old: ImageSet | None, now: float) -> None:
+        name = s.name
+        logs.log(_log, logging.INFO, "image set loaded", set=name, kind=s.kind, generation=s.generation,
+                 images=len(s.refs), pin=s.pin, file=s.source)
+        if s.ignored:
+            logs.log(_log, logging.INFO, "image set fields ignored on a single node", set=name,
+                     fields=",".join(s.ignored))
+        new_keys = _keys(s)
+        old_keys: set[ImageKey] = set()
+        if old is not None:
+            old_keys = set(_keys(old))
+            keep = set(new_keys)
+            for key in old_keys - keep:
+                self._leave(key, name)
+            self._declared -= len(old.refs)
+        else:
+            self._books[name] = _Book()
+        for key, spelled in zip(new_keys, s.spelled):
+            if key not in old_keys:
+                self._join(key, spelled, name, now)
+        self._declared += len(s.refs)
+        self._books[name].pinned = None
+        self.sets[name] = s
+        self._dirty.add(name)
+
+    def _join(self, key: ImageKey, spelled: str, name: str, now: float) -> None:
+        img = self._images.get(key)
+        if img is None:
+            img = self._images[key] = _Image(key[0], spelled, (), handler=key[1], since=now)
+            if key[1]:
+                self._handlers_of.setdefault(key[0], set()).add(key[1])
+            self._totals[State.UNKNOWN] += 1
+            self._unknown[img] = None
+        img.sets = self._tuple((*img.sets, name))
+        book = self._books[name]
+        book.counts[img.state] += 1
+        if img.state is State.FAILED:
+            book.reasons[img.reason] += 1
+        if img.failure is not None:
+            book.errored[img] = None
+
+    def _leave(self, key: ImageKey, name: str) -> None:
+        img = self._images[key]
+        img.sets = self._tuple(tuple(n for n in img.sets if n != name))
+        book = self._books[name]
+        book.counts[img.state] -= 1
+        if img.state is State.FAILED:
+            self._uncount_reason(book, img.reason)
+        book.errored.pop(img, None)
+        if img.sets:
+            return
+        del self._images[key]
+        self._totals[img.state] -= 1
+        self._unknown.pop(img, None)
+        if key[1]:
+            handlers = self._handlers_of[key[0]]
+            handlers.discard(key[1])
+            if not handlers:
+                del self._handlers_of[key[0]]
+        if img.task is not None:
+            img.task.cancel()
+            logs.log(_log, logging.INFO, "image dropped from its sets; prefetch cancelled", image=key[0],
+                     handler=key[1])
+
+    def _tuple(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """One shared tuple per combination of set names (most images share a handful)."""
+        if len(self._tuples) > 4 * len(self.sets) + 1024:
+            self._tuples.clear()  # combinations of sets long gone: start over (images keep theirs)
+        return self._tuples.setdefault(names, names)
+
+    @staticmethod
+    def _uncount_reason(book: _Book, reason: str) -> None:
+        book.reasons[reason] -= 1
+        if book.reasons[reason] <= 0:
+            del book.reasons[reason]
+
+    def _named(self, ref: str) -> Iterable[_Image]:
+        """The declared images (one per declared handler) of a normalized name."""
+        img = self._images.get((ref, ""))
+        if img is not None:
+            yield img
+        for h in self._handlers_of.get(ref, ()):
+            img = self._images.get((ref, h))
+            if img is not None:
+                yield img
+
+    def _set(self, img: _Image, state: State, now: float) -> None:
+        """The one place an image's state changes: the counts follow."""
+        old = img.state
+        img.since = now
+        if old is state:
+            return
+        img.state = state
+        self._totals[old] -= 1
+        self._totals[state] += 1
+        for name in img.sets:
+            book = self._books[name]
+            book.counts[old] -= 1
+            book.counts[state] += 1
+            if old is State.FAILED:
+                self._uncount_reason(book, img.reason)
+            if state is State.FAILED:
+                book.reasons[img.reason] += 1
+            self._dirty.add(name)
+        if state is State.UNKNOWN:
+            self._unknown[img] = None
+        elif old is State.UNKNOWN:
+            self._unknown.pop(img, None)
+
+    def _failed(self, img: _Image, failure: PullFailure, now: float) -> float:
+        """A pull failed: note why, schedule the retry. Returns the delay."""
+        img.attempts += 1
+        img.failure = failure
+        for name in img.sets:
+            errored = self._books[name].errored
+            errored.pop(img, None)
+            errored[img] = None  # most recent last
+        delay = self._backoff(img.attempts)
+        img.retry_at = now + delay
+        self._set(img, State.FAILED, now)
+        self._due.push(img.retry_at, img)
+        return delay
+
+    def _now_present(self, img: _Image, now: float) -> None:
+        self._set(img, State.PRESENT, now)
+        if img.failure is not None:
+            for name in img.sets:
+                self._books[name].errored.pop(img, None)
+        img.attempts, img.failure = 0, None
+
+    def _queue_up(self, img: _Image, now: float) -> None:
+        self._set(img, State.QUEUED, now)
+        self._queue.append(img)
 
     def retry_failed(self) -> None:
         """Credentials changed: failed images are retried now, not at their backoff time."""
         now = self._clock()
-        for img in self.images.values():
-            if img.state is State.FAILED:
+        for at, img in self._due.items():
+            if self._due_alive(at, img):
                 img.retry_at = now
+                self._due.push(now, img)
+        self._wake.set()
+
+    def resync(self) -> None:
+        """Read the runtime's images again now (not at the next resync)."""
+        self._need_list = True
         self._wake.set()
 
     def _update_pins(self) -> None:
@@ -275,25 +478,43 @@ class Reconciler:
 
     def halt(self) -> None:
         """Stop every prefetch of ours (shutdown, or image sets turned off)."""
-        for task in list(self._lanes):
+        now = self._clock()
+        for task, img in list(self._lanes.items()):
             task.cancel()
-        for img in self.images.values():
-            if img.state in (State.PULLING, State.QUEUED):
-                img.state = State.UNKNOWN
+            if img.state is State.PULLING and self._images.get(img.key) is img:
+                self._set(img, State.UNKNOWN, now)
+        for img in self._queue:
+            if img.state is State.QUEUED and self._images.get(img.key) is img:
+                self._set(img, State.UNKNOWN, now)
         self._queue.clear()
+        self._need_list = True
+
+    def _due_alive(self, at: float, img: _Image) -> bool:
+        return img.state is State.FAILED and img.retry_at == at and self._images.get(img.key) is img
 
     def _next_wake(self) -> float:
         now = self._clock()
         t = now + 3600.0
         if self.sets:
             t = min(t, self._next_list)
-        t = min([t] + [i.retry_at for i in self.images.values() if i.state is State.FAILED])
+        due = self._due.next_at(self._due_alive)
+        if due is not None:
+            t = min(t, due)
+        budget = self._budget.next_at()
+        if budget is not None:
+            t = min(t, budget)
         if self.disk_blocked and self._queue:
             t = min(t, self._disk_checked_at + self.disk_recheck_seconds)
         return t
 
     async def _list(self) -> None:
-        """One ListImages (and ImageFsInfo when the disk guard is on); mark present/missing."""
+        """Learn which images the runtime has: ImageStatus for a few newly declared ones, else
+        one ListImages (and ImageFsInfo when the disk guard is on)."""
+        now = self._clock()
+        if self._need_list and now < self._next_list and 0 < len(self._unknown) <= PROBE_MAX:
+            self._need_list = False
+            if await self._probe(list(self._unknown)):
+                return
         started = self._clock()
         wall = time.time()
         self._need_list = False
@@ -302,43 +523,83 @@ class Reconciler:
             if self.cfg.min_free_bytes > 0:
                 await self._refresh_fs()
         except RpcError as e:
-            self._list_failures += 1
-            delay = self._backoff(self._list_failures)
-            self._next_list = self._clock() + delay
-            err = f"ListImages failed: {e.code.name}: {e.details}"
-            if err != self.runtime_error:
-                logs.log(_log, logging.WARNING, "cannot read the runtime's images; will retry", error=err,
-                         retry_in=round(delay, 3))
-            self.runtime_error = err
+            self._list_failed(e)
             return
-        if self.runtime_error:
-            logs.log(_log, logging.INFO, "runtime images readable again")
-        self.runtime_error = ""
-        self._list_failures = 0
+        self._runtime_ok()
         present, count = await asyncio.to_thread(self._present_names, raw)
         now = self._clock()
-        missing = 0
-        for img in self.images.values():
-            if img.ref in present:
+        appeared, went = present - self._present, self._present - present
+        for name in appeared:
+            for img in self._named(name):
                 if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
-                    self._set(img, State.PRESENT, now)
-                    img.attempts, img.failure = 0, None
-            elif img.state is State.PRESENT and img.since >= started:
-                pass  # pulled while the list was on its way: newer than the list
-            elif img.state in (State.UNKNOWN, State.PRESENT):
-                self._set(img, State.QUEUED, now)
-                self._queue.append(img)
-                missing += 1
-            elif img.state is State.QUEUED:
-                missing += 1
-        self._queue = deque(sorted(self._queue, key=lambda i: i.since))
+                    self._now_present(img, now)
+        for name in went:
+            for img in self._named(name):
+                if img.state is State.PRESENT and img.since >= started:
+                    present.add(name)  # pulled while the list was on its way: newer than the list
+                elif img.state in (State.UNKNOWN, State.PRESENT):
+                    self._queue_up(img, now)
+        for img in list(self._unknown):
+            if img.ref in present:
+                self._now_present(img, now)
+            else:
+                self._queue_up(img, now)
+        self._present = present
         self._next_list = now + self.resync_seconds
+        self.passes += 1
         self.metrics.image_set_reconciles.inc()
+        missing = self._totals[State.QUEUED]
         self.last_pass = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall)),
                           "seconds": round(now - started, 3), "runtime_images": count, "missing": missing}
         logs.log(_log, logging.DEBUG if not missing else logging.INFO, "image sets reconciled",
-                 runtime_images=count, declared=len(self.images), missing=missing,
+                 runtime_images=count, declared=len(self._images), missing=missing,
                  seconds=round(now - started, 3))
+
+    async def _probe(self, images: list[_Image]) -> bool:
+        """ImageStatus for each of a few newly declared images. False: fall back to ListImages."""
+        if self.cfg.min_free_bytes > 0 and not self._mounts:
+            return False  # the disk guard needs ImageFsInfo, which a full pass reads
+
+        async def one(img: _Image) -> bool:
+            req = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
+            raw = await self.upstream.unary(IMAGE_STATUS, req, timeout=self.cfg.runtime_timeout_seconds)
+            return bool(api_pb2.ImageStatusResponse.FromString(raw).image.id)
+
+        try:
+            found = await asyncio.gather(*(one(img) for img in images))
+        except RpcError as e:
+            self._list_failed(e, "ImageStatus")
+            return True
+        self._runtime_ok()
+        now = self._clock()
+        for img, here in zip(images, found):
+            if img.state is not State.UNKNOWN or self._images.get(img.key) is not img:
+                continue  # dropped or decided meanwhile
+            if here:
+                self._present.add(img.ref)
+                self._now_present(img, now)
+            else:
+                self._queue_up(img, now)
+        self.passes += 1
+        return True
+
+    def _list_failed(self, e: RpcError, method: str = "ListImages") -> None:
+        self._list_failures += 1
+        delay = self._backoff(self._list_failures)
+        self._next_list = self._clock() + delay
+        err = f"{method} failed: {e.code.name}: {e.details}"
+        if err != self.runtime_error:
+            logs.log(_log, logging.WARNING, "cannot read the runtime's images; will retry", error=err,
+                     retry_in=round(delay, 3))
+        self.runtime_error = err
+        self._dirty.update(self.sets)
+
+    def _runtime_ok(self) -> None:
+        if self.runtime_error:
+            logs.log(_log, logging.INFO, "runtime images readable again")
+            self._dirty.update(self.sets)
+        self.runtime_error = ""
+        self._list_failures = 0
 
     def _present_names(self, raw: bytes) -> tuple[set[str], int]:
         """Every normalized tag and digest the runtime has (thread: no loop work)."""
@@ -397,42 +658,50 @@ class Reconciler:
     def _backoff(self, attempts: int) -> float:
         return min(self.cfg.retry_initial_seconds * (2.0 ** max(attempts - 1, 0)), self.cfg.retry_max_seconds)
 
-    def _set(self, img: _Image, state: State, now: float) -> None:
-        img.state, img.since = state, now
-
     def _enqueue_due(self) -> None:
+        """Failed images whose backoff ran out take a token of their registry's retry budget,
+        or wait in its FIFO; those that earned a token since are queued."""
         now = self._clock()
-        due = [i for i in self.images.values() if i.state is State.FAILED and i.retry_at <= now]
-        for img in sorted(due, key=lambda i: i.retry_at):
-            self._set(img, State.QUEUED, now)
-            self._queue.append(img)
+        for img in self._due.pop_due(now, self._due_alive):
+            if self._budget.admit(_host(img), img, now):
+                self._queue_up(img, now)
+        for img in self._budget.release(now):
+            if img.state is State.FAILED and self._images.get(img.key) is img:
+                self._queue_up(img, now)
+
+    def _set_disk_blocked(self, reason: str) -> None:
+        if reason != self.disk_blocked:
+            self._dirty.update(self.sets)
+        self.disk_blocked = reason
 
     def _feed(self) -> None:
         """Start pulls while a lane is free and the disk guard allows."""
         while self._queue and len(self._lanes) < self.cfg.max_parallel:
+            img = self._queue[0]
+            if self._images.get(img.key) is not img or img.state is not State.QUEUED:
+                self._queue.popleft()
+                continue
             reason = self._disk_short()
             if reason:
                 if reason != self.disk_blocked and not self.disk_blocked:
                     logs.log(_log, logging.WARNING, "image set prefetch paused", reason=reason,
-                             waiting=len(self._queue))
-                self.disk_blocked = reason
+                             waiting=self._totals[State.QUEUED])
+                self._set_disk_blocked(reason)
                 return
             if self.disk_blocked:
                 logs.log(_log, logging.INFO, "image set prefetch resumed", free_bytes=self.free_bytes)
-                self.disk_blocked = ""
-            img = self._queue.popleft()
-            if self.images.get(img.key) is not img or img.state is not State.QUEUED:
-                continue
+                self._set_disk_blocked("")
+            self._queue.popleft()
             self._set(img, State.PULLING, self._clock())
             task = asyncio.get_running_loop().create_task(self._lane(img), name=f"prefetch {img.ref}")
             img.task = task
-            self._lanes.add(task)
+            self._lanes[task] = img
             task.add_done_callback(self._lane_done)
         if not self._queue and self.disk_blocked:
-            self.disk_blocked = ""
+            self._set_disk_blocked("")
 
     def _lane_done(self, task: asyncio.Task[None]) -> None:
-        self._lanes.discard(task)
+        self._lanes.pop(task, None)
         self._wake.set()
 
     async def _lane(self, img: _Image) -> None:
@@ -498,55 +767,44 @@ class Reconciler:
             break
         img.task = None
         if error is not None:
-            if self.images.get(img.key) is not img:
-                return  # dropped meanwhile
-            img.attempts += 1
-            img.failure = PullFailure.of(error)
-            delay = self._backoff(img.attempts)
-            img.retry_at = self._clock() + delay
-            self._set(img, State.FAILED, self._clock())
+            if self._images.get(img.key) is not img or img.state is not State.PULLING:
+                return  # dropped (or halted) meanwhile
+            now = self._clock()
+            delay = self._failed(img, PullFailure.of(error), now)
             logs.log(_log, logging.WARNING, "image set pull failed; will retry", image=img.ref, handler=handler,
                      sets=",".join(sorted(img.sets)), code=error.code.name, error=error.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
-        img.attempts, img.failure = 0, None
-        self._set(img, State.PRESENT, self._clock())
+        self._present.add(img.ref)
+        if self._images.get(img.key) is img:
+            self._now_present(img, self._clock())
         logs.log(_log, logging.DEBUG, "image set pull done", image=img.ref, handler=handler,
                  handler_source=handler_source, credentials=cred.source if cred else "none",
                  joined=outcome.joined, seconds=round(self._clock() - t0, 3))
 
     # ------------------------------------------------------------------ reporting
 
-    def _counts(self, s: ImageSet) -> dict[str, int]:
-        c = {"declared": len(s.refs), "present": 0, "pulling": 0, "queued": 0, "failed": 0}
-        images = self.images
-        for key in _keys(s):
-            img = images.get(key)
-            if img is None:
-                continue
-            st = img.state
-            if st is State.PRESENT:
-                c["present"] += 1
-            elif st is State.PULLING:
-                c["pulling"] += 1
-            elif st is State.QUEUED:
-                c["queued"] += 1
-            elif st is State.FAILED:
-                c["failed"] += 1
-        return c
+    def _counts(self, book: _Book, declared: int) -> Counts:
+        c = book.counts
+        return Counts(declared=declared, present=c[State.PRESENT], pulling=c[State.PULLING],
+                      queued=c[State.QUEUED], failed=c[State.FAILED], unknown=c[State.UNKNOWN])
 
     def _report(self) -> None:
+        """Gauges and progress lines of the sets whose counts changed since the last report."""
         gauge = self.metrics.image_set_images
-        for name in self._gauge_sets - self.sets.keys():
+        for name in self._gone:
             for state in STATES:
                 gauge.remove(name, state)
-            self._progress.pop(name, None)
-        self._gauge_sets = set(self.sets)
-        for name, s in self.sets.items():
-            c = self._counts(s)
+        self._gone.clear()
+        for name in self._dirty:
+            s = self.sets.get(name)
+            if s is None:
+                continue
+            book = self._books[name]
+            c = self._counts(book, len(s.refs)).as_dict()
             for state in STATES:
                 gauge.labels(name, state).set(c[state])
-            if any(self.images.get(k) is not None and self.images[k].state is State.UNKNOWN for k in _keys(s)):
+            if book.counts[State.UNKNOWN]:
                 continue  # not listed yet: no progress to speak of
             pct = 100 * c["present"] // c["declared"] if c["declared"] else 100
             step = max([p for p in PROGRESS_STEPS if p <= pct], default=0)
@@ -557,48 +815,84 @@ class Reconciler:
                 logs.log(_log, logging.INFO, "image set progress", set=name, generation=s.generation,
                          percent=step, present=c["present"], declared=c["declared"], failed=c["failed"])
             self._progress[name] = (s.generation, step)
+        self._dirty.clear()
 
-    def _last_error(self, s: ImageSet) -> str:
-        worst: _Image | None = None
-        for key in _keys(s):
-            img = self.images.get(key)
-            if img is not None and img.error and (worst is None or img.since > worst.since):
-                worst = img
-        if worst is not None:
-            return f"{worst.ref}: {worst.error}"
-        return ""
+    def _pinned(self, s: ImageSet, book: _Book, pins: PinSet | None) -> int | None:
+        """Images of a pinning set that the pins in force match: counted once per pins object
+        and set generation (pins change when sets do), not at every snapshot."""
+        if not s.pin:
+            return None
+        if pins is None:
+            return len(s.refs)
+        cached = book.pinned
+        if cached is not None and cached[0] is pins and cached[1] == s.generation:
+            return cached[2]
+        n = sum(1 for r in s.refs if pins.match([r]) is not None)
+        book.pinned = (pins, s.generation, n)
+        return n
+
+    def snapshot(self) -> Snapshot:
+        """What every set stands at now: costs the number of sets (and of running pulls)."""
+        pins = self._pins() if self._pins is not None else None
+        pulling: dict[str, list[str]] = {}
+        for img in self._lanes.values():
+            for name in img.sets:
+                pulling.setdefault(name, []).append(img.spelled)
+        out: dict[str, SetSnapshot] = {}
+        for name in sorted(self.sets):
+            s, book = self.sets[name], self._books[name]
+            c = self._counts(book, len(s.refs))
+            blocked = ""
+            if c.queued and self.disk_blocked:
+                blocked = self.disk_blocked
+            elif c.declared != c.present and self.runtime_error:
+                blocked = self.runtime_error
+            last = next(reversed(book.errored), None)
+            out[name] = SetSnapshot(
+                name=name, kind=s.kind, source=s.source, generation=s.generation, pin=s.pin, counts=c,
+                failed_reasons=dict(book.reasons), last_error=f"{last.ref}: {last.error}" if last is not None else "",
+                blocked=blocked, pinned=self._pinned(s, book, pins), pulling=tuple(pulling.get(name, ())),
+                ignored=s.ignored, runtime_handlers=tuple(sorted({h for h in s.handlers if h})))
+        t = self._totals
+        totals = Counts(declared=len(self._images), present=t[State.PRESENT], pulling=t[State.PULLING],
+                        queued=t[State.QUEUED], failed=t[State.FAILED], unknown=t[State.UNKNOWN])
+        return Snapshot(sets=out, totals=totals, refused={n: why for n, (_, why) in sorted(self._refused.items())},
+                        disk_blocked=self.disk_blocked, runtime_error=self.runtime_error, passes=self.passes)
 
     def status(self) -> dict[str, Any]:
-        pins = self._pins() if self._pins is not None else None
+        snap = self.snapshot()
         now = self._clock()
         sets: dict[str, Any] = {}
-        for name, s in sorted(self.sets.items()):
-            c = self._counts(s)
-            blocked = ""
-            if c["queued"] and self.disk_blocked:
-                blocked = self.disk_blocked
-            elif c["declared"] != c["present"] and self.runtime_error:
-                blocked = self.runtime_error
-            row: dict[str, Any] = {"kind": s.kind, "file": s.source, "generation": s.generation, "pin": s.pin,
-                                   **c, "last_error": self._last_error(s) or blocked}
-            if s.pin:
-                row["pinned"] = sum(1 for r in s.refs if pins is not None and pins.match([r]) is not None)
-            if c["failed"]:
-                row["failed_reasons"] = dict(Counter(img.reason for k in _keys(s) if (img := self.images.get(k))
-                                                     is not None and img.state is State.FAILED))
-            if s.ignored:
-                row["ignored_fields"] = list(s.ignored)
-            if any(s.handlers):
-                row["runtime_handlers"] = sorted({h for h in s.handlers if h})
+        for name, v in snap.sets.items():
+            row: dict[str, Any] = {"kind": v.kind, "file": v.source, "generation": v.generation, "pin": v.pin,
+                                   **v.counts.as_dict(), "last_error": v.last_error or v.blocked}
+            if v.pinned is not None:
+                row["pinned"] = v.pinned
+            if v.failed_reasons:
+                row["failed_reasons"] = dict(v.failed_reasons)
+            if v.ignored:
+                row["ignored_fields"] = list(v.ignored)
+            if v.runtime_handlers:
+                row["runtime_handlers"] = list(v.runtime_handlers)
+            if name in snap.refused:
+                row["refused"] = snap.refused[name]
             sets[name] = row
-        failed = sorted((i for i in self.images.values() if i.state is State.FAILED), key=lambda i: i.retry_at)
+        waiting = [img for img in self._budget.items()  # due, no token yet
+                   if img.state is State.FAILED and self._images.get(img.key) is img]
+        failed = waiting[:20] + sorted((img for at, img in self._due.items() if self._due_alive(at, img)),
+                                       key=lambda i: i.retry_at)[:20 - min(20, len(waiting))]
+        t = snap.totals
         return {
             "sets": sets,
-            "images": {st: sum(1 for i in self.images.values() if i.state.value == st)
-                       for st in ("present", "pulling", "queued", "failed", "unknown")},
+            "refused": dict(snap.refused),
+            "max_images": self.cfg.max_images,
+            "declared_entries": self._declared,
+            "images": {"present": t.present, "pulling": t.pulling, "queued": t.queued, "failed": t.failed,
+                       "unknown": t.unknown},
             "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
                         "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error, "reason": i.reason,
-                        "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed[:20]],
+                        "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed],
+            "retry_budget": {"per_second": self.cfg.retry_per_second, "waiting": self._budget.waiting()},
             "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
                      "mountpoints": list(self._mounts), "blocked": self.disk_blocked},
             "runtime_error": self.runtime_error,

@@ -171,8 +171,7 @@ async def test_a_hung_image_fs_info_does_not_stop_reconciling(runtime, store, tm
         hang.set()
         store.install()  # a runtime that answers again
         h.sets.reconciler.resync_seconds = 0.05
-        h.sets.reconciler._next_list = 0.0
-        h.sets.reconciler._wake.set()
+        h.sets.resync()
         await reconciled(h, "warm", 1)
 
 

@@ -1,0 +1,118 @@
+"""When failed images are retried: a due-time queue and a retry budget per registry host.
+
+``DueQueue`` is a heap of (due time, item): the reconciler asks for what fell due and when
+the next item falls due, never scanning every image. Entries are removed lazily: the
+caller says with ``alive`` whether a popped entry still stands (the image may have been
+dropped, pulled by kubelet, or rescheduled since it was pushed).
+
+``RetryBudget`` is a token bucket per registry host (``image_sets.retry_per_second``
+tokens a second, a burst of as many): a retry takes a token before it is queued for a
+pull; with none left, the image waits in its host's FIFO until one is earned. So 5,000
+failed images of one registry cost that registry at most ``retry_per_second`` retries a
+second, whatever their own backoff says, and a second registry is not held back by the
+first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from typing import Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+class DueQueue(Generic[T]):
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, T]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, at: float, item: T) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), item))
+
+    def pop_due(self, now: float, alive: Callable[[float, T], bool]) -> Iterator[T]:
+        """Items due at ``now``, earliest first; entries ``alive`` rejects are dropped."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, _, item = heapq.heappop(heap)
+            if alive(at, item):
+                yield item
+
+    def next_at(self, alive: Callable[[float, T], bool]) -> float | None:
+        """When the earliest live entry falls due (dead entries on top are dropped)."""
+        heap = self._heap
+        while heap and not alive(heap[0][0], heap[0][2]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def items(self) -> list[tuple[float, T]]:
+        """Every entry, dead ones included (the caller filters)."""
+        return [(at, item) for at, _, item in self._heap]
+
+    def clear(self) -> None:
+        self._heap.clear()
+
+
+class _Bucket(Generic[T]):
+    __slots__ = ("tokens", "at", "waiting")
+
+    def __init__(self, tokens: float, at: float) -> None:
+        self.tokens = tokens
+        self.at = at
+        self.waiting: deque[T] = deque()
+
+
+class RetryBudget(Generic[T]):
+    """Token buckets per registry host; items without a token wait in their host's FIFO."""
+
+    def __init__(self, per_second: float) -> None:
+        self.per_second = per_second
+        self._buckets: dict[str, _Bucket[T]] = {}
+
+    def _refill(self, b: _Bucket[T], now: float) -> None:
+        burst = max(self.per_second, 1.0)
+        b.tokens = min(burst, b.tokens + (now - b.at) * self.per_second)
+        b.at = now
+
+    def admit(self, host: str, item: T, now: float) -> bool:
+        """True: go now (a token taken). False: ``item`` waits for ``release``."""
+        if self.per_second <= 0:
+            return True
+        b = self._buckets.get(host)
+        if b is None:
+            b = self._buckets[host] = _Bucket(max(self.per_second, 1.0), now)
+        self._refill(b, now)
+        if not b.waiting and b.tokens >= 1.0:
+            b.tokens -= 1.0
+            return True
+        b.waiting.append(item)
+        return False
+
+    def release(self, now: float) -> list[T]:
+        """Waiting items that have earned a token by ``now``, oldest first per host."""
+        out: list[T] = []
+        for host in list(self._buckets):
+            b = self._buckets[host]
+            self._refill(b, now)
+            while b.waiting and b.tokens >= 1.0:
+                b.tokens -= 1.0
+                out.append(b.waiting.popleft())
+            if not b.waiting and b.tokens >= max(self.per_second, 1.0):
+                del self._buckets[host]  # full and idle: forget the host
+        return out
+
+    def next_at(self) -> float | None:
+        """When the next waiting item earns its token."""
+        times = [b.at + (1.0 - b.tokens) / self.per_second for b in self._buckets.values() if b.waiting]
+        return min(times) if times else None
+
+    def waiting(self) -> dict[str, int]:
+        return {host: len(b.waiting) for host, b in sorted(self._buckets.items()) if b.waiting}
+
+    def items(self) -> list[T]:
+        """Every waiting item, oldest first per host."""
+        return [item for b in self._buckets.values() for item in b.waiting]

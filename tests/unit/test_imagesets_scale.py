@@ -1,0 +1,207 @@
+"""Image sets at scale, without timing anything: the due-time queue, the retry budget per
+registry host, the counts kept as images change state (and as sets change), and
+image_sets.max_images refusing a set instead of growing the process."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+
+from shim.config import ImageSetsConfig
+from shim.credentials import DockerConfigFiles
+from shim.imagesets.due import DueQueue, RetryBudget
+from shim.imagesets.loader import ImageSet
+from shim.imagesets.reconciler import Reconciler
+from shim.observability.metrics import Metrics
+from shim.pulls.scheduler import PullScheduler
+from tests.support.prefetch_store import FakeImages
+from tests.unit.test_imagesets import eventually, image_sets, own, reconciled, write
+
+
+# ------------------------------------------------------------------ the due-time queue
+
+def test_due_queue_yields_what_fell_due_in_order_and_skips_dead_entries() -> None:
+    q: DueQueue[str] = DueQueue()
+    for at, item in [(5.0, "e"), (1.0, "a"), (3.0, "c"), (2.0, "b"), (4.0, "d")]:
+        q.push(at, item)
+    dead = {"b"}
+
+    def alive(at: float, item: str) -> bool:
+        return item not in dead
+    assert q.next_at(alive) == 1.0
+    assert list(q.pop_due(3.0, alive)) == ["a", "c"]  # b was dropped meanwhile
+    assert q.next_at(alive) == 4.0
+    dead.add("d")
+    assert q.next_at(alive) == 5.0  # a dead top entry is not a reason to wake
+    assert list(q.pop_due(10.0, alive)) == ["e"] and len(q) == 0 and q.next_at(alive) is None
+
+
+def test_due_queue_rescheduled_item_counts_once() -> None:
+    """An item pushed again with a new time: the old entry is dead (its time no longer matches)."""
+    q: DueQueue[str] = DueQueue()
+    due = {"x": 10.0}
+    q.push(10.0, "x")
+    due["x"] = 2.0
+    q.push(2.0, "x")
+
+    def alive(at: float, item: str) -> bool:
+        return due[item] == at
+    assert list(q.pop_due(20.0, alive)) == ["x"]
+
+
+# ------------------------------------------------------------------ the retry budget
+
+def test_retry_budget_limits_each_registry_host_on_its_own() -> None:
+    b: RetryBudget[str] = RetryBudget(per_second=2.0)
+    assert [b.admit("a.io", f"a{i}", 0.0) for i in range(4)] == [True, True, False, False]  # burst of 2
+    assert b.admit("b.io", "b0", 0.0) is True  # another registry is not held back by a.io
+    assert b.waiting() == {"a.io": 2}
+    assert b.next_at() == 0.5
+    assert b.release(0.4) == []
+    assert b.release(0.5) == ["a2"]  # one token earned, oldest first
+    assert b.admit("a.io", "a4", 0.5) is False  # behind the ones already waiting
+    assert b.release(1.5) == ["a3", "a4"]
+    assert b.waiting() == {} and b.next_at() is None
+
+
+def test_retry_budget_zero_is_no_limit() -> None:
+    b: RetryBudget[int] = RetryBudget(per_second=0.0)
+    assert all(b.admit("a.io", i, 0.0) for i in range(1000))
+
+
+async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(runtime, tmp_path) -> None:
+    store = FakeImages(runtime).install()
+    slow = [f"slow.local/app{i}:1" for i in range(5)]
+    for r in slow:
+        store.fail(r, 1000)
+    store.fail("fast.local/app:1", 1)
+    (tmp_path / "a.yaml").write_text(own("warm", slow + ["fast.local/app:1"]))
+    async with image_sets(runtime, tmp_path, max_parallel=2, retry_initial_seconds=0.01, retry_max_seconds=0.02,
+                          retry_per_second=0.001) as h:  # a burst of one retry, then one every 1,000 s
+        await reconciled(h, "warm", 1)  # fast.local's retry was not held back by slow.local's
+        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local") == 4,
+                         what="slow.local's other retries to wait for a token")
+        assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
+        s = h.set_status("warm")
+        assert s["failed"] == 5 and s["failed_reasons"] == {"notFound": 5}
+
+
+# ------------------------------------------------------------------ counts kept as they change
+
+def _reconciler(**cfg: object) -> tuple[Reconciler, list[list[tuple[str, str]]]]:
+    config = ImageSetsConfig(docker_config=(), **cfg)  # type: ignore[arg-type]
+    pins: list[list[tuple[str, str]]] = []
+    metrics = Metrics()
+    rec = Reconciler(config, None, PullScheduler(4, 2, observers=[metrics]), metrics,  # type: ignore[arg-type]
+                     on_pins=pins.append, credentials=DockerConfigFiles(()))
+    return rec, pins
+
+
+def _set(name: str, refs: list[str], generation: str = "1", pin: bool = False) -> ImageSet:
+    return ImageSet(name=name, kind="ImageSet", pin=pin, refs=tuple(refs), spelled=tuple(refs),
+                    generation=generation, source=f"/sets/{name}.yaml")
+
+
+def test_counts_follow_set_edits_and_shared_images_count_once_in_total() -> None:
+    rec, _ = _reconciler()
+    a, b = _set("a", ["r/x:1", "r/y:1", "r/z:1"]), _set("b", ["r/y:1", "r/w:1"])
+    rec.set_sets({"a": a, "b": b})
+    snap = rec.snapshot()
+    assert snap.sets["a"].counts.declared == 3 and snap.sets["a"].counts.unknown == 3
+    assert snap.sets["b"].counts.unknown == 2 and snap.totals.declared == 4  # r/y:1 once
+    rec.set_sets({"a": _set("a", ["r/x:1", "r/v:1"], "2"), "b": b})  # z dropped, v added
+    snap = rec.snapshot()
+    assert snap.sets["a"].counts.declared == 2 and snap.sets["a"].counts.unknown == 2
+    assert snap.totals.declared == 4  # x, v, y, w
+    rec.set_sets({"a": _set("a", ["r/x:1", "r/v:1"], "2")})
+    snap = rec.snapshot()
+    assert list(snap.sets) == ["a"] and snap.totals.declared == 2 and snap.totals.unknown == 2
+
+
+def test_an_unchanged_set_is_not_diffed_again(caplog) -> None:
+    rec, _ = _reconciler()
+    a = _set("a", [f"r/i{i}:1" for i in range(100)])
+    caplog.set_level(logging.INFO, logger="cri_shim")
+    rec.set_sets({"a": a})
+    rec.set_sets({"a": _set("a", [f"r/i{i}:1" for i in range(100)]), "b": _set("b", ["r/j:1"])})
+    loaded = [r.fields["set"] for r in caplog.records if r.getMessage() == "image set loaded"]  # type: ignore[attr-defined]
+    assert loaded == ["a", "b"]  # the equal copy of a cost nothing (not loaded again)
+
+
+async def test_counts_match_the_images_as_pulls_finish_and_fail(runtime, tmp_path) -> None:
+    store = FakeImages(runtime).install()
+    store.add("registry.local/here:1")
+    store.fail("registry.local/gone:1", 1000)
+    f = tmp_path / "a.yaml"
+    f.write_text(own("warm", ["registry.local/here:1", "registry.local/new:1", "registry.local/gone:1"]))
+    async with image_sets(runtime, tmp_path, retry_initial_seconds=0.05, retry_max_seconds=0.05) as h:
+        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["present"] == 2 and h.set_status("warm")["failed"] == 1,
+                         what="two present, one failed")
+        write(f, own("warm", ["registry.local/here:1", "registry.local/other:1"]))  # gone dropped, other added
+        await eventually(lambda: h.set_status("warm")["declared"] == 2, what="the edit to apply")
+        s = await reconciled(h, "warm", 2)
+        assert (s["declared"], s["failed"], s["queued"], s["pulling"]) == (2, 0, 0, 0)
+        assert s["last_error"] == "" and "failed_reasons" not in s
+        images = h.status()["images"]
+        assert images == {"present": 2, "pulling": 0, "queued": 0, "failed": 0, "unknown": 0}
+        assert h.gauge("warm", "failed") == 0 and h.gauge("warm", "present") == 2
+
+
+# ------------------------------------------------------------------ image_sets.max_images
+
+def test_a_set_beyond_max_images_is_refused_and_its_previous_version_stays(caplog) -> None:
+    rec, _ = _reconciler(max_images=5)
+    caplog.set_level(logging.ERROR, logger="cri_shim")
+    rec.set_sets({"a": _set("a", ["r/a:1", "r/b:1"]), "b": _set("b", ["r/c:1", "r/d:1"])})
+    rec.set_sets({"a": _set("a", ["r/a:1", "r/b:1", "r/e:1", "r/f:1"], "2"), "b": _set("b", ["r/c:1", "r/d:1"])})
+    snap = rec.snapshot()
+    assert snap.sets["a"].generation == "1" and snap.sets["a"].counts.declared == 2  # last valid version kept
+    why = snap.refused["a"]
+    assert "above image_sets.max_images 5" in why and "generation 1 stays in force" in why
+    assert "too many images declared" in caplog.text
+    assert rec.status()["sets"]["a"]["refused"] == why
+    rec.set_sets({"c": _set("c", [f"r/c{i}:1" for i in range(9)])})  # a and b removed: room for... not 9
+    snap = rec.snapshot()
+    assert list(snap.sets) == [] and "not applied" in snap.refused["c"]
+    rec.set_sets({"c": _set("c", [f"r/c{i}:1" for i in range(5)])})  # fits now
+    snap = rec.snapshot()
+    assert snap.refused == {} and snap.sets["c"].counts.declared == 5
+
+
+def test_max_images_is_a_documented_config_key(tmp_path: Path) -> None:
+    from shim.config import ConfigError, from_dict
+    assert from_dict({"image_sets": {"max_images": 1000}}).image_sets.max_images == 1000
+    for bad in (0, "many"):
+        try:
+            from_dict({"image_sets": {"max_images": bad}})
+        except ConfigError as e:
+            assert "image_sets.max_images" in str(e)
+        else:
+            raise AssertionError(f"max_images={bad!r} accepted")
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "image_sets.max_images" in readme and "image_sets.retry_per_second" in readme
+
+
+async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime, tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from shim.cluster.status import NodeStatus
+    store = FakeImages(runtime).install()
+    store.fail("registry.local/gone:1", 1000)
+    (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
+    (tmp_path / "b.yaml").write_text(own("huge", [f"registry.local/h{i}:1" for i in range(4)]))
+    async with image_sets(runtime, tmp_path, max_images=3, retry_initial_seconds=5.0) as h:
+        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
+                         what="one failed image")
+        source = SimpleNamespace(node_name="n1", refused={}, secret_errors=dict)
+        node = NodeStatus(source, h.sets, None,  # type: ignore[arg-type]
+                          interval=1.0, event_interval=1.0, event_namespace="default", request_timeout=1.0)
+        status = node.document()["status"]
+        [row] = status["sets"]
+        assert row["name"] == "warm" and row["images"] == {"declared": 2, "present": 1, "pulling": 0, "queued": 0,
+                                                           "failed": 1}
+        assert row["failedReasons"] == {"notFound": 1} and "registry.local/gone:1" in row["error"]
+        assert status["summary"]["declared"] == 2 and status["summary"]["failed"] == 1
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and "huge" in degraded["message"] and "max_images 3" in degraded["message"]
