@@ -259,7 +259,6 @@ async def test_without_mco_one_discovery_request_per_interval_and_no_list(kube: 
     cfg = config.ClusterConfig(kubeconfig=kubeconfig(kube, tmp_path / "kc"), node_name="n1", mco=True,
                                state_file=str(tmp_path / "state.json"), mco_discovery_seconds=1.0)
     sets = FakeSets()
-    sets.reconciler.retry_failed = lambda: None
     src = ClusterSource(cfg, sets, Metrics())  # type: ignore[arg-type]
     await src.start()
     try:

@@ -107,12 +107,16 @@ class FakeSets:
         self.sources: dict[str, dict[str, Any]] = {}
         self.overrides: dict[str, Any] = {}
         self.reconciler = SimpleNamespace(set_credentials=None)
+        self.retries = 0
 
     def set_source(self, name: str, sets: dict[str, Any]) -> None:
         self.sources[name] = sets
 
     def set_overrides(self, **o: Any) -> None:
         self.overrides = o
+
+    def retry_failed(self) -> None:  # a pull Secret changed
+        self.retries += 1
 
 
 def fake_informer(items: list[dict[str, Any]] | None) -> SimpleNamespace:
