@@ -11,7 +11,9 @@
   resume the watch; a re-list happens only when none has succeeded yet. So an API server restart
   seen by a thousand nodes is not a thousand simultaneous re-lists.
 * ``on_change`` is called after every change (synchronously, in the loop; coalescing is the
-  caller's business).
+  caller's business). ``on_event`` (optional) also gets what changed: ``(type, old, new)`` per
+  watch event (``ADDED``/``MODIFIED``/``DELETED``; old or new None where there is none), and
+  ``("LIST", None, None)`` after a (re-)list, when anything may have changed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ..observability import logs
 _log = logs.get("cluster")
 
 ListFn = Callable[..., Any]
+Obj = dict[str, Any] | None
+EventFn = Callable[[str, Obj, Obj], None]
 
 
 def backoff(failures: int, initial: float, maximum: float, rng: Callable[[], float] = random.random) -> float:
@@ -47,7 +51,8 @@ def describe(e: BaseException) -> str:
 
 class Informer:
     def __init__(self, api: ApiClient, name: str, list_fn: ListFn, *, on_change: Callable[[], None],
-                 kind: tuple[str, str] | None = None, watch_timeout: float = 300.0,
+                 kind: tuple[str, str] | None = None, on_event: EventFn | None = None,
+                 watch_timeout: float = 300.0,
                  request_timeout: float = 30.0, backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  **list_kwargs: Any) -> None:
         self.api = api
@@ -55,6 +60,7 @@ class Informer:
         self._list_fn = list_fn
         self._kwargs = list_kwargs
         self._on_change = on_change
+        self._on_event = on_event
         self._kind = kind  # (apiVersion, kind) filled in where the API omits them
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
@@ -83,6 +89,8 @@ class Informer:
         self.items = {o["metadata"]["name"]: self._obj(o) for o in resp.get("items") or []}
         self.resource_version = resp["metadata"]["resourceVersion"]
         self.synced = True
+        if self._on_event is not None:
+            self._on_event("LIST", None, None)
         self._on_change()
 
     async def _watch(self) -> None:
@@ -103,9 +111,12 @@ class Informer:
                     obj = self._obj(ev["raw_object"])
                     name = obj["metadata"]["name"]
                     if kind == "DELETED":
-                        self.items.pop(name, None)
+                        old = self.items.pop(name, None)
                     else:
+                        old = self.items.get(name)
                         self.items[name] = obj
+                    if self._on_event is not None:
+                        self._on_event(kind, old, None if kind == "DELETED" else obj)
                     self._on_change()
                 rv = cast("str | None", w.resource_version)  # Watch sets it, but its __init__ types it None
                 if rv:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import yaml
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.support.apiserver import ControlPlane, require_control_plane
@@ -39,6 +40,8 @@ def control_plane() -> Iterator[ControlPlane]:
         cp.start()
         admin = Admin(cp.kubeconfig(workdir / "admin.kubeconfig"))
         admin.apply_files(DEPLOY / "crds.yaml", Path(__file__).parent / "mco-crds.yaml", DEPLOY / "rbac.yaml")
+        admin.apply_docs(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text())
+                         if d and d["kind"] != "Deployment")  # the test runs the controller as processes
         for node in (*NODES, KUBELET_NODE):
             admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
         for group, version, plural in (("cri-shim.io", "v1", "imagesets"),

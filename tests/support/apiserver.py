@@ -53,6 +53,9 @@ def require_control_plane() -> tuple[str, str]:
     return apiserver, etcd
 
 
+CONTROLLER_USER = f"system:serviceaccount:{SA_NAMESPACE}:cri-shim-controller"
+
+
 def node_user(node: str) -> str:
     return f"system:serviceaccount:{SA_NAMESPACE}:cri-shim-{node}"
 
@@ -71,6 +74,7 @@ class ControlPlane:
         self.admin_token = secrets.token_hex(16)
         self.node_tokens = {n: secrets.token_hex(16) for n in nodes}  # the node's cri-shim ServiceAccount
         self.kubelet_tokens = {n: secrets.token_hex(16) for n in nodes}  # system:node:<n>, for a real kubelet
+        self.controller_token = secrets.token_hex(16)  # the controller's ServiceAccount (controller.yaml)
         self.etcd: subprocess.Popen[bytes] | None = None
         self.apiserver: subprocess.Popen[bytes] | None = None
         self.ca = self.dir / "ca.crt"
@@ -92,6 +96,7 @@ class ControlPlane:
         lines += [f"{tok},{node_user(n)},{n},system:serviceaccounts" for n, tok in self.node_tokens.items()]
         lines += [f'{tok},system:node:{n},kubelet-{n},"system:nodes,system:authenticated"'
                   for n, tok in self.kubelet_tokens.items()]
+        lines.append(f"{self.controller_token},{CONTROLLER_USER},controller,system:serviceaccounts")
         (d / "tokens.csv").write_text("\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ processes
@@ -185,6 +190,10 @@ class ControlPlane:
     def node_kubeconfig(self, path: Path, node: str) -> Path:
         """The node's cri-shim ServiceAccount (rights: deploy/cluster/*rbac.yaml)."""
         return self.kubeconfig(path, token=self.node_tokens[node], user=node)
+
+    def controller_kubeconfig(self, path: Path) -> Path:
+        """The controller's ServiceAccount (rights: deploy/cluster/controller.yaml)."""
+        return self.kubeconfig(path, token=self.controller_token, user="controller")
 
     def kubelet_kubeconfig(self, path: Path, node: str) -> Path:
         """A kubelet's identity (system:node:<node>): the Node authorizer lets it register its Node."""
