@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import grp
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,8 @@ class ImageSetsConfig:
     retry_max_seconds: float = knob(300.0, duration())  # >= retry_initial_seconds
     runtime_timeout_seconds: float = knob(30.0, duration(above=0))  # the reconciler's ListImages / ImageFsInfo
     pins_wait_seconds: float = knob(10.0, duration(above=0))  # RemoveImage waits for the first read of dir
+    # the last valid content of each file of dir, loaded before serving; "" = off
+    state_file: str = knob("/var/lib/cri-shim/file-sets.json", text())
     docker_config: tuple[str, ...] = knob(("/var/lib/kubelet/config.json",),  # registry credentials for prefetch
                                           strings(none_is_empty=True))
     credential_provider_config: str = knob("", text())  # kubelet CredentialProviderConfig file; empty: no plugins
@@ -251,7 +254,8 @@ class ClusterConfig:
     """Image sets from the Kubernetes API (README "Image sets for a fleet")."""
     kubeconfig: str = knob("", text())  # empty: the cluster source is off
     node_name: str = knob("", text())  # empty: this host's name, lowercased (kubelet's default)
-    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())  # last applied sets, before the API
+    # the sets applied last, loaded before the API answers; its directory is the unit's StateDirectory=
+    state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())
     mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often
@@ -260,7 +264,9 @@ class ClusterConfig:
     backoff_initial_seconds: float = knob(1.0, duration(at_least=0.1))  # after an API error, doubling with jitter
     backoff_max_seconds: float = knob(60.0, duration())  # ... up to this
     request_timeout_seconds: float = knob(30.0, duration(at_least=1.0))  # one list, get or apply request
-    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read the pull Secrets that sets name
+    secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read a pull Secret we may get, not watch
+    probe_interval_seconds: float = knob(1.0, duration(at_least=0.1))  # while unreachable, GET /readyz this often
+    mco_discovery_seconds: float = knob(600.0, duration(at_least=1.0))  # ask again whether MCO's group is served
 
 
 @dataclass(frozen=True)
@@ -577,6 +583,10 @@ def _check_config(cfg: Config, d: Mapping[str, Any]) -> Config:
         raise ConfigError("image_sets.max_parallel",
                           f"must be below pulls.max_parallel ({pulls.max_parallel}), so that kubelet's pulls "
                           f"always have a slot prefetch cannot take; got {image_sets.max_parallel}")
+    if (image_sets.dir and cfg.cluster.kubeconfig and image_sets.state_file
+            and os.path.abspath(image_sets.state_file) == os.path.abspath(cfg.cluster.state_file)):
+        raise ConfigError("image_sets.state_file", f"must differ from cluster.state_file, got "
+                          f"{shown(image_sets.state_file)} for both")
     return cfg
 
 

@@ -46,6 +46,7 @@ MACHINE_CONFIG_POOL = Kind("machineconfiguration.openshift.io", "v1", "machineco
 FIELD_MANAGER = "cri-shim"
 DOCKER_CONFIG_JSON = "kubernetes.io/dockerconfigjson"
 CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides")
+MAX_PULL_SECRETS = 16  # per ImageSet: the CRD's imagePullSecrets maxItems, checked here too (a CRD can be older)
 
 
 class SelectorError(ValueError):
@@ -108,6 +109,25 @@ class Selected:
     overrides: tuple[RoleOverride, ...] = ()  # those whose nodeSelector matches this node
 
 
+INVALID_SET = "InvalidSet"  # the reason a set's newest version is refused (status row, Degraded condition)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A set whose newest version this node refuses. ``kept`` is the generation still in force
+    (its last valid version), "" when it never had one."""
+    name: str
+    kind: str
+    generation: str  # of the refused version
+    error: str  # names the field (the image) and the rule
+    kept: str = ""
+
+
+def generation_of(obj: Mapping[str, Any]) -> str:
+    gen = (obj.get("metadata") or {}).get("generation")
+    return str(gen) if gen is not None else ""
+
+
 def source_of(obj: Mapping[str, Any]) -> str:
     return f"cluster:{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
 
@@ -127,7 +147,10 @@ def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | Non
            "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
     s = parse_document(doc, where, source_of(obj))
     secrets = []
-    for i, ref in enumerate(spec.get("imagePullSecrets") or []):
+    refs = spec.get("imagePullSecrets") or []
+    if isinstance(refs, list) and len(refs) > MAX_PULL_SECRETS:
+        raise SetFileError(f"{where}.spec.imagePullSecrets: {len(refs)} entries, at most {MAX_PULL_SECRETS}")
+    for i, ref in enumerate(refs):
         if not isinstance(ref, Mapping) or not ref.get("name") or not ref.get("namespace"):
             raise SetFileError(f"{where}.spec.imagePullSecrets[{i}]: needs namespace and name")
         secrets.append(SecretRef(str(ref["namespace"]), str(ref["name"])))
@@ -143,10 +166,21 @@ def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | Non
     return Selected(s, str((obj.get("metadata") or {}).get("uid", "")), tuple(secrets), tuple(overrides))
 
 
-def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> tuple[set[str], list[str]]:
-    """Names of the PinnedImageSets the pools of this node list, and errors of unreadable pools."""
-    names: set[str] = set()
-    errors = []
+@dataclass
+class PoolSets:
+    names: set[str]  # PinnedImageSets the pools selecting this node list
+    errors: list[str]  # pools whose nodeSelector cannot be read
+    undecided: set[str]  # PinnedImageSets listed by those pools: whether they apply is not known
+
+
+def _listed(spec: Mapping[str, Any]) -> set[str]:
+    return {str(ref["name"]) for ref in spec.get("pinnedImageSets") or []
+            if isinstance(ref, Mapping) and ref.get("name")}
+
+
+def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> PoolSets:
+    """The PinnedImageSets the pools of this node list, and what unreadable pools leave undecided."""
+    out = PoolSets(set(), [], set())
     for pool in pools:
         spec = pool.get("spec") or {}
         pname = (pool.get("metadata") or {}).get("name")
@@ -155,12 +189,11 @@ def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> 
             if not selects(spec.get("nodeSelector"), labels, none_selects_all=False):
                 continue
         except SelectorError as e:
-            errors.append(f"MachineConfigPool {pname}.spec.nodeSelector: {e}")
+            out.errors.append(f"MachineConfigPool {pname}.spec.nodeSelector: {e}")
+            out.undecided |= _listed(spec)
             continue
-        for ref in spec.get("pinnedImageSets") or []:
-            if isinstance(ref, Mapping) and ref.get("name"):
-                names.add(str(ref["name"]))
-    return names, errors
+        out.names |= _listed(spec)
+    return out
 
 
 def pinned_set(obj: Mapping[str, Any]) -> Selected:
@@ -189,12 +222,12 @@ def select(node_labels: Mapping[str, str], own: Sequence[Mapping[str, Any]], pin
             continue
         if sel is not None:
             out[sel.set.name] = sel
-    names, pool_errors = pool_sets(pools, node_labels)
-    for err in pool_errors:
+    listed = pool_sets(pools, node_labels)
+    for err in listed.errors:
         errors[err.split(".spec", 1)[0]] = err
     for obj in pinned:
         name = (obj.get("metadata") or {}).get("name")
-        if name not in names:
+        if name not in listed.names:
             continue
         try:
             sel = pinned_set(obj)

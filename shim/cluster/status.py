@@ -12,6 +12,14 @@ were all present, and pinned when the set pins), last failed generation with its
 counts by state, failures by typed reason, bytes done / total of its running pulls.
 Conditions: ``Ready`` (every set current), ``Progressing`` (pulls queued or running, no failure:
 slow is not failed), ``Degraded`` (an image failed: auth, not found, no space, stalled, other).
+
+A set whose newest version is refused (``ClusterSource.refused``; for files, a file in error)
+keeps its row with the generation still in force as ``currentGeneration``, the refused one as
+``desiredGeneration`` and ``lastFailedGeneration``, ``reason: InvalidSet`` and the error naming
+the image and the rule; ``Degraded`` is True with reason ``InvalidSet``. A pull Secret a set
+names that cannot be read: ``reason: PullSecretUnavailable`` (the set stays in force). Both
+become Warning Events (``ImageSetInvalid``, ``ImageSetPullSecretUnavailable``), rate-limited
+like the others.
 """
 
 from __future__ import annotations
@@ -31,12 +39,15 @@ from ..pulls.failure import REASONS
 from ..pulls.poller import ProgressPoller
 from ..reference import pull_name
 from .informer import describe
-from .objects import FIELD_MANAGER, NODE_STATUS
+from .objects import FIELD_MANAGER, INVALID_SET, NODE_STATUS, Refused
 from .source import ClusterSource
 
 _log = logs.get("cluster")
 _CONDITION_REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
                      "other": "PullFailed"}
+SECRET_UNAVAILABLE = "PullSecretUnavailable"
+SET_REASONS = (INVALID_SET, SECRET_UNAVAILABLE)  # why a set's declared version is not (fully) applied
+_EVENT_REASON = {INVALID_SET: "ImageSetInvalid", SECRET_UNAVAILABLE: "ImageSetPullSecretUnavailable"}
 
 
 def _now() -> str:
@@ -88,7 +99,9 @@ class NodeStatus:
         totals: Counter[str] = Counter()
         reasons_all: Counter[str] = Counter()
         errors: list[str] = []
+        problems: dict[str, list[str]] = {r: [] for r in SET_REASONS}
         cluster_sets = self.sets.sources.get("cluster", {})
+        refused, secret_errors = self.source.refused, self.source.secret_errors()
         for name, s in sorted(rec.sets.items()):
             c = rec._counts(s)
             reasons: Counter[str] = Counter()
@@ -109,8 +122,10 @@ class NodeStatus:
             if c["failed"] or (c["queued"] and rec.disk_blocked):
                 self.failed[name] = (s.generation, err)
                 errors.append(f"{name}: {err}")
+            from_cluster = name in cluster_sets
+            problem = self._problem(name, s.source, from_cluster, refused, secret_errors)
             row: dict[str, Any] = {
-                "name": name, "kind": s.kind, "source": "cluster" if name in cluster_sets else "file",
+                "name": name, "kind": s.kind, "source": "cluster" if from_cluster else "file",
                 "desiredGeneration": s.generation,
                 "images": {k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")},
             }
@@ -124,20 +139,29 @@ class NodeStatus:
                 row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons[r]}
             if total:
                 row["bytesDone"], row["bytesTotal"] = done, total
+            if problem is not None:
+                self._mark(row, *problem, problems)
             rows.append(row)
             totals.update({k: c[k] for k in ("declared", "present", "pulling", "queued", "failed")})
             reasons_all.update(reasons)
+        for name, r in refused.items():  # refused with no version in force: a row all the same
+            if name not in rec.sets:
+                row = {"name": name, "kind": r.kind, "source": "cluster", "desiredGeneration": r.generation,
+                       "images": {k: 0 for k in ("declared", "present", "pulling", "queued", "failed")}}
+                self._mark(row, INVALID_SET, r.generation, r.error, problems)
+                rows.append(row)
+        rows.sort(key=lambda r: r["name"])
         for name in list(self.current):
             if name not in rec.sets:
                 del self.current[name]
         for name in list(self.failed):
-            if name not in rec.sets:
+            if name not in rec.sets and name not in refused:
                 del self.failed[name]
         n_current = sum(1 for r in rows if r.get("currentGeneration") == r["desiredGeneration"])
         summary = {"sets": len(rows), "current": n_current, **{k: totals[k] for k in
                                                                ("declared", "present", "pulling", "queued", "failed")}}
         status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": rows, "summary": summary,
-                                  "conditions": self._conds(rows, totals, reasons_all, errors, n_current)}
+                                  "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current)}
         return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
                 "metadata": {"name": self.source.node_name, **self._owner()}, "status": status}
 
@@ -150,19 +174,49 @@ class NodeStatus:
             return {}
         return {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.source.node_name, "uid": uid}]}
 
+    def _problem(self, name: str, source: str, from_cluster: bool, refused: dict[str, Refused],
+                 secret_errors: dict[str, str]) -> tuple[str, str, str] | None:
+        """(reason, refused generation or "", error) when the set's declared version is not (fully) applied."""
+        if from_cluster:
+            r = refused.get(name)
+            if r is not None:
+                return INVALID_SET, r.generation, r.error
+            if name in secret_errors:
+                return SECRET_UNAVAILABLE, "", secret_errors[name]
+            return None
+        file_error = self.sets.file_errors.get(source)
+        return (INVALID_SET, "", f"{file_error}; the file's previous content stays in force") if file_error else None
+
+    def _mark(self, row: dict[str, Any], reason: str, generation: str, error: str,
+              problems: dict[str, list[str]]) -> None:
+        row["reason"] = reason
+        if generation:  # the refused version is what is declared; currentGeneration stays the one in force
+            row["desiredGeneration"] = generation
+            self.failed[row["name"]] = (generation, error)
+            row["lastFailedGeneration"] = generation
+        row["error"] = (error + (f"; {row['error']}" if row.get("error") else ""))[:1024]
+        problems[reason].append(f"{row['name']}: {error}")
+
     def _conds(self, rows: list[dict[str, Any]], totals: Counter[str], reasons: Counter[str], errors: list[str],
-               n_current: int) -> list[dict[str, str]]:
+               problems: dict[str, list[str]], n_current: int) -> list[dict[str, str]]:
         busy = totals["pulling"] + totals["queued"]
-        degraded = bool(errors)
+        everything = problems[INVALID_SET] + errors + problems[SECRET_UNAVAILABLE]
+        if problems[INVALID_SET]:
+            degraded: tuple[str, str, str] = ("True", INVALID_SET, "; ".join(everything[:5])[:2048])
+        elif errors:
+            degraded = ("True", _CONDITION_REASON[reasons.most_common(1)[0][0]] if reasons else "PullFailed",
+                        "; ".join(everything[:5])[:2048])
+        elif problems[SECRET_UNAVAILABLE]:
+            degraded = ("True", SECRET_UNAVAILABLE, "; ".join(everything[:5])[:2048])
+        else:
+            degraded = ("False", "NoFailures", "no image of a set has failed and every set is valid")
         want = {
             "Ready": ("True", "AllSetsCurrent", f"{n_current} of {len(rows)} sets current")
             if n_current == len(rows) else ("False", "SetsNotCurrent", f"{n_current} of {len(rows)} sets current"),
             "Progressing": ("True", "Pulling", f"{totals['present']} of {totals['declared']} images present, "
                             f"{totals['pulling']} pulling, {totals['queued']} queued")
             if busy else ("False", "Idle", "no image set pull queued or running"),
-            "Degraded": ("True", _CONDITION_REASON[reasons.most_common(1)[0][0]] if reasons else "PullFailed",
-                         "; ".join(errors[:5])[:2048])
-            if degraded else ("False", "NoFailures", "no image of a set has failed"),
+            "Degraded": degraded,
         }
         out = []
         for typ, (st, reason, message) in want.items():
@@ -207,7 +261,18 @@ class NodeStatus:
             return
         now = self._clock()
         for row in self.last_written["status"]["sets"]:
+            due: list[tuple[str, str, str]] = []  # (key reason, Event reason, message)
+            if row.get("reason") in _EVENT_REASON:
+                gen = (f"generation {row['desiredGeneration']} refused; generation {row['currentGeneration']} stays "
+                       "in force" if row["reason"] == INVALID_SET and "currentGeneration" in row else
+                       f"generation {row['desiredGeneration']}")
+                due.append((row["reason"], _EVENT_REASON[row["reason"]],
+                            f"image set {row['name']} {gen}: {row.get('error', '')}"))
             for reason in row.get("failedReasons", {}):
+                due.append((reason, f"ImageSet{_CONDITION_REASON[reason]}",
+                            f"image set {row['name']} generation {row['desiredGeneration']}: "
+                            f"{row['failedReasons'][reason]} image(s) failed ({reason}): {row.get('error', '')}"))
+            for reason, event_reason, message in due:
                 key = (row["name"], reason)
                 if now - self._event_at.get(key, -1e18) < self.event_interval:
                     continue
@@ -217,10 +282,7 @@ class NodeStatus:
                     "metadata": {"generateName": f"{self.source.node_name}.", "namespace": self.event_namespace},
                     "involvedObject": {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
                                        "name": self.source.node_name, "uid": self.uid},
-                    "reason": f"ImageSet{_CONDITION_REASON[reason]}", "type": "Warning",
-                    "message": f"image set {row['name']} generation {row['desiredGeneration']}: "
-                               f"{row['failedReasons'][reason]} image(s) failed ({reason}): "
-                               f"{row.get('error', '')}"[:1024],
+                    "reason": event_reason, "type": "Warning", "message": message[:1024],
                     "source": {"component": FIELD_MANAGER, "host": self.source.node_name},
                     "reportingComponent": FIELD_MANAGER, "reportingInstance": self.source.node_name,
                     "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
@@ -232,7 +294,8 @@ class NodeStatus:
                     self.events_sent += 1
                 except Exception as e:
                     logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
-        for key in [k for k in self._event_at if k[0] not in self.sets.reconciler.sets]:
+        for key in [k for k in self._event_at if k[0] not in self.sets.reconciler.sets
+                    and k[0] not in self.source.refused]:
             del self._event_at[key]
 
     def start(self) -> None:

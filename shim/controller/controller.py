@@ -27,6 +27,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 
 from ..cluster.informer import Informer, Obj, describe
 from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind
+from ..cluster.reachability import Reachability, readyz
 from ..observability import logs
 from . import report, truth
 from .leader import LeaderElector
@@ -52,7 +53,10 @@ class Controller:
         self.batch_interval = batch_interval
         self.request_timeout = request_timeout
         self.custom = CustomObjectsApi(api)
-        common: dict[str, Any] = dict(on_change=lambda: None, watch_timeout=watch_timeout,
+        # shared by the three watches: backoff, and all resume together once the API server answers again
+        self.reach = Reachability(lambda: readyz(api, request_timeout), probe_interval=5.0,
+                                  request_timeout=request_timeout)
+        common: dict[str, Any] = dict(on_change=lambda: None, reach=self.reach, watch_timeout=watch_timeout,
                                       request_timeout=request_timeout, backoff_initial=backoff_initial,
                                       backoff_max=backoff_max)
         self.nodes = Informer(api, "nodes", CoreV1Api(api).list_node, kind=("v1", "Node"),
@@ -201,3 +205,4 @@ class Controller:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.reach.stop()

@@ -44,7 +44,7 @@ def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
     if t.failing:
         top = max(t.failed_reasons.items(), key=lambda kv: (kv[1], kv[0]))[0] if t.failed_reasons else "other"
         names = ", ".join(f"{f['node']} ({f['reasons']})" for f in t.failing_nodes[:5])
-        degraded = ("True", _REASON[top], f"{t.failing} node(s) failing: {names}")
+        degraded = ("True", _REASON.get(top, top), f"{t.failing} node(s) failing: {names}")
     elif t.stale:
         degraded = ("True", "NodesStale",
                     f"{t.stale} node(s) behind with a silent shim: {', '.join(t.stale_nodes[:5])}")

@@ -5,7 +5,9 @@ seconds (the API server's timestamps are wall clock).
 Every selected node is counted in exactly one of:
 
 * ``current``: its report for the set says desired = current = the set's generation;
-* ``failing``: its report is at the set's generation and an image failed (``failedReasons``);
+* ``failing``: its report is at the set's generation and an image failed (``failedReasons``), or
+  the node refused that generation or cannot read its pull Secret (the row's ``reason``:
+  ``InvalidSet``, ``PullSecretUnavailable``);
 * ``missing``: the node has no ``NodeImageSetStatus`` at all (no shim ever reported);
 * ``stale``: its report is behind (no row for the set, or a row for another generation) and its
   shim has written nothing for ``stale_after`` seconds since the later of its last write and the
@@ -114,9 +116,11 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
         if at_gen and row is not None and row.get("currentGeneration") == generation:
             counts["current"] += 1
             continue
-        if at_gen and row is not None and (row.get("failedReasons") or (row.get("images") or {}).get("failed")):
+        if at_gen and row is not None and (row.get("failedReasons") or (row.get("images") or {}).get("failed")
+                                           or row.get("reason")):
             counts["failing"] += 1
-            node_reasons = sorted(r for r, n in (row.get("failedReasons") or {}).items() if n) or ["other"]
+            node_reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
+                                  | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
             reasons.update(node_reasons)
             failing.append({"node": node, "reasons": ",".join(node_reasons), "error": str(row.get("error", ""))[:256]})
             continue
@@ -130,5 +134,6 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
             next_due = due if next_due is None else min(next_due, due)
         counts["progressing"] += 1
     return Truth(generation, len(chosen), counts["current"], counts["progressing"], counts["failing"],
-                 counts["stale"], counts["missing"], {r: reasons[r] for r in REASONS if reasons[r]},
+                 counts["stale"], counts["missing"],
+                 {r: reasons[r] for r in (*REASONS, *sorted(set(reasons) - set(REASONS))) if reasons[r]},
                  failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due)

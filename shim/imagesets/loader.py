@@ -19,8 +19,10 @@ documents are skipped. References are normalized like the runtime does
 
 A bad file (unreadable, over ``image_sets.max_file_bytes``, invalid YAML, YAML with an
 alias or deep nesting (see shim/safeyaml.py), invalid set) is reported and its previous
-content stays in force; the other files are unaffected. Error messages quote at most a
-short part of an offending value (``logs.shown``).
+content stays in force; the other files are unaffected. Across a restart the previous content
+is the one saved in ``image_sets.state_file`` (``SetDirectory.restore``, shim/imagesets/state.py).
+A directory that cannot be read (other than missing) keeps every file's content in force.
+Error messages quote at most a short part of an offending value (``logs.shown``).
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def parse_text(text: str, source: str) -> list[ImageSet]:
 
 
 Stamp = tuple[int, int, int]  # (mtime_ns, size, inode) of the file (symlinks followed)
+UNREAD: Stamp = (0, 0, 0)  # a file in force from the state file while the directory cannot be read
 
 
 @dataclass
@@ -198,6 +201,8 @@ class FileState:
     stamp: Stamp
     sets: list[ImageSet]  # what is in force (the last good content)
     error: str = ""  # why the current content is not used; "" when it is
+    text: str | None = None  # the text of what is in force (None: nothing)
+    note: str = ""  # where what is in force came from, when not from this run (the state file)
 
 
 @dataclass
@@ -206,6 +211,7 @@ class ScanResult:
     sets: dict[str, ImageSet]
     errors: dict[str, str]  # file -> error
     new_errors: list[str] = field(default_factory=list)  # errors first seen in this scan
+    accepted_changed: bool = False  # the text in force of some file changed (what the state file keeps)
 
 
 class SetDirectory:
@@ -213,6 +219,7 @@ class SetDirectory:
 
     Hidden files (``.x``, ConfigMap's ``..data`` links) and other suffixes are skipped.
     A file that turns bad keeps its previous sets in force; a removed file's sets go.
+    ``restore`` (before the first scan) gives the previous content of each file across a restart.
     """
 
     def __init__(self, path: str, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
@@ -220,19 +227,33 @@ class SetDirectory:
         self.max_file_bytes = max_file_bytes
         self.files: dict[str, FileState] = {}
         self.dir_error = ""
+        self.dir_missing = False
+        self.scans = 0
+        self._restored: dict[str, str] = {}  # path -> its last valid text, from the state file (first scan only)
+        self._restored_from = ""
         self._dup_errors: dict[str, str] = {}
+
+    def restore(self, files: dict[str, str], where: str) -> None:
+        """The last valid text of each file, saved before a restart (``where``: the state file).
+        Used by the first scan for a file that is invalid or unreadable then; a file that is gone is gone."""
+        assert self.scans == 0, "restore before the first scan"
+        self._restored, self._restored_from = dict(files), where
+
+    def accepted(self) -> dict[str, str]:
+        """path -> the text in force, for every file that has one (what the state file keeps)."""
+        return {p: f.text for p, f in sorted(self.files.items()) if f.text is not None}
 
     def stamps(self) -> dict[str, Stamp]:
         out: dict[str, Stamp] = {}
         try:
             entries = os.scandir(self.path)
         except FileNotFoundError:
-            self.dir_error = f"{self.path}: no such directory"
+            self.dir_error, self.dir_missing = f"{self.path}: no such directory", True
             return out
         except OSError as exc:
-            self.dir_error = f"{self.path}: {exc.strerror}"
+            self.dir_error, self.dir_missing = f"{self.path}: {exc.strerror}", False
             return out
-        self.dir_error = ""
+        self.dir_error, self.dir_missing = "", False
         with entries:
             for e in entries:
                 if e.name.startswith(".") or not e.name.endswith(SUFFIXES):
@@ -246,45 +267,63 @@ class SetDirectory:
                 out[e.path] = (st.st_mtime_ns, st.st_size, st.st_ino)
         return out
 
+    def _previous(self, path: str) -> tuple[list[ImageSet], str | None, str]:
+        """What stays in force when ``path`` cannot be used: (sets, their text, what to add to the error)."""
+        old = self.files.get(path)
+        if old is not None:
+            return old.sets, old.text, old.note
+        text = self._restored.get(path) if self.scans == 0 else None
+        if text is None:
+            return [], None, ""
+        try:
+            sets = parse_text(text, path)
+        except SetFileError as e:
+            return [], None, f"; its saved version in {self._restored_from} is not valid either ({e})"
+        return sets, text, f"; its last valid version, saved in {self._restored_from}, is in force"
+
     def scan(self) -> ScanResult:
         """Blocking (file I/O and YAML): call from a thread."""
         stamps = self.stamps()
-        changed = False
+        changed = accepted_changed = False
         new_errors: list[str] = []
-        for path in list(self.files):
+        if self.dir_error and not self.dir_missing:  # unreadable, not gone: every file keeps what it has
+            for path in sorted(self._restored) if self.scans == 0 else ():
+                sets, text, note = self._previous(path)
+                self.files[path] = FileState(UNREAD, sets, f"{self.dir_error}{note}", text, note)
+                changed = True
+        for path in list(self.files) if not self.dir_error or self.dir_missing else ():
             if path not in stamps:
-                del self.files[path]
+                accepted_changed |= self.files.pop(path).text is not None
                 changed = True
         for path, stamp in sorted(stamps.items()):
             old = self.files.get(path)
             if old is not None and old.stamp == stamp:
                 continue
-            previous = old.sets if old is not None else []
             try:
-                sets = parse_text(safeyaml.read_capped(path, self.max_file_bytes), path)
-            except safeyaml.TooBig as e:
-                err = f"{path}: {e} (image_sets.max_file_bytes)"
-                self.files[path] = FileState(stamp, previous, err)
-                new_errors.append(err)
+                text = safeyaml.read_capped(path, self.max_file_bytes)
+                sets = parse_text(text, path)
+            except (safeyaml.TooBig, OSError, UnicodeDecodeError, SetFileError) as e:
+                err = (f"{path}: {e} (image_sets.max_file_bytes)" if isinstance(e, safeyaml.TooBig)
+                       else str(e) if isinstance(e, SetFileError) else f"{path}: cannot read: {e}")
+                previous, previous_text, note = self._previous(path)
+                self.files[path] = FileState(stamp, previous, err + note, previous_text, note)
+                new_errors.append(err + note)
+                changed |= old is None and bool(previous)
                 continue
-            except (OSError, UnicodeDecodeError) as e:
-                err = f"{path}: cannot read: {e}"
-                self.files[path] = FileState(stamp, previous, err)
-                new_errors.append(err)
-                continue
-            except SetFileError as e:
-                self.files[path] = FileState(stamp, previous, str(e))
-                new_errors.append(str(e))
-                continue
-            self.files[path] = FileState(stamp, sets)
+            accepted_changed |= old is None or old.text != text
+            self.files[path] = FileState(stamp, sets, "", text)
             changed = True
+        if self.scans == 0:
+            accepted_changed = self.accepted() != self._restored
+            self._restored = {}
+        self.scans += 1
         merged, dup_errors = self._merge()
         new_errors += [err for p, err in dup_errors.items() if self._dup_errors.get(p) != err]
         self._dup_errors = dup_errors
         errors = {p: f.error for p, f in self.files.items() if f.error}
         for p, err in dup_errors.items():
             errors.setdefault(p, err)
-        return ScanResult(changed or bool(new_errors), merged, errors, new_errors)
+        return ScanResult(changed or bool(new_errors), merged, errors, new_errors, accepted_changed)
 
     def _merge(self) -> tuple[dict[str, ImageSet], dict[str, str]]:
         """All sets by name; a name taken by an earlier file (path order) is refused in later ones."""

@@ -1,4 +1,11 @@
-"""Image sets: the directory, its watcher and the reconciler, started and stopped together."""
+"""Image sets: the directory, its watcher and the reconciler, started and stopped together.
+
+The last valid content of each file of the directory is kept in ``image_sets.state_file``
+(shim/imagesets/state.py): loaded before the shim serves (``load_state``), saved when the
+content in force of a file changes. A state file that cannot be written is an error in the
+log, in ``cri-shim status`` and in metrics, at start and on every failed save; a failed save is
+tried again every ``image_sets.retry_max_seconds`` (at least 1 s).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from ..images.pins import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler
+from . import state
 from .loader import ImageSet, SetDirectory
 from .reconciler import PinSink, Reconciler
 from .watcher import POLL_SECONDS, DirWatcher
@@ -31,6 +39,7 @@ class ImageSets:
                  on_pins: PinSink, pins: Callable[[], PinSet] | None = None, use_inotify: bool = True,
                  poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
         self._on_pins = on_pins
         self._held_pins: list[tuple[str, str]] | None = None  # pins decided before the directory's first read
@@ -47,6 +56,64 @@ class ImageSets:
         self.sources: dict[str, dict[str, ImageSet]] = {}  # source name -> its sets
         self.source_errors: dict[str, str] = {}  # set name -> why another source's set of that name is not used
         self._overrides: dict[str, Any] = {}  # ImageSetsConfig fields a source narrows (per-role overrides)
+        self.state_error = ""  # why image_sets.state_file cannot be read or written; "" once a save succeeded
+        self.state_write_failures = 0  # the start check and every save that failed
+        self.loaded_from_state = 0  # files whose last valid text the state file held at start
+        self._unsaved = False  # the last save failed: tried again after retry_max_seconds
+        metrics.image_sets_state_file_error.set(0)  # not a previous ImageSets' (a reload that changed the dir)
+
+    # ------------------------------------------------------------------ state file
+
+    def load_state(self) -> None:
+        """At start, before serving: the last valid content of each file, for the first scan
+        (so a file that is invalid then keeps its pins from the first call); and whether the
+        state file can be written (said once, clearly, before anything needs saving)."""
+        path = self.cfg.state_file
+        if not (self.cfg.dir and path):
+            return
+        try:
+            files = state.load(path)
+        except ValueError as e:
+            self._state_problem(str(e))
+            logs.log(_log, logging.ERROR, "image-set state file unusable; the files in image_sets.dir are used as "
+                     "they are (an invalid one has no earlier version in force)", error=str(e))
+            files = None
+        if files is not None:
+            self.directory.restore(files, path)
+            self.loaded_from_state = len(files)
+        try:
+            state.probe(path)
+        except OSError as e:
+            self._write_failed(e)
+            logs.log(_log, logging.ERROR, "image-set state file cannot be written: after a restart a file of "
+                     "image_sets.dir that is invalid by then loses its sets (under systemd the unit needs "
+                     "StateDirectory=cri-shim, or ReadWritePaths= for the file's directory)",
+                     file=path, error=self.state_error)
+
+    async def _save(self) -> None:
+        path = self.cfg.state_file
+        try:
+            await asyncio.to_thread(state.save, path, self.directory.accepted())
+        except OSError as e:
+            self._write_failed(e)
+            self._unsaved = True
+            logs.log(_log, logging.ERROR, "cannot save the image-set state file; after a restart a file that is "
+                     "invalid by then would lose its sets", error=self.state_error,
+                     failures=self.state_write_failures, retry_seconds=self.cfg.retry_max_seconds)
+            return
+        if self._unsaved:
+            logs.log(_log, logging.INFO, "image-set state file saved again", file=path)
+        self._unsaved = False
+        self._state_problem("")
+
+    def _write_failed(self, e: OSError) -> None:
+        self.state_write_failures += 1
+        self.metrics.image_sets_state_write_failures.inc()
+        self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
+
+    def _state_problem(self, error: str) -> None:
+        self.state_error = error
+        self.metrics.image_sets_state_file_error.set(1 if error else 0)
 
     def _pins_out(self, pins: list[tuple[str, str]]) -> None:
         """The declared pins reach the image service only once the directory (when there is one)
@@ -68,7 +135,7 @@ class ImageSets:
             self._tasks.append(loop.create_task(self._watch(), name="image-sets-watch"))
 
     def configure(self, cfg: ImageSetsConfig) -> None:
-        """Reload with the same directory (a new directory means a new ImageSets)."""
+        """Reload with the same directory and state file (a new one means a new ImageSets)."""
         self.cfg = cfg
         self.directory.max_file_bytes = cfg.max_file_bytes
         self.reconciler.configure(dataclasses.replace(cfg, **self._overrides))
@@ -104,7 +171,11 @@ class ImageSets:
             logs.log(_log, logging.WARNING, "image set directory unreadable; watching for it",
                      error=self.directory.dir_error)
         while True:
-            await self.watcher.wait_settled(self.cfg.debounce_seconds)
+            try:  # after a failed save: rescan (cheap when nothing changed) and save again
+                async with asyncio.timeout(max(self.cfg.retry_max_seconds, 1.0) if self._unsaved else None):
+                    await self.watcher.wait_settled(self.cfg.debounce_seconds)
+            except TimeoutError:
+                pass
             await self.rescan()
 
     async def rescan(self) -> None:
@@ -116,6 +187,7 @@ class ImageSets:
             if path in self.directory.files:
                 logs.log(_log, logging.INFO, "image set file accepted again", file=path)
         self.file_errors = result.errors
+        self.metrics.image_set_invalid.labels("file").set(len(result.errors))
         first = self.scans == 0
         self.scans += 1
         if result.changed or first:
@@ -124,6 +196,8 @@ class ImageSets:
         if first and self._held_pins is not None:
             self._pins_out(self._held_pins)
         self._scanned.set()
+        if self.cfg.state_file and (result.accepted_changed or self._unsaved or (first and self.state_error)):
+            await self._save()
 
     def halt(self) -> None:
         """Shutdown begins: no new prefetch, running ones cancelled."""
@@ -138,6 +212,7 @@ class ImageSets:
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
+        self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -154,5 +229,12 @@ class ImageSets:
             out["overrides"] = dict(self._overrides)
         if self.directory.dir_error:
             out["dir_error"] = self.directory.dir_error
+        if self.cfg.state_file:
+            out["state_file"] = self.cfg.state_file
+            out["loaded_from_state"] = self.loaded_from_state
+        if self.state_error:
+            out["state_error"] = self.state_error
+        if self.state_write_failures:
+            out["state_write_failures"] = self.state_write_failures
         out.update(self.reconciler.status())
         return out

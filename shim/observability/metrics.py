@@ -58,6 +58,12 @@ class Metrics(PullEvents):
                                       "through the shim.", ["method", "code"], buckets=_RPC_BUCKETS, registry=r)
         self.image_set_images = Gauge("cri_shim_image_set_images", "Images of a declared image set, by state "
                                       "(declared, present, pulling, queued, failed).", ["set", "state"], registry=r)
+        self.image_set_invalid = Gauge("cri_shim_image_set_invalid", "Image-set declarations whose newest version "
+                                       "is refused, by source (file: files in image_sets.dir; cluster: sets); the "
+                                       "last valid version of each stays in force.", ["source"], registry=r)
+        self.image_set_secret_errors = Gauge("cri_shim_image_set_pull_secret_errors", "Cluster image sets naming a "
+                                             "pull Secret that cannot be read or used (the set stays in force).",
+                                             registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
         self.pull_bytes = Counter("cri_shim_pull_bytes", "Bytes upstream pulls downloaded into the runtime, as "
@@ -78,6 +84,20 @@ class Metrics(PullEvents):
         self.pull_slot_released = Counter("cri_shim_pull_slot_released", "Upstream pulls that went on without a "
                                           "pull slot: unanswered after pulls.no_progress_timeout_seconds while "
                                           "their progress could not be judged (e.g. CRI-O).", registry=r)
+        self.cluster_state_write_failures = Counter(
+            "cri_shim_cluster_state_write_failures", "Failed writes of cluster.state_file: the check at start "
+            "and every save that failed (each one logged as an error).", registry=r)
+        self.cluster_state_file_error = Gauge(
+            "cri_shim_cluster_state_file_error", "1 while cluster.state_file cannot be written or could not be "
+            "read at start (see cri-shim status: cluster.state_error), 0 once a save succeeds; pins from the "
+            "cluster then do not hold after a restart while the API server is down.", registry=r)
+        self.image_sets_state_write_failures = Counter(
+            "cri_shim_image_sets_state_write_failures", "Failed writes of image_sets.state_file: the check at "
+            "start and every save that failed (each one logged as an error).", registry=r)
+        self.image_sets_state_file_error = Gauge(
+            "cri_shim_image_sets_state_file_error", "1 while image_sets.state_file cannot be written or could not "
+            "be read at start (see cri-shim status: image_sets.state_error), 0 once a save succeeds; a file of "
+            "image_sets.dir that is invalid at a restart then loses its sets.", registry=r)
         self._rpc_children: dict[tuple[str, grpc.StatusCode], Any] = {}
         self.server: MetricsServer | None = None
 

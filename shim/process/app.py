@@ -115,11 +115,13 @@ class App:
     async def _apply_image_sets(self, cfg: Config) -> None:
         """Start, stop or reconfigure image sets; a new image_sets.dir means starting over.
 
-        With ``cluster.kubeconfig`` the cluster is a second source of sets: its state file is
-        loaded here, before the shim serves, so its pins hold from the first call."""
+        With ``cluster.kubeconfig`` the cluster is a second source of sets. Both state files
+        (``image_sets.state_file``, ``cluster.state_file``) are loaded here, before the shim
+        serves, so their pins hold from the first call."""
         current = self.image_sets
         wanted = bool(cfg.image_sets.dir or cfg.cluster.kubeconfig)
-        if current is not None and current.cfg.dir == cfg.image_sets.dir and wanted:
+        if (current is not None and wanted and current.cfg.dir == cfg.image_sets.dir
+                and current.cfg.state_file == cfg.image_sets.state_file):
             current.configure(cfg.image_sets)
             if self.cluster is None or self.cluster.cfg != cfg.cluster:
                 await self._stop_cluster()
@@ -139,6 +141,7 @@ class App:
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
                                         on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins,
                                         handler_for=self.handlers.for_prefetch)
+            self.image_sets.load_state()
             await self._start_cluster(cfg)
             await self.image_sets.start()
 
@@ -149,7 +152,7 @@ class App:
         from ..cluster.status import NodeStatus
 
         c = cfg.cluster
-        self.cluster = ClusterSource(c, self.image_sets)
+        self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
         self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,

@@ -155,6 +155,19 @@ def _scalar(v: Any) -> str:
     return str(v)
 
 
+def refused_lines(doc: dict[str, Any]) -> list[str]:
+    """Declarations the shim cannot apply, near the top: their last valid version stays in force."""
+    out = []
+    for name, r in (doc.get("cluster") or {}).get("refused_sets", {}).items():
+        out.append(f"  set {name} generation {r.get('refused_generation')}: {r.get('error')} "
+                   f"(in force: generation {r.get('in_force_generation')})")
+    for path, err in (doc.get("image_sets") or {}).get("file_errors", {}).items():
+        out.append(f"  file {path}: {err} (its previous content stays in force)")
+    if not out:
+        return []
+    return ["refused    image sets the shim cannot apply; the last valid version of each stays in force:", *out]
+
+
 def render(doc: dict[str, Any]) -> str:
     """The status document for a person."""
     lines = [f"cri-shim {doc.get('version', '?')}  pid {doc.get('pid', '?')}  up {_secs(doc.get('uptime_seconds', 0))}"]
@@ -177,6 +190,7 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"  {label if i == 0 else '':8} {_pull_line(p)}")
             if "progress" in p:
                 lines.append(f"  {'':8}   {progress_line(p['progress'])}")
+    lines += refused_lines(doc)
     tracing = doc.get("tracing", {})
     if tracing:
         lines.append("tracing    " + "  ".join(f"{k}={v}" for k, v in tracing.items()))

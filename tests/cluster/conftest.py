@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import yaml
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.support.apiserver import ControlPlane, require_control_plane
@@ -24,11 +23,10 @@ from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     registry,
     shim_factory,
 )
-from tests.support.kube import REPO, Admin
+from tests.support.kube import Admin, install
 
 NODES = ("node-a", "node-b")  # Node objects created through the API
 KUBELET_NODE = "node-k"  # registered by a real kubelet (tests/cluster/test_kubelet_node.py)
-DEPLOY = REPO / "deploy" / "cluster"
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +36,7 @@ def control_plane() -> Iterator[ControlPlane]:
     cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd, nodes=(*NODES, KUBELET_NODE))
     try:
         cp.start()
-        admin = Admin(cp.kubeconfig(workdir / "admin.kubeconfig"))
-        admin.apply_files(DEPLOY / "crds.yaml", Path(__file__).parent / "mco-crds.yaml", DEPLOY / "rbac.yaml")
-        admin.apply_docs(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text())
-                         if d and d["kind"] != "Deployment")  # the test runs the controller as processes
-        for node in (*NODES, KUBELET_NODE):
-            admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
-        for group, version, plural in (("cri-shim.io", "v1", "imagesets"),
-                                       ("cri-shim.io", "v1", "nodeimagesetstatuses"),
-                                       ("machineconfiguration.openshift.io", "v1", "pinnedimagesets"),
-                                       ("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets"),
-                                       ("machineconfiguration.openshift.io", "v1", "machineconfigpools")):
-            admin.wait_served(group, version, plural)
+        admin = install(cp.kubeconfig(workdir / "admin.kubeconfig"), (*NODES, KUBELET_NODE))
         cp.admin = admin  # type: ignore[attr-defined]
         yield cp
     finally:

@@ -19,7 +19,7 @@ import yaml
 from kubernetes_asyncio.client import AppsV1Api, CoordinationV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.cluster.conftest import DEPLOY
+from tests.support.kube import DEPLOY
 from tests.cluster.test_cluster_sets import SHIM, delete, wait_for
 from tests.support.apiserver import ControlPlane
 from tests.support.kube import Admin

@@ -17,6 +17,7 @@ overlay dropped at the end, also when a test fails.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -34,7 +35,8 @@ import pytest
 import yaml
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support import binaries, cri, nspawn
+from tests.support import binaries, cri, kube, nspawn
+from tests.support.apiserver import ControlPlane, require_control_plane
 from tests.support.containerd import hosts_toml
 from tests.support.crictl import Crictl
 from tests.support.fixtures import (  # noqa: F401  (fixtures used here)
@@ -489,6 +491,7 @@ def test_sandbox_holds_under_real_systemd(node: Node) -> None:
         mounts[parts[4]] = parts[5].split(",")
     assert "ro" in mounts["/"], mounts["/"]
     assert "rw" in mounts["/run/cri-shim"], mounts.get("/run/cri-shim")
+    assert "rw" in mounts["/var/lib/cri-shim"], mounts.get("/var/lib/cri-shim")  # StateDirectory=
     # It can write nowhere else: a file under /var/lib is refused (EROFS) in its namespace.
     probe = node.m.run("nsenter", "-t", str(pid), "-m", "sh", "-c", "echo x > /var/lib/cri-shim-probe",
                        check=False)
@@ -561,3 +564,156 @@ def test_restart_under_a_running_kubelet(node: Node, node_binaries: tuple[str, s
     finally:
         node.m.systemctl("stop", "cri-shim", check=False)
         ctd.close(direct)
+
+
+# --------------------------------------------------------------------------- the cluster state file
+
+KUBE_NODE = "nspawn-node"
+STATE_FILE = "/var/lib/cri-shim/cluster-sets.json"  # cluster.state_file's default
+NO_STATE_DIR = "/etc/systemd/system/cri-shim.service.d/50-no-state-dir.conf"
+
+
+@pytest.fixture(scope="module")
+def api() -> Iterator[tuple[ControlPlane, kube.Admin]]:
+    """etcd + kube-apiserver on the host's loopback (the container shares the host's network),
+    ready for shims as in the cluster suite; this node's Node object exists."""
+    apiserver, etcd = require_control_plane()
+    workdir = Path(tempfile.mkdtemp(prefix="kube-"))
+    cp = ControlPlane(workdir, apiserver=apiserver, etcd=etcd, nodes=(KUBE_NODE,))
+    try:
+        cp.start()
+        admin = kube.install(cp.kubeconfig(workdir / "admin.kubeconfig"), [KUBE_NODE])
+        admin.create_node(KUBE_NODE, {"kubernetes.io/hostname": KUBE_NODE})
+        yield cp, admin
+    finally:
+        cp.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _node_kubeconfig(node: Node, cp: ControlPlane, host_dir: Path) -> str:
+    """The node's ServiceAccount kubeconfig, written inside with its CA inline; its path there."""
+    doc = yaml.safe_load(cp.node_kubeconfig(host_dir / "node.kubeconfig", KUBE_NODE).read_text())
+    cluster = doc["clusters"][0]["cluster"]
+    cluster["certificate-authority-data"] = base64.b64encode(Path(cluster.pop("certificate-authority"))
+                                                             .read_bytes()).decode()
+    node.m.write("/etc/cri-shim/kubeconfig", yaml.safe_dump(doc), mode=0o600)
+    return "/etc/cri-shim/kubeconfig"
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    m = re.search(rf"(?m)^{re.escape(name)} (\S+)$", text)
+    assert m, f"no {name} in /metrics"
+    return float(m.group(1))
+
+
+def _remove(node: Node, image: str) -> cri.CallResult:
+    return cri.call(node.socket, "RemoveImage", cri.remove_image_request(image), timeout=30)
+
+
+def _image_status(node: Node, image: str) -> cri.ImageInfo | None:
+    return cri.decode_image_status_response(
+        cri.call(node.socket, "ImageStatus", cri.image_status_request(image), timeout=30).unwrap())
+
+
+@pytest.mark.parametrize("unit", ["as shipped", "without StateDirectory= (control)"])
+def test_cluster_pins_hold_after_a_restart_without_the_api_server(
+        node: Node, api: tuple[ControlPlane, kube.Admin], make_image: Any, tmp_path: Path, unit: str) -> None:
+    """An ImageSet applied from a real API server pins two images; the shim saves it in the default
+    cluster.state_file, inside the unit's StateDirectory=. The API server stops, the shim is
+    SIGKILLed and systemd restarts it (Restart=always); a RemoveImage of a pinned image is sent
+    over and over meanwhile: the first one a process answers, the new one's first call, is
+    refused, and so is the next by ID; both images stay present and pinned.
+
+    The control clears StateDirectory= in a drop-in, as the unit was before: the shim says at
+    start that the file cannot be written, every failed save is an error (journal, `cri-shim
+    status`, metrics), and after the same restart the first RemoveImage removes the image."""
+    shipped = unit == "as shipped"
+    cp, admin = api
+    if cp.apiserver is None:
+        cp.start_apiserver()
+    node.m.systemctl("stop", "cri-shim.service", check=False)
+    node.m.remove([STATE_FILE, "/var/lib/cri-shim", NO_STATE_DIR])
+    if not shipped:
+        node.m.write(NO_STATE_DIR, "[Service]\nStateDirectory=\n")
+    node.m.systemctl("daemon-reload")
+    images = [make_image(filler_bytes=1024) for _ in range(2)]
+    label = f"state-{'shipped' if shipped else 'control'}"
+    admin.set_node_labels(KUBE_NODE, {label: "yes"})
+    admin.apply_custom("cri-shim.io", "v1", "imagesets", {
+        "apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": label},
+        "spec": {"nodeSelector": {"matchLabels": {label: "yes"}}, "pin": True,
+                 "images": [{"name": i.ref} for i in images]}})
+    port = free_port()
+    try:
+        # cluster.state_file left at its default: the unit's directory is what is tested
+        node.reset(metrics={"address": f"127.0.0.1:{port}"},
+                   cluster={"kubeconfig": _node_kubeconfig(node, cp, tmp_path), "node_name": KUBE_NODE,
+                            "mco": False, "status_interval_seconds": 1, "backoff_initial_seconds": 0.2,
+                            "backoff_max_seconds": 2})
+        node.m.systemctl("start", "cri-shim")
+        node.wait_status(lambda s: s["image_sets"]["sets"].get(label, {}).get("present") == 2,
+                         "the set's two images present", timeout=60)
+        assert all((st := _image_status(node, i.ref)) is not None and st.pinned for i in images)
+        journal = node.m.journal("cri-shim", 200, current=True)
+        cluster = node.m.status_json()["cluster"]
+        assert isinstance(cluster, dict)
+        if shipped:
+            saved = json.loads(node.m.path(STATE_FILE).read_text())
+            assert [o["metadata"]["name"] for o in saved["imageSets"]] == [label], saved
+            assert node.m.path("/var/lib/cri-shim").stat().st_mode & 0o777 == 0o700
+            assert "state_error" not in cluster, cluster
+            assert "level=error" not in journal, journal
+            assert (_metric(port, "cri_shim_cluster_state_file_error"),
+                    _metric(port, "cri_shim_cluster_state_write_failures_total")) == (0.0, 0.0)
+        else:
+            assert not node.m.path(STATE_FILE).exists()
+            assert journal.count('msg="cluster state file cannot be written') == 1, journal
+            assert "StateDirectory=cri-shim" in journal, journal
+            assert 'msg="cannot save the cluster state file' in journal, journal
+            assert "Read-only file system" in str(cluster.get("state_error")), cluster
+            assert cluster["state_write_failures"] >= 2, cluster  # the start check, then each save
+            assert _metric(port, "cri_shim_cluster_state_file_error") == 1.0
+            assert _metric(port, "cri_shim_cluster_state_write_failures_total") >= 2
+
+        cp.stop_apiserver()
+        pid = node.main_pid()
+        node.m.systemctl("kill", "--signal=SIGKILL", "cri-shim")
+        t0 = time.monotonic()
+        deadline = t0 + 20
+        tries = 0
+        while True:  # RemoveImage sent until a process answers: the first answer is the new process's first call
+            tries += 1
+            first = _remove(node, images[0].ref)
+            if not (first.code == grpc.StatusCode.UNAVAILABLE and "connect" in (first.details or "").lower()):
+                break
+            assert time.monotonic() < deadline, (first.code, first.details, node.m.show("cri-shim", "SubState"))
+            time.sleep(0.02)
+        node.timings[f"restarted by systemd ({unit})"] = time.monotonic() - t0
+        unit_state = node.m.show("cri-shim", "MainPID", "ActiveState", "NRestarts")
+        assert unit_state["MainPID"] != str(pid) and unit_state["NRestarts"] == "1", unit_state
+        assert tries > 1, "the RemoveImage was not sent before the new process served"
+        if not shipped:
+            assert first.ok, (first.code, first.details)
+            assert _image_status(node, images[0].ref) is None
+            return
+        assert first.code == grpc.StatusCode.FAILED_PRECONDITION, (first.code, first.details)
+        by_id = _remove(node, images[1].image_id)
+        assert by_id.code == grpc.StatusCode.FAILED_PRECONDITION, (by_id.code, by_id.details)
+        for i in images:
+            st = _image_status(node, i.ref)
+            assert st is not None and st.pinned, (i.ref, st)
+        st = node.wait_status(lambda s: bool(s["cluster"]["watches"]["imagesets"].get("error")),
+                              "the API server down (a watch error)")
+        assert st["cluster"]["loaded_from_state"] is True, st["cluster"]
+        journal = node.m.journal("cri-shim", 200, current=True)
+        assert 'msg="cluster image sets loaded from the state file"' in journal, journal
+    finally:
+        node.m.systemctl("stop", "cri-shim.service", check=False)
+        node.m.remove([NO_STATE_DIR])
+        node.m.systemctl("daemon-reload")
+        if cp.apiserver is None:
+            cp.start_apiserver()
+        admin.custom("delete", "cri-shim.io", "v1", "imagesets", label)
+        admin.set_node_labels(KUBE_NODE, {label: None})

@@ -65,8 +65,10 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 class ControlPlane:
-    def __init__(self, workdir: Path, *, apiserver: str, etcd: str, nodes: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, *, apiserver: str, etcd: str, nodes: tuple[str, ...] = (),
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.dir = workdir
+        self.extra_args = extra_args  # more kube-apiserver flags (bench/cluster_fleet.py: its audit log)
         self.apiserver_bin = apiserver
         self.etcd_bin = etcd
         self.port = free_port()
@@ -130,7 +132,7 @@ class ControlPlane:
              "--service-account-key-file", str(d / "sa.pub"),
              "--service-account-signing-key-file", str(d / "sa.key"),
              "--service-cluster-ip-range", "10.96.0.0/24", "--allow-privileged",
-             "--enable-priority-and-fairness=false", "--watch-cache=true", "-v", "1"],
+             "--enable-priority-and-fairness=false", "--watch-cache=true", "-v", "1", *self.extra_args],
             stdout=self.apiserver_log, stderr=subprocess.STDOUT)
         self.wait_ready(timeout)
 

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 from shim import config as config_mod
 from shim.process.app import App
 from shim.process.server import ShimServer
+from tests.support.shim import with_state_file
 
 
 @dataclasses.dataclass
@@ -31,7 +32,7 @@ async def running_shim(upstream: str, settings: dict[str, Any] | None = None,
     d = tempfile.mkdtemp(prefix="cri-shim-test-")
     try:
         path = os.path.join(d, "shim.sock")
-        data = dict(settings or {})
+        data = with_state_file(settings or {}, d)
         data.setdefault("server", {}).setdefault("admin_socket", "")
         if engine is not None:
             data["server"]["engine"] = engine

@@ -15,6 +15,12 @@ from kubernetes_asyncio.config import new_client_from_config
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy" / "cluster"
+MCO_CRDS = REPO / "tests" / "cluster" / "mco-crds.yaml"
+SERVED = (("cri-shim.io", "v1", "imagesets"), ("cri-shim.io", "v1", "nodeimagesetstatuses"),
+          ("machineconfiguration.openshift.io", "v1", "pinnedimagesets"),
+          ("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets"),
+          ("machineconfiguration.openshift.io", "v1", "machineconfigpools"))
 
 
 class Admin:
@@ -104,3 +110,17 @@ class Admin:
 
     def events(self, namespace: str = "default") -> list[Any]:
         return self.run(lambda api: client.CoreV1Api(api).list_namespaced_event(namespace)).items
+
+
+def install(kubeconfig: Path, nodes: Iterable[str]) -> Admin:
+    """A fresh API server made ready for shims: the shim's CRDs, MCO's test CRDs, the RBAC of
+    deploy/cluster/ (node-rbac.yaml once per node; controller.yaml but its Deployment), every kind served. Returns the admin."""
+    admin = Admin(kubeconfig)
+    admin.apply_files(DEPLOY / "crds.yaml", MCO_CRDS, DEPLOY / "rbac.yaml")
+    admin.apply_docs(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text())
+                     if d and d["kind"] != "Deployment")  # tests run the controller as processes
+    for node in nodes:
+        admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
+    for group, version, plural in SERVED:
+        admin.wait_served(group, version, plural)
+    return admin

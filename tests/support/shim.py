@@ -84,6 +84,16 @@ def socket_accepts(path: str | os.PathLike[str], timeout: float = 0.5) -> bool:
         s.close()
 
 
+def with_state_file(settings: Mapping[str, Any], directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """``settings`` with ``image_sets.state_file`` in ``directory`` when it has an image-set
+    directory and no state file: a test shim never writes the node's /var/lib/cri-shim."""
+    data = dict(settings)
+    sets = data.get("image_sets")
+    if isinstance(sets, Mapping) and sets.get("dir") and "state_file" not in sets:
+        data["image_sets"] = {**sets, "state_file": str(Path(directory) / "file-sets.json")}
+    return data
+
+
 def shim_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a test shim (or any child that imports ``shim``)."""
     env = dict(os.environ)
@@ -95,7 +105,10 @@ def shim_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def write_config(path: Path, config: Config) -> None:
-    """Replace the config file atomically (as config management tools do)."""
+    """Replace the config file atomically (as config management tools do). A mapping with
+    ``image_sets.dir`` and no ``image_sets.state_file`` gets one beside the config file."""
+    if not isinstance(config, str):
+        config = with_state_file(config, path.parent)
     text = config if isinstance(config, str) else yaml.safe_dump(dict(config), sort_keys=False)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

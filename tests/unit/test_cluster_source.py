@@ -3,7 +3,10 @@ keeping sets while a resource cannot be read, failure typing and backoff."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +17,7 @@ from shim import config
 from shim.cluster import objects, state
 from shim.cluster.informer import backoff
 from shim.cluster.source import ClusterSource
+from shim.observability.metrics import Metrics
 
 
 def own(name: str, images: list[str], selector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -107,7 +111,8 @@ class FakeSets:
 
 def fake_informer(items: list[dict[str, Any]] | None) -> SimpleNamespace:
     """None: never read (API down from the start)."""
-    return SimpleNamespace(synced=items is not None, items={o["metadata"]["name"]: o for o in items or []})
+    return SimpleNamespace(synced=items is not None, items={o["metadata"]["name"]: o for o in items or []},
+                           lists=int(items is not None), watches=0, throttled=0, error="")
 
 
 def node(labels: dict[str, str]) -> dict[str, Any]:
@@ -117,7 +122,7 @@ def node(labels: dict[str, str]) -> dict[str, Any]:
 def source(tmp_path: Path) -> tuple[ClusterSource, FakeSets]:
     cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
     sets = FakeSets()
-    return ClusterSource(cfg, sets), sets  # type: ignore[arg-type]
+    return ClusterSource(cfg, sets, Metrics()), sets  # type: ignore[arg-type]
 
 
 def test_state_file_restores_sets_and_never_drops_while_unreadable(tmp_path: Path) -> None:
@@ -151,6 +156,82 @@ def test_state_file_restores_sets_and_never_drops_while_unreadable(tmp_path: Pat
     src2.informers = {"node": fake_informer([node({"zone": "b"})]), "imagesets": fake_informer(None)}
     assert src2.recompute()
     assert sorted(sets2.sources["cluster"]) == ["w"]
+
+
+def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path: Path, caplog) -> None:
+    """Said once at start (before serving), then on every failed save, in the log, in
+    `cri-shim status` and in metrics; the first save that works clears it."""
+    caplog.set_level(logging.INFO, logger="cri_shim")
+    blocker = tmp_path / "var-lib"
+    blocker.write_text("")  # the state file's directory cannot be made: as unwritable as a read-only /var/lib
+    src, sets = source(tmp_path)
+    src.cfg = dataclasses.replace(src.cfg, state_file=str(blocker / "cri-shim" / "state.json"))
+
+    def metric(name: str) -> float | None:
+        return src.metrics.registry.get_sample_value(name)
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+    src.load_state()
+    assert not src.loaded_from_state
+    assert [m for m in errors() if "cluster state file cannot be written" in m and "StateDirectory=cri-shim" in m]
+    assert src.status()["state_error"].startswith(f"{src.cfg.state_file}: cannot write: ")
+    assert src.status()["state_write_failures"] == 1
+    assert (metric("cri_shim_cluster_state_write_failures_total"), metric("cri_shim_cluster_state_file_error")) \
+        == (1.0, 1.0)
+
+    src.informers = {"node": fake_informer([node({"zone": "a"})]),
+                     "imagesets": fake_informer([own("a", ["reg/a:1"], {"matchLabels": {"zone": "a"}}, pin=True)])}
+    assert src.recompute()
+    for n in (2, 3):  # every failed save: one more error line, counted
+        src._save()
+        assert len([m for m in errors() if "cannot save the cluster state file" in m]) == n - 1
+        assert metric("cri_shim_cluster_state_write_failures_total") == n and src.status()["state_write_failures"] == n
+        assert metric("cri_shim_cluster_state_file_error") == 1.0
+    assert sorted(sets.sources["cluster"]) == ["a"]  # the sets are applied all the same
+
+    blocker.unlink()  # writable now (e.g. the unit fixed): the next save works and clears the error
+    src._save()
+    assert json.loads(Path(src.cfg.state_file).read_text())["labels"] == {"zone": "a"}
+    assert "state_error" not in src.status() and metric("cri_shim_cluster_state_file_error") == 0.0
+    assert metric("cri_shim_cluster_state_write_failures_total") == 3.0
+    assert any(r.getMessage().startswith("cluster state file saved again") for r in caplog.records)
+
+    src._state_problem("x")
+    assert metric("cri_shim_cluster_state_file_error") == 1.0
+    ClusterSource(src.cfg, sets, src.metrics)  # type: ignore[arg-type]  # a reload that changed cluster.*
+    assert metric("cri_shim_cluster_state_file_error") == 0.0  # the new source starts clean
+
+
+async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
+    """Nothing else changes after a failed save: the apply loop saves again after backoff_max_seconds."""
+    blocker = tmp_path / "var-lib"
+    blocker.write_text("")
+    src, _ = source(tmp_path)
+    src.cfg = dataclasses.replace(src.cfg, state_file=str(blocker / "state.json"), backoff_initial_seconds=0.1,
+                                  backoff_max_seconds=0.1)
+    src.informers = {"node": fake_informer([node({"zone": "a"})]), "imagesets": fake_informer([own("a", ["reg/a:1"])])}
+    loop = asyncio.create_task(src._apply_loop())
+    try:
+        src._dirty.set()
+        await until(lambda: src.state_write_failures >= 2)  # the save after the change, then a retry
+        blocker.unlink()
+        await until(lambda: not src.state_error)
+        assert Path(src.cfg.state_file).exists()
+        n = src.state_write_failures
+        await asyncio.sleep(0.3)
+        assert src.state_write_failures == n  # saved: no more retries
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+async def until(cond: Any, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def test_node_status_changes_do_not_reselect(tmp_path: Path) -> None:

@@ -83,6 +83,11 @@ def test_conditions_slow_is_not_degraded_and_times_kept() -> None:
     t = compute(nodes, [nis("a", T0, row("2", "1", failedReasons={"notFound": 1}))], now=T0 + 1)
     st3 = report.status_of(SET, t, started=T0, now=T0 + 1)
     assert next(c for c in st3["conditions"] if c["type"] == "Degraded")["reason"] == "NotFound"
+    t = compute(nodes, [nis("a", T0, row("2", "1", reason="InvalidSet", error="image 3: not a reference"))],
+                now=T0 + 1)
+    assert (t.failing, t.failed_reasons) == (1, {"InvalidSet": 1})
+    st4 = report.status_of(SET, t, started=T0, now=T0 + 1)
+    assert next(c for c in st4["conditions"] if c["type"] == "Degraded")["reason"] == "InvalidSet"
     bad = {**SET, "spec": {"nodeSelector": {"matchExpressions": [{"key": "k", "operator": "Near"}]}}}
     t = truth.compute(bad, {}, {}, now=T0, changed_at=T0, stale_after=120)
     assert t.selector_error and next(c for c in report.status_of(bad, t, started=T0, now=T0)["conditions"]

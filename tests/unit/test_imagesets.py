@@ -86,9 +86,9 @@ class Harness:
 @contextlib.asynccontextmanager
 async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool = True,
                      scheduler_cap: int = 4, free_bytes: int = 10 << 30, options: dict[str, Any] | None = None,
-                     **cfg: Any) -> AsyncIterator[Harness]:
+                     load_state: bool = False, **cfg: Any) -> AsyncIterator[Harness]:
     settings = dict(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
-                    retry_max_seconds=0.2, docker_config=())
+                    retry_max_seconds=0.2, docker_config=(), state_file="")
     settings.update(cfg)
     config = ImageSetsConfig(**settings)
     upstream = Upstream(runtime.endpoint, 16 << 20)
@@ -105,6 +105,8 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
     h.sets = ImageSets(config, upstream, scheduler, metrics, on_pins=pin_updates.append, pins=lambda: h.pins,
                        use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05,
                        **(options or {}))
+    if load_state:  # as the app does, before serving
+        h.sets.load_state()
     await h.sets.start()
     try:
         yield h

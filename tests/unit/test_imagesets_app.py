@@ -28,7 +28,7 @@ async def start_runtime(tmp_path: Path) -> tuple[FakeRuntime, FakeImages]:
 
 def settings(directory: Path, **extra) -> dict:
     return {"image_sets": {"dir": str(directory), "debounce_seconds": 0.05, "retry_initial_seconds": 0.05,
-                           "retry_max_seconds": 0.1, **extra}}
+                           "retry_max_seconds": 0.1, "state_file": str(directory.parent / "file-sets.json"), **extra}}
 
 
 async def listed_pins(ch: grpc.aio.Channel) -> dict[str, bool]:
