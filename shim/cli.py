@@ -78,16 +78,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _controller(args: argparse.Namespace) -> int:
+    from kubernetes_asyncio.config import ConfigException
+
     from .controller.main import default_identity, run
 
     logs.setup(args.log_level, args.log_format)
     if not args.lease_duration > args.renew_deadline > args.retry_period > 0:
         print("cri-shim: need --lease-duration > --renew-deadline > --retry-period > 0", file=sys.stderr)
         return 2
-    return asyncio.run(run(kubeconfig=args.kubeconfig, namespace=args.namespace, lease_name=args.lease_name,
-                           identity=args.identity or default_identity(), lease_duration=args.lease_duration,
-                           renew_deadline=args.renew_deadline, retry_period=args.retry_period,
-                           stale_after=args.stale_after))
+    if args.kubeconfig and not os.path.exists(args.kubeconfig):
+        print(f"cri-shim: --kubeconfig {args.kubeconfig}: no such file", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run(kubeconfig=args.kubeconfig, namespace=args.namespace, lease_name=args.lease_name,
+                               identity=args.identity or default_identity(), lease_duration=args.lease_duration,
+                               renew_deadline=args.renew_deadline, retry_period=args.retry_period,
+                               stale_after=args.stale_after))
+    except ConfigException as e:
+        print(f"cri-shim: cannot start the controller: {e} (outside a Pod, pass --kubeconfig)", file=sys.stderr)
+        return 2
 
 
 def _fleet(args: argparse.Namespace) -> int:
