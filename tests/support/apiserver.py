@@ -5,8 +5,9 @@ Install: ``scripts/setup.d/55-apiserver.sh`` builds both from the Go module prox
 (a CA, the serving cert for 127.0.0.1, the service-account signing key); clients authenticate
 with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters), one user per
 node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the
-RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them) and one kubelet
-identity per node (``system:node:<node>``). Authorization: Node, RBAC.
+RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them), one kubelet
+identity per node (``system:node:<node>``) and the controller's ServiceAccount
+(``system:serviceaccount:cri-shim:cri-shim-controller``, rights of deploy/cluster/controller.yaml). Authorization: Node, RBAC.
 
     cp = ControlPlane(workdir).start()
     cp.kubeconfig(path, token=cp.admin_token)
