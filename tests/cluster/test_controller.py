@@ -11,57 +11,19 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 import yaml
 from kubernetes_asyncio.client import AppsV1Api, CoordinationV1Api, CoreV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.support.kube import DEPLOY
 from tests.cluster.test_cluster_sets import SHIM, delete, wait_for
 from tests.support.apiserver import ControlPlane
-from tests.support.kube import Admin
-from tests.support.procs import kill, terminate
+from tests.support.controller import STALE_AFTER
+from tests.support.kube import DEPLOY, Admin
+from tests.support.procs import kill
 
-STALE_AFTER = 4.0  # --stale-after for these tests (default 120)
 COLUMNS = ["Name", "Selected", "Current", "Progressing", "Failing", "Stale", "Age"]
-
-
-class ControllerProc:
-    def __init__(self, cp: ControlPlane, tmp: Path, identity: str, *extra: str) -> None:
-        self.identity = identity
-        self.log_path = tmp / f"controller-{identity}.log"
-        self._log = open(self.log_path, "wb")
-        kubeconfig = cp.controller_kubeconfig(tmp / "controller.kubeconfig")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shim", "controller", "--kubeconfig", str(kubeconfig), "--identity", identity,
-             "--stale-after", str(STALE_AFTER), *extra],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        terminate(self.proc, timeout=10)
-        self._log.close()
-
-
-@pytest.fixture
-def controllers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[Any]:
-    started: list[ControllerProc] = []
-
-    def start(identity: str, *extra: str) -> ControllerProc:
-        c = ControllerProc(control_plane, tmp_path, identity, *extra)
-        started.append(c)
-        return c
-    try:
-        yield start
-    finally:
-        for c in started:
-            c.stop()
-            print(f"--- controller {c.identity} log (tail)\n{c.log_text()[-3000:]}")
 
 
 def set_status(admin: Admin, name: str) -> dict[str, Any]:
