@@ -206,12 +206,12 @@ def pinned_set(obj: Mapping[str, Any]) -> Selected:
     return Selected(parse_document(doc, f"PinnedImageSet {meta.get('name')}", source_of(obj)), str(meta.get("uid", "")))
 
 
-def select(node_labels: Mapping[str, str], own: Sequence[Mapping[str, Any]], pinned: Sequence[Mapping[str, Any]],
-           pools: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
-    """Every set that applies to this node, by set name, and errors by object.
+def select(node_labels: Mapping[str, str],
+           own: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
+    """The ImageSets that apply to this node, by set name, and errors by object.
 
-    An ImageSet and a PinnedImageSet of the same name: the ImageSet is used, the other reported.
-    """
+    PinnedImageSets (through their pools, ``pool_sets`` and ``pinned_set``) are selected by
+    ClusterSource._select, which also keeps the last valid version of a refused set."""
     out: dict[str, Selected] = {}
     errors: dict[str, str] = {}
     for obj in own:
@@ -222,20 +222,4 @@ def select(node_labels: Mapping[str, str], own: Sequence[Mapping[str, Any]], pin
             continue
         if sel is not None:
             out[sel.set.name] = sel
-    listed = pool_sets(pools, node_labels)
-    for err in listed.errors:
-        errors[err.split(".spec", 1)[0]] = err
-    for obj in pinned:
-        name = (obj.get("metadata") or {}).get("name")
-        if name not in listed.names:
-            continue
-        try:
-            sel = pinned_set(obj)
-        except SetFileError as e:
-            errors[source_of(obj)] = str(e)
-            continue
-        if name in out:
-            errors[source_of(obj)] = f"PinnedImageSet {name}: an ImageSet of the same name applies; ignoring this one"
-            continue
-        out[name] = sel
     return out, errors

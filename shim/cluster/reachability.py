@@ -11,7 +11,10 @@ again:
   or a 502/503/504 from a proxy in front of it), one probe asks ``GET /readyz`` every
   ``cluster.probe_interval_seconds`` (jittered, one request at a time per node); its first
   200 wakes every reader. An API server that answers with an error (500, 403, 404) is not
-  probed: those readers keep their exponential backoff.
+  probed: those readers keep their exponential backoff. So does a reader the probe woke whose
+  next request fails as unreachable again (a 504 of a LIST longer than the server's request
+  timeout, the client's own timeout): the server answers, only not that request, and retrying
+  it every probe interval would hammer a loaded server; it is probed again once it succeeds.
 
 A 429 with ``Retry-After`` (APF throttling; custom resources answer ``429 storage is
 (re)initializing`` for a while after an API server restart) is not a failure: the reader waits
@@ -90,6 +93,10 @@ class Reachability:
         self._wake = asyncio.Event()
         self._failing: set[str] = set()  # readers whose last request failed
         self._unreachable: set[str] = set()  # ... because nothing answered
+        # readers the probe woke whose next request failed as unreachable again: the API server
+        # answers, only not them; they keep their own backoff (no probe) until they succeed
+        self._contradicted: set[str] = set()
+        self._probe_woke: set[str] = set()  # readers the last successful probe woke
         self._probe_task: asyncio.Task[None] | None = None
         self.probes = 0
         self.recoveries = 0
@@ -100,6 +107,8 @@ class Reachability:
         """A request of ``reader`` was answered with success: when it had failed before, every
         waiting reader retries now (only the transition wakes them: a healthy reader's routine
         successes do not shorten the backoff of one that the server keeps refusing)."""
+        self._probe_woke.discard(reader)
+        self._contradicted.discard(reader)
         if reader not in self._failing:
             return
         self._failing.discard(reader)
@@ -108,7 +117,11 @@ class Reachability:
 
     def failed(self, reader: str, e: BaseException) -> None:
         self._failing.add(reader)
-        if unreachable(e):
+        if reader in self._probe_woke:  # the probe said the server answers; this reader's request did not
+            self._probe_woke.discard(reader)
+            if unreachable(e):
+                self._contradicted.add(reader)
+        if unreachable(e) and reader not in self._contradicted:
             self._unreachable.add(reader)
             self._start_probe()
         else:
@@ -118,6 +131,8 @@ class Reachability:
         """``reader`` stopped (an MCO informer whose group went away, a Secret no set names)."""
         self._failing.discard(reader)
         self._unreachable.discard(reader)
+        self._probe_woke.discard(reader)
+        self._contradicted.discard(reader)
 
     def _recovered(self) -> None:
         """Wake every waiting reader: their backoff ends now."""
@@ -157,6 +172,7 @@ class Reachability:
             if ok and self._unreachable:
                 logs.log(_log, logging.INFO, "API server answers again; resuming every watch",
                          waiting=sorted(self._unreachable))
+                self._probe_woke = set(self._unreachable)
                 self._unreachable.clear()
                 self._recovered()
 
@@ -168,7 +184,8 @@ class Reachability:
 
     def status(self) -> dict[str, Any]:
         return {"failing": sorted(self._failing), "unreachable": sorted(self._unreachable),
-                "probes": self.probes, "recoveries": self.recoveries}
+                "probes": self.probes, "recoveries": self.recoveries,
+                **({"backing_off_despite_probe": sorted(self._contradicted)} if self._contradicted else {})}
 
 
 async def readyz(api: Any, request_timeout: float) -> bool:

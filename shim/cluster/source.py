@@ -74,7 +74,7 @@ class ClusterSource:
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
         self.state_write_failures = 0  # the start check and every save that failed
         self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
-        metrics.cluster_state_file_error.set(0)  # not a previous source's (a reload that changed cluster.*)
+        self._clear_metrics()  # not a previous source's (a reload that changed cluster.*)
         self.loaded_from_state = False
         self.applies = 0
         self.api: ApiClient | None = None
@@ -161,7 +161,7 @@ class ClusterSource:
         its last valid version in force, and the state file keeps that version's object: an
         invalid edit never unpins. It is reported in ``refused`` (status row, Degraded, Event)."""
         previous, old_own, old_pinned = self.selected, self._own_raw, self._pinned_raw
-        selected, errors = objects.select(labels, own, [], [])
+        selected, errors = objects.select(labels, own)
         refused: dict[str, objects.Refused] = {}
         own_raw: dict[str, dict[str, Any]] = {}
         by_own = {o["metadata"]["name"]: o for o in own}
@@ -402,7 +402,16 @@ class ClusterSource:
                 await asyncio.to_thread(self._save)
                 continue
             self._dirty.clear()
-            if self.recompute():
+            try:
+                applied = self.recompute()
+            except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
+                self._inputs = None  # the same inputs are looked at again, not skipped as already applied
+                logs.log(_log, logging.ERROR, "cluster image sets not applied; the sets applied last stay in force",
+                         error=f"{type(e).__name__}: {e}", retry_seconds=self.cfg.backoff_max_seconds)
+                await asyncio.sleep(self.cfg.backoff_max_seconds)
+                self._dirty.set()
+                continue
+            if applied:
                 await asyncio.to_thread(self._save)
                 self.changed.set()
                 if self.secrets is not None:
@@ -435,7 +444,14 @@ class ClusterSource:
         if self.api is not None:
             await self.api.close()
             self.api = None
-        self.metrics.cluster_state_file_error.set(0)  # no source, no state file
+        self._clear_metrics()  # no source: no state file, nothing refused
+
+    def _clear_metrics(self) -> None:
+        """The gauges this source sets, at 0: a stopped source (or a new one before its first
+        apply) must not leave a previous source's state-file error or counts behind."""
+        self.metrics.cluster_state_file_error.set(0)
+        self.metrics.image_set_invalid.labels(SOURCE).set(0)
+        self.metrics.image_set_secret_errors.set(0)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

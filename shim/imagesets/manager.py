@@ -213,6 +213,7 @@ class ImageSets:
             self.watcher.close()
             self.watcher = None
         self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
+        self.metrics.image_set_invalid.labels("file").set(0)  # ... and no file refused
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

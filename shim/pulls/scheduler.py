@@ -334,7 +334,11 @@ class PullScheduler:
             return
         uid = next(iter(flight.uids), -1) if top is Priority.UNTRUSTED else None
         if flight.queued:
-            if (top, uid) != (flight.priority, flight.uid):
+            if top is Priority.UNTRUSTED and self.slots.untrusted_slots == 0:
+                # left to untrusted callers (root stopped waiting) with no slot for them: it could
+                # never start, so it is refused as their own pull would be (as configure does)
+                self._abandon(flight, self._no_untrusted_slot())
+            elif (top, uid) != (flight.priority, flight.uid):
                 self._queue.remove(flight)
                 flight.priority, flight.uid = top, uid
                 self._queue.push(flight)

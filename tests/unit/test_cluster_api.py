@@ -349,3 +349,27 @@ async def test_secret_watch_forbidden_falls_back_to_get(kube: FakeKube) -> None:
         assert kube.count(SECRETS) == 1  # refused once, not retried
     finally:
         await ps.stop()
+
+
+async def test_a_reader_failing_while_readyz_answers_keeps_its_backoff(kube: FakeKube, monkeypatch) -> None:
+    """The API server answers /readyz but this reader's own request keeps failing as if nothing
+    answered (a 504: a LIST longer than the server's request timeout; or the client's own
+    timeout). The probe's 200 must not end its wait again and again: that would retry every
+    probe interval (a fleet hammering an overloaded server with LISTs) instead of backing off
+    to cluster.backoff_max_seconds."""
+    import shim.cluster.informer as informer_module
+    monkeypatch.setattr(informer_module, "backoff", lambda n, initial, maximum: min(maximum, initial * 2 ** (n - 1)))
+    kube.put(NODES, node({}))
+    kube.fail(NODES, 504, times=1000)
+    api = kube.client()
+    reach = Reachability(partial(_readyz, api), probe_interval=0.02, request_timeout=5)
+    inf = informer(api, reach, [], backoff_initial=0.1, backoff_max=60)
+    task = asyncio.ensure_future(inf.run())
+    try:
+        await asyncio.sleep(1.6)
+        # backing off: at about 0, 0.1, 0.3, 0.7, 1.5 s (and the retry right after the first probe)
+        assert kube.count(NODES) <= 7, f"{kube.count(NODES)} LISTs in 1.6 s"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await reach.stop()

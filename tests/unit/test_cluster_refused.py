@@ -209,6 +209,8 @@ async def test_file_with_a_bad_set_keeps_every_set_of_it_and_is_reported(runtime
         assert h.metrics.registry.get_sample_value("cri_shim_image_set_invalid", {"source": "file"}) == 1
         assert "must be lowercase" in h.status()["file_errors"][str(f)]
         assert "file " + str(f) in render({"image_sets": h.status()})
+    # image_sets.dir removed on a reload: the stopped ImageSets leaves no count behind
+    assert h.metrics.registry.get_sample_value("cri_shim_image_set_invalid", {"source": "file"}) == 0
 
 
 def test_secret_errors_name_the_set(tmp_path: Path) -> None:
@@ -237,3 +239,23 @@ def test_too_many_pull_secrets_refused_on_the_node_too(tmp_path: Path) -> None:
     src.recompute()
     assert sets.sources["cluster"]["s"].generation == "1"
     assert f"at most {objects.MAX_PULL_SECRETS}" in src.refused["s"].error
+
+
+async def test_a_stopped_or_new_cluster_source_leaves_no_stale_invalid_count(tmp_path: Path) -> None:
+    """cluster.kubeconfig removed (or cluster.* changed) on a reload: the source that counted a
+    refused set is stopped; its count must not stay in the gauge (an alert firing forever)."""
+    metrics = Metrics()
+    src, sets = source(tmp_path, metrics=metrics)
+    src.informers = {"node": informer([node({})]),
+                     "imagesets": informer([versioned(own("bad", [UPPER]), 1)])}
+    src.recompute()
+
+    def invalid() -> float | None:
+        return metrics.registry.get_sample_value("cri_shim_image_set_invalid", {"source": "cluster"})
+
+    assert invalid() == 1
+    await src.stop()
+    assert invalid() == 0
+    src._report()
+    ClusterSource(src.cfg, sets, metrics)  # a reload that changed cluster.*: nothing applied yet
+    assert invalid() == 0

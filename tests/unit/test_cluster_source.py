@@ -55,30 +55,36 @@ def test_label_selector(selector: dict[str, Any], labels: dict[str, str], expect
     assert objects.selects(selector, labels, none_selects_all=False) is expected
 
 
-def test_selection_own_sets_pools_and_name_clash() -> None:
+def test_selection_own_sets_pools_and_name_clash(tmp_path: Path) -> None:
     labels = {"node-role.kubernetes.io/worker": "", "zone": "a"}
-    sel, errors = objects.select(
-        labels,
-        [own("gpu", ["reg/x:1"], {"matchLabels": {"zone": "a"}}, pin=True),
-         own("other-zone", ["reg/y:1"], {"matchLabels": {"zone": "b"}}),
-         own("everywhere", ["reg/z:1"]),
-         own("clash", ["reg/c:1"])],
-        [pis("worker-set", ["reg/w@sha256:" + "a" * 64]), pis("master-set", ["reg/m:1"]), pis("clash", ["reg/d:1"])],
-        [pool("worker", {"matchExpressions": [{"key": "node-role.kubernetes.io/worker", "operator": "Exists"}]},
-              ["worker-set", "clash"]),
-         pool("master", {"matchLabels": {"node-role.kubernetes.io/master": ""}}, ["master-set"]),
-         pool("no-selector", None, ["master-set"])])
-    assert sorted(sel) == ["clash", "everywhere", "gpu", "worker-set"]
+    src, sets = source(tmp_path)
+    src.informers = {
+        "node": fake_informer([node(labels)]),
+        "imagesets": fake_informer([own("gpu", ["reg/x:1"], {"matchLabels": {"zone": "a"}}, pin=True),
+                                    own("other-zone", ["reg/y:1"], {"matchLabels": {"zone": "b"}}),
+                                    own("everywhere", ["reg/z:1"]),
+                                    own("clash", ["reg/c:1"])]),
+        "pinnedimagesets": fake_informer([pis("worker-set", ["reg/w@sha256:" + "a" * 64]),
+                                          pis("master-set", ["reg/m:1"]), pis("clash", ["reg/d:1"])]),
+        "machineconfigpools": fake_informer([
+            pool("worker", {"matchExpressions": [{"key": "node-role.kubernetes.io/worker", "operator": "Exists"}]},
+                 ["worker-set", "clash"]),
+            pool("master", {"matchLabels": {"node-role.kubernetes.io/master": ""}}, ["master-set"]),
+            pool("no-selector", None, ["master-set"])]),
+    }
+    assert src.recompute()
+    sel = src.selected
+    assert sorted(sel) == sorted(sets.sources["cluster"]) == ["clash", "everywhere", "gpu", "worker-set"]
     assert sel["gpu"].set.pin is True and sel["gpu"].set.generation == "3"
     assert sel["everywhere"].set.pin is False
     assert sel["worker-set"].set.kind == "PinnedImageSet" and sel["worker-set"].set.pin is True
     assert sel["clash"].set.kind == "ImageSet"
-    assert "same name" in errors["cluster:PinnedImageSet/clash"]
+    assert "same name" in src.errors["cluster:PinnedImageSet/clash"]
     assert sel["gpu"].set.ignored == ()  # nodeSelector is used here, not ignored
 
 
 def test_bad_set_reported_others_applied() -> None:
-    sel, errors = objects.select({}, [own("bad", ["reg/*:1"]), own("good", ["reg/a:1"])], [], [])
+    sel, errors = objects.select({}, [own("bad", ["reg/*:1"]), own("good", ["reg/a:1"])])
     assert list(sel) == ["good"]
     assert "globs" in errors["cluster:ImageSet/bad"]
 
@@ -222,6 +228,32 @@ async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
         n = src.state_write_failures
         await asyncio.sleep(0.3)
         assert src.state_write_failures == n  # saved: no more retries
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
+async def test_an_apply_that_raises_keeps_the_sets_and_is_tried_again(tmp_path: Path, caplog) -> None:
+    """An object no rule foresaw makes recompute raise: the apply loop logs it, keeps the sets in force
+    and applies the same inputs again later, instead of ending silently."""
+    src, sets = source(tmp_path)
+    src.cfg = dataclasses.replace(src.cfg, backoff_max_seconds=0.05)
+    src.informers = {"node": fake_informer([node({"zone": "a"})]), "imagesets": fake_informer([own("a", ["reg/a:1"])])}
+    real, calls = src.recompute, []
+
+    def flaky() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            real()  # remembers its inputs, then fails part-way
+            raise KeyError("name")
+        return real()
+    src.recompute = flaky  # type: ignore[method-assign]
+    loop = asyncio.create_task(src._apply_loop())
+    try:
+        src._dirty.set()
+        await until(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
+        assert "a" in src.selected
+        assert any(r.getMessage().startswith("cluster image sets not applied") for r in caplog.records)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)

@@ -110,6 +110,21 @@ async def test_cap_holds_and_queue_is_fifo() -> None:
     assert s.queued == 0 and s.in_flight == 0
 
 
+async def test_age_alone_orders_a_class_however_many_wait() -> None:
+    """docs/pulls.md, which queued pull starts next: the oldest, not the one most pods wait for."""
+    up, s = Upstream(), PullScheduler(max_parallel=1)
+    tasks = [asyncio.create_task(s.pull(key(i), up.runner(i))) for i in ("running", "big", "small")]
+    await settle()
+    tasks += [asyncio.create_task(s.pull(key("small"), up.runner("small"))) for _ in range(5)]
+    await settle()
+    assert [row["waiters"] for row in s.snapshot()["queued"]] == [1, 6]
+    for image in ("running", "big", "small"):
+        up.release(image)
+        await settle()
+    await asyncio.gather(*tasks)
+    assert up.calls == ["running", "big", "small"]
+
+
 async def test_cancel_of_first_waiter_leaves_others_unaffected() -> None:
     up, s = Upstream(), PullScheduler(max_parallel=1)
     first = asyncio.create_task(s.pull(key("a"), up.runner("a")))

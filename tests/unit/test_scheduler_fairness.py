@@ -219,3 +219,25 @@ async def test_lowering_the_cap_to_one_refuses_queued_untrusted_pulls() -> None:
     assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     up.release("u0")
     await running  # a running one finishes
+
+
+async def test_with_a_cap_of_one_a_queued_flight_left_to_untrusted_callers_is_refused() -> None:
+    """Joining root's queued flight is allowed; when root stops waiting for it, the flight's only
+    callers are untrusted, and with a cap of 1 no slot is theirs: refused (README Limits), not
+    queued where nothing can ever start it (an untrusted caller without a deadline hung forever)."""
+    up, s = Upstream(), PullScheduler(max_parallel=1)
+    busy = pull(s, up, "r0")
+    await settle()
+    root = pull(s, up, "y", timeout=0.05)  # queued behind r0 as trusted
+    joined = pull(s, up, "y", uid=1000)  # no deadline, like kubelet's PullImage
+    await settle()
+    with pytest.raises(RpcError) as e:
+        await root
+    assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(RpcError) as e:
+        await asyncio.wait_for(joined, 1.0)
+    assert e.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "server.trusted_uids" in e.value.details
+    assert s.queued == 0
+    up.release("r0")
+    await busy
+    assert up.calls == ["r0"]
