@@ -1,4 +1,4 @@
-"""Command line: ``cri-shim serve | check-config | status``."""
+"""Command line: ``cri-shim serve | check-config | status | fleet status | controller``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,50 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("action", choices=["status"])
     fl.add_argument("--kubeconfig", required=True, help="a kubeconfig that may list nodeimagesetstatuses")
     fl.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ct = sub.add_parser("controller", help="the cluster component: writes each ImageSet's rollout truth to its status",
+                        description="Run the fleet controller (a Deployment of 2 replicas, deploy/cluster/"
+                                    "controller.yaml). Replicas elect a leader on a coordination.k8s.io/v1 Lease; "
+                                    "only the leader writes ImageSet.status: per set the selected nodes that are "
+                                    "current, progressing, failing (by reason), stale and missing, with conditions "
+                                    "Available, Progressing and Degraded.")
+    ct.add_argument("--kubeconfig", help="kubeconfig to use (default: the Pod's ServiceAccount, in-cluster)")
+    ct.add_argument("--namespace", default="cri-shim", help="namespace of the leader Lease (default cri-shim)")
+    ct.add_argument("--lease-name", default="cri-shim-controller", help="name of the leader Lease")
+    ct.add_argument("--identity", help="this replica's holderIdentity (default: POD_NAME or host name + random)")
+    ct.add_argument("--lease-duration", type=float, default=15.0,
+                    help="seconds a standby waits after the Lease last changed before taking it (default 15)")
+    ct.add_argument("--renew-deadline", type=float, default=10.0,
+                    help="seconds the leader keeps acting without a successful renewal (default 10)")
+    ct.add_argument("--retry-period", type=float, default=2.0, help="seconds between tries (default 2)")
+    ct.add_argument("--stale-after", type=float, default=120.0,
+                    help="a node behind on a set whose shim wrote nothing for this many seconds (since its last "
+                         "write or the set's generation change, whichever is later) is stale (default 120)")
+    ct.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    ct.add_argument("--log-format", choices=["text", "json"], default="text")
     return p
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from kubernetes_asyncio.config import ConfigException
+
+    from .controller.main import default_identity, run
+
+    logs.setup(args.log_level, args.log_format)
+    if not args.lease_duration > args.renew_deadline > args.retry_period > 0:
+        print("cri-shim: need --lease-duration > --renew-deadline > --retry-period > 0", file=sys.stderr)
+        return 2
+    if args.kubeconfig and not os.path.exists(args.kubeconfig):
+        print(f"cri-shim: --kubeconfig {args.kubeconfig}: no such file", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run(kubeconfig=args.kubeconfig, namespace=args.namespace, lease_name=args.lease_name,
+                               identity=args.identity or default_identity(), lease_duration=args.lease_duration,
+                               renew_deadline=args.renew_deadline, retry_period=args.retry_period,
+                               stale_after=args.stale_after))
+    except ConfigException as e:
+        print(f"cri-shim: cannot start the controller: {e} (outside a Pod, pass --kubeconfig)", file=sys.stderr)
+        return 2
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -134,7 +177,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"serve": _serve, "check-config": _check_config, "status": _status, "fleet": _fleet}[args.command]
+    handler = {"serve": _serve, "check-config": _check_config, "status": _status, "fleet": _fleet,
+               "controller": _controller}[args.command]
     return handler(args)
 
 

@@ -1,38 +1,37 @@
-"""`cri-shim fleet status`: per set, over every node's NodeImageSetStatus, how many nodes it
-selects, how many are done (current generation = desired), progressing and failing, and which
-nodes fail with what reason (a pull's typed reason, or the set's: ``InvalidSet``,
-``PullSecretUnavailable``). Read-only: one list of the status objects."""
+"""`cri-shim fleet status`: per ImageSet, the truth `cri-shim controller` wrote to its status
+(selected, current, progressing, failing, stale, missing nodes; failing nodes with their reason;
+the rollout's time). Read-only: one list of the ImageSets. A set whose status is absent or
+behind its generation says so: no controller is running, or it has not caught up."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections import defaultdict
 from typing import Any
 
-from .objects import NODE_STATUS
+from .objects import IMAGE_SET
+
+COUNTS = ("selected", "current", "progressing", "failing", "stale", "missing")
 
 
 def summarize(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    sets: dict[str, dict[str, Any]] = defaultdict(lambda: {"selected": 0, "done": 0, "progressing": 0, "failing": 0,
-                                                           "generations": set(), "failures": []})
-    for obj in items:
-        node = obj["metadata"]["name"]
-        for row in (obj.get("status") or {}).get("sets", []):
-            s = sets[row["name"]]
-            s["selected"] += 1
-            s["generations"].add(row.get("desiredGeneration", ""))
-            images = row.get("images") or {}
-            if images.get("failed") or row.get("failedReasons") or row.get("reason"):
-                s["failing"] += 1
-                reasons = ",".join(sorted({*(row.get("failedReasons") or {}), *([row["reason"]] if row.get("reason")
-                                                                                  else [])})) or "other"
-                s["failures"].append({"node": node, "reasons": reasons, "error": row.get("error", "")})
-            elif row.get("currentGeneration") == row.get("desiredGeneration"):
-                s["done"] += 1
-            else:
-                s["progressing"] += 1
-    return {name: {**s, "generations": sorted(s["generations"])} for name, s in sorted(sets.items())}
+    out: dict[str, dict[str, Any]] = {}
+    for obj in sorted(items, key=lambda o: str(o["metadata"]["name"])):
+        st = obj.get("status") or {}
+        gen = obj["metadata"].get("generation")
+        row: dict[str, Any] = {"generation": gen, "observedGeneration": st.get("observedGeneration"),
+                               **{k: st.get(k) for k in COUNTS}}
+        if not st:
+            row["note"] = "no status: is `cri-shim controller` running?"
+        elif st.get("observedGeneration") != gen:
+            row["note"] = f"status is for generation {st.get('observedGeneration')}; the controller has not caught up"
+        for k in ("failedReasons", "failingNodes", "staleNodes", "missingNodes", "rolloutSeconds"):
+            if k in st:
+                row[k] = st[k]
+        row["conditions"] = {c["type"]: {"status": c.get("status"), "reason": c.get("reason", "")}
+                             for c in st.get("conditions") or []}
+        out[str(obj["metadata"]["name"])] = row
+    return out
 
 
 async def _list(kubeconfig: str) -> list[dict[str, Any]]:
@@ -41,11 +40,15 @@ async def _list(kubeconfig: str) -> list[dict[str, Any]]:
 
     api = await new_client_from_config(config_file=kubeconfig, persist_config=False)
     try:
-        resp = await CustomObjectsApi(api).list_cluster_custom_object(NODE_STATUS.group, NODE_STATUS.version,
-                                                                      NODE_STATUS.plural, _request_timeout=60)
+        resp = await CustomObjectsApi(api).list_cluster_custom_object(IMAGE_SET.group, IMAGE_SET.version,
+                                                                      IMAGE_SET.plural, _request_timeout=60)
         return list(resp.get("items") or [])
     finally:
         await api.close()
+
+
+def _n(v: Any) -> str:
+    return "-" if v is None else str(v)
 
 
 def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
@@ -53,10 +56,18 @@ def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"{'SET':<32} {'GENERATION':<12} {'SELECTED':>8} {'DONE':>6} {'PROGRESSING':>11} {'FAILING':>7}")
+    print(f"{'SET':<32} {'GEN':>4} {'SELECTED':>8} {'CURRENT':>7} {'PROGRESSING':>11} {'FAILING':>7} {'STALE':>5} "
+          f"{'MISSING':>7}  DEGRADED")
     for name, s in summary.items():
-        print(f"{name:<32} {','.join(s['generations']):<12} {s['selected']:>8} {s['done']:>6} "
-              f"{s['progressing']:>11} {s['failing']:>7}")
-        for f in s["failures"][:20]:
-            print(f"  {f['node']}: {f['reasons']}: {f['error'][:160]}")
+        degraded = s["conditions"].get("Degraded", {})
+        print(f"{name:<32} {_n(s['generation']):>4} " + " ".join(f"{_n(s[k]):>{w}}" for k, w in
+              (("selected", 8), ("current", 7), ("progressing", 11), ("failing", 7), ("stale", 5), ("missing", 7)))
+              + f"  {degraded.get('reason', '-') if degraded.get('status') == 'True' else '-'}")
+        if "note" in s:
+            print(f"  {s['note']}")
+        for f in s.get("failingNodes", []):
+            print(f"  {f['node']}: {f.get('reasons', '')}: {f.get('error', '')[:160]}")
+        for key, what in (("staleNodes", "stale"), ("missingNodes", "missing")):
+            if s.get(key):
+                print(f"  {what}: {', '.join(s[key])}")
     return 0

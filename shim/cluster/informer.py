@@ -15,7 +15,9 @@
 * ``give_up_on``: HTTP statuses that end ``run()`` instead of retrying (a Secret whose watch
   RBAC does not allow falls back to reading it by name).
 * ``on_change`` is called after every change (synchronously, in the loop; coalescing is the
-  caller's business).
+  caller's business). ``on_event`` (optional) also gets what changed: ``(type, old, new)`` per
+  watch event (``ADDED``/``MODIFIED``/``DELETED``; old or new None where there is none), and
+  ``("LIST", None, None)`` after a (re-)list, when anything may have changed.
 
 Lists and watch events are read as JSON (``_preload_content=False``), not as client models.
 """
@@ -40,6 +42,8 @@ from .reachability import describe as describe
 _log = logs.get("cluster")
 
 ListFn = Callable[..., Any]
+Obj = dict[str, Any] | None
+EventFn = Callable[[str, Obj, Obj], None]
 
 
 async def open_response(resp: Any) -> Any:
@@ -57,7 +61,8 @@ async def open_response(resp: Any) -> Any:
 
 class Informer:
     def __init__(self, api: ApiClient, name: str, list_fn: ListFn, *, on_change: Callable[[], None],
-                 reach: Reachability, kind: tuple[str, str] | None = None, watch_timeout: float = 300.0,
+                 reach: Reachability, kind: tuple[str, str] | None = None, on_event: EventFn | None = None,
+                 watch_timeout: float = 300.0,
                  request_timeout: float = 30.0, backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  give_up_on: frozenset[int] = frozenset(), **list_kwargs: Any) -> None:
         self.api = api
@@ -65,6 +70,7 @@ class Informer:
         self._list_fn = list_fn
         self._kwargs = list_kwargs
         self._on_change = on_change
+        self._on_event = on_event
         self._reach = reach
         self._kind = kind  # (apiVersion, kind) filled in where the API omits them
         self._give_up_on = give_up_on
@@ -99,6 +105,8 @@ class Informer:
         self.items = {o["metadata"]["name"]: self._obj(o) for o in body.get("items") or []}
         self.resource_version = body["metadata"]["resourceVersion"]
         self.synced = True
+        if self._on_event is not None:
+            self._on_event("LIST", None, None)
         self._on_change()
 
     async def _watch(self) -> None:
@@ -132,9 +140,12 @@ class Informer:
             obj = self._obj(obj)
             name = obj["metadata"]["name"]
             if kind == "DELETED":
-                self.items.pop(name, None)
+                old = self.items.pop(name, None)
             else:
+                old = self.items.get(name)
                 self.items[name] = obj
+            if self._on_event is not None:
+                self._on_event(kind, old, None if kind == "DELETED" else obj)
             self._on_change()
         if rv:  # an event's or a BOOKMARK's
             self.resource_version = rv

@@ -62,21 +62,30 @@ def selects(selector: Mapping[str, Any] | None, labels: Mapping[str, str], *, no
     for k, v in (selector.get("matchLabels") or {}).items():
         if labels.get(k) != v:
             return False
+    return all(_expression(i, expr, labels) for i, expr in enumerate(selector.get("matchExpressions") or []))
+
+
+def _expression(i: int, expr: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    key, op, values = str(expr.get("key")), expr.get("operator"), expr.get("values") or []
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    raise SelectorError(f"matchExpressions[{i}].operator: unknown operator {op!r}")
+
+
+def check_selector(selector: Mapping[str, Any] | None) -> None:
+    """Raise SelectorError when any part of the selector is invalid (``selects`` stops at the first miss)."""
+    if selector is None:
+        return
+    if not isinstance(selector, Mapping):
+        raise SelectorError("a label selector must be a map")
     for i, expr in enumerate(selector.get("matchExpressions") or []):
-        key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
-        if op == "In":
-            ok = key in labels and labels[key] in values
-        elif op == "NotIn":
-            ok = key not in labels or labels[key] not in values
-        elif op == "Exists":
-            ok = key in labels
-        elif op == "DoesNotExist":
-            ok = key not in labels
-        else:
-            raise SelectorError(f"matchExpressions[{i}].operator: unknown operator {op!r}")
-        if not ok:
-            return False
-    return True
+        _expression(i, expr, {})
 
 
 @dataclass(frozen=True)

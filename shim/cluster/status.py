@@ -160,7 +160,16 @@ class NodeStatus:
         status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": rows, "summary": summary,
                                   "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current)}
         return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
-                "metadata": {"name": self.source.node_name}, "status": status}
+                "metadata": {"name": self.source.node_name, **self._owner()}, "status": status}
+
+    def _owner(self) -> dict[str, Any]:
+        """An owner reference to this node's Node once its uid is known: the object goes with the Node."""
+        inf = self.source.informers.get("node")
+        node = inf.items.get(self.source.node_name) if inf is not None else None
+        uid = ((node or {}).get("metadata") or {}).get("uid")
+        if not uid:
+            return {}
+        return {"ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.source.node_name, "uid": uid}]}
 
     def _problem(self, name: str, source: str, from_cluster: bool, refused: dict[str, Refused],
                  secret_errors: dict[str, str]) -> tuple[str, str, str] | None:

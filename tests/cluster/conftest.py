@@ -6,12 +6,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.support.apiserver import ControlPlane, require_control_plane
+from tests.support.controller import ControllerProc
 from tests.support.fixtures import (  # noqa: F401  (re-exported fixtures)
     _reset_proxies_after_test,
     auth_registry,
@@ -55,3 +56,20 @@ def admin(control_plane: ControlPlane) -> Admin:
             if e.status != 409:
                 raise
     return a
+
+
+@pytest.fixture
+def controllers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[Any]:
+    """``start(identity, *flags)``: a `cri-shim controller` process, stopped (SIGTERM) at the end."""
+    started: list[ControllerProc] = []
+
+    def start(identity: str, *extra: str) -> ControllerProc:
+        c = ControllerProc(control_plane, tmp_path, identity, *extra)
+        started.append(c)
+        return c
+    try:
+        yield start
+    finally:
+        for c in started:
+            c.stop()
+            print(f"--- controller {c.identity} log (tail)\n{c.log_text()[-3000:]}")

@@ -143,7 +143,7 @@ def _kept(shim: Any, images: list[Any]) -> None:
 
 
 def test_bad_imageset_edit_keeps_the_last_valid_version(control_plane, admin, make_image, registry, shim_factory,
-                                                        tmp_path, short_tmp) -> None:
+                                                        tmp_path, short_tmp, controllers) -> None:
     images = [make_image() for _ in range(3)]
     admin.set_node_labels("node-a", {"t9": "yes"})
     admin.apply_custom(*SHIM, "imagesets", image_set("t9-keep", [i.ref for i in images], {"t9": "yes"}))
@@ -173,8 +173,11 @@ def test_bad_imageset_edit_keeps_the_last_valid_version(control_plane, admin, ma
             assert events[0].type == "Warning" and "generation 1 stays in force" in events[0].message
             text = _status_text(admin_sock)
             assert "refused" in text and "set t9-keep generation 2" in text and "in force: generation 1" in text
-            fleet = _fleet(control_plane)["t9-keep"]
-            assert fleet["failing"] == 1 and "InvalidSet" in fleet["failures"][0]["reasons"]
+            controllers("t9-controller")  # the fleet view is what the controller writes on the set
+            fleet = wait_for(lambda: _fleet(control_plane)["t9-keep"].get("failing") == 1
+                             and _fleet(control_plane)["t9-keep"], 30, "the set's status: 1 failing")
+            assert fleet["failingNodes"][0]["node"] == "node-a"
+            assert "InvalidSet" in fleet["failingNodes"][0]["reasons"]
             state = json.loads((tmp_path / "node-a-state.json").read_text())
             assert [(o["metadata"]["name"], o["metadata"]["generation"]) for o in state["imageSets"]] == [
                 ("t9-keep", 1)]

@@ -5,8 +5,9 @@ Install: ``scripts/setup.d/55-apiserver.sh`` builds both from the Go module prox
 (a CA, the serving cert for 127.0.0.1, the service-account signing key); clients authenticate
 with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters), one user per
 node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the
-RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them) and one kubelet
-identity per node (``system:node:<node>``). Authorization: Node, RBAC.
+RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them), one kubelet
+identity per node (``system:node:<node>``) and the controller's ServiceAccount
+(``system:serviceaccount:cri-shim:cri-shim-controller``, rights of deploy/cluster/controller.yaml). Authorization: Node, RBAC.
 
     cp = ControlPlane(workdir).start()
     cp.kubeconfig(path, token=cp.admin_token)
@@ -53,6 +54,9 @@ def require_control_plane() -> tuple[str, str]:
     return apiserver, etcd
 
 
+CONTROLLER_USER = f"system:serviceaccount:{SA_NAMESPACE}:cri-shim-controller"
+
+
 def node_user(node: str) -> str:
     return f"system:serviceaccount:{SA_NAMESPACE}:cri-shim-{node}"
 
@@ -73,6 +77,7 @@ class ControlPlane:
         self.admin_token = secrets.token_hex(16)
         self.node_tokens = {n: secrets.token_hex(16) for n in nodes}  # the node's cri-shim ServiceAccount
         self.kubelet_tokens = {n: secrets.token_hex(16) for n in nodes}  # system:node:<n>, for a real kubelet
+        self.controller_token = secrets.token_hex(16)  # the controller's ServiceAccount (controller.yaml)
         self.etcd: subprocess.Popen[bytes] | None = None
         self.apiserver: subprocess.Popen[bytes] | None = None
         self.ca = self.dir / "ca.crt"
@@ -94,6 +99,7 @@ class ControlPlane:
         lines += [f"{tok},{node_user(n)},{n},system:serviceaccounts" for n, tok in self.node_tokens.items()]
         lines += [f'{tok},system:node:{n},kubelet-{n},"system:nodes,system:authenticated"'
                   for n, tok in self.kubelet_tokens.items()]
+        lines.append(f"{self.controller_token},{CONTROLLER_USER},controller,system:serviceaccounts")
         (d / "tokens.csv").write_text("\n".join(lines) + "\n")
 
     # ------------------------------------------------------------------ processes
@@ -187,6 +193,10 @@ class ControlPlane:
     def node_kubeconfig(self, path: Path, node: str) -> Path:
         """The node's cri-shim ServiceAccount (rights: deploy/cluster/*rbac.yaml)."""
         return self.kubeconfig(path, token=self.node_tokens[node], user=node)
+
+    def controller_kubeconfig(self, path: Path) -> Path:
+        """The controller's ServiceAccount (rights: deploy/cluster/controller.yaml)."""
+        return self.kubeconfig(path, token=self.controller_token, user="controller")
 
     def kubelet_kubeconfig(self, path: Path, node: str) -> Path:
         """A kubelet's identity (system:node:<node>): the Node authorizer lets it register its Node."""

@@ -114,9 +114,11 @@ class Admin:
 
 def install(kubeconfig: Path, nodes: Iterable[str]) -> Admin:
     """A fresh API server made ready for shims: the shim's CRDs, MCO's test CRDs, the RBAC of
-    deploy/cluster/ (node-rbac.yaml once per node), every kind served. Returns the admin."""
+    deploy/cluster/ (node-rbac.yaml once per node; controller.yaml but its Deployment), every kind served. Returns the admin."""
     admin = Admin(kubeconfig)
     admin.apply_files(DEPLOY / "crds.yaml", MCO_CRDS, DEPLOY / "rbac.yaml")
+    admin.apply_docs(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text())
+                     if d and d["kind"] != "Deployment")  # tests run the controller as processes
     for node in nodes:
         admin.apply_files(DEPLOY / "node-rbac.yaml", substitute={"NODE_NAME": node})
     for group, version, plural in SERVED:

@@ -315,15 +315,19 @@ def test_config_cluster_keys() -> None:
         config.from_dict({"cluster": {"nope": 1}})
 
 
-def test_fleet_summary() -> None:
+def test_fleet_summary_reads_the_sets_status() -> None:
     from shim.cluster.fleet import summarize
 
-    def obj(node: str, **row: Any) -> dict[str, Any]:
-        return {"metadata": {"name": node}, "status": {"sets": [{"name": "s", "desiredGeneration": "2", **row}]}}
-
-    out = summarize([obj("a", currentGeneration="2"), obj("b", currentGeneration="1"),
-                     obj("c", images={"failed": 1}, failedReasons={"auth": 1}, error="x: 401"),
-                     {"metadata": {"name": "d"}, "status": {"sets": []}}])
-    s = out["s"]
-    assert (s["selected"], s["done"], s["progressing"], s["failing"]) == (3, 1, 1, 1)
-    assert s["failures"] == [{"node": "c", "reasons": "auth", "error": "x: 401"}]
+    done = {"metadata": {"name": "b", "generation": 2},
+            "status": {"observedGeneration": 2, "selected": 3, "current": 1, "progressing": 0, "failing": 1,
+                       "stale": 0, "missing": 1, "failedReasons": {"auth": 1},
+                       "failingNodes": [{"node": "c", "reasons": "auth", "error": "x: 401"}],
+                       "conditions": [{"type": "Degraded", "status": "True", "reason": "AuthFailed"}]}}
+    out = summarize([done, {"metadata": {"name": "a", "generation": 1}},
+                     {"metadata": {"name": "c", "generation": 3}, "status": {"observedGeneration": 2}}])
+    assert list(out) == ["a", "b", "c"]
+    b = out["b"]
+    assert (b["selected"], b["current"], b["failing"], b["missing"]) == (3, 1, 1, 1)
+    assert b["failingNodes"] == [{"node": "c", "reasons": "auth", "error": "x: 401"}]
+    assert b["conditions"]["Degraded"] == {"status": "True", "reason": "AuthFailed"} and "note" not in b
+    assert "controller" in out["a"]["note"] and "not caught up" in out["c"]["note"]

@@ -1,0 +1,208 @@
+"""``cri-shim controller``: writes each ImageSet's truth (truth.py, report.py) to its status.
+
+Three informers (shim/cluster/informer.py) keep Nodes, ImageSets and NodeImageSetStatuses in
+memory, on every replica (a standby's cache is warm when it takes over). Only the leader
+(leader.py) writes. Work follows the change, never a timer over every set:
+
+* an ImageSet event marks that set;
+* a Node added, deleted or relabelled marks the sets selecting it before or after;
+* a NodeImageSetStatus event marks the sets its rows name and those selecting its node;
+* a (re-)list marks every set;
+* a set with a node that turns stale if nothing changes gets one timer, at that due time.
+
+Marked sets are recomputed in batches (at most one batch per ``batch_interval``, 0.5 s): one
+rollout wave of a thousand nodes costs a few recomputes per set, not a thousand. A status is
+applied only when it differs from the one last written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from functools import partial
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
+
+from ..cluster.informer import Informer, Obj, describe
+from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind
+from ..cluster.reachability import Reachability, readyz
+from ..observability import logs
+from . import report, truth
+from .leader import LeaderElector
+
+_log = logs.get("controller")
+
+
+def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
+    return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
+
+
+def _rows(obj: Obj) -> set[str]:
+    return {str(r.get("name")) for r in ((obj or {}).get("status") or {}).get("sets") or []}
+
+
+class Controller:
+    def __init__(self, api: ApiClient, elector: LeaderElector, *, stale_after: float = 120.0,
+                 batch_interval: float = 0.5, request_timeout: float = 30.0, watch_timeout: float = 300.0,
+                 backoff_initial: float = 1.0, backoff_max: float = 30.0) -> None:
+        self.api = api
+        self.elector = elector
+        self.stale_after = stale_after
+        self.batch_interval = batch_interval
+        self.request_timeout = request_timeout
+        self.custom = CustomObjectsApi(api)
+        # shared by the three watches: backoff, and all resume together once the API server answers again
+        self.reach = Reachability(lambda: readyz(api, request_timeout), probe_interval=5.0,
+                                  request_timeout=request_timeout)
+        common: dict[str, Any] = dict(on_change=lambda: None, reach=self.reach, watch_timeout=watch_timeout,
+                                      request_timeout=request_timeout, backoff_initial=backoff_initial,
+                                      backoff_max=backoff_max)
+        self.nodes = Informer(api, "nodes", CoreV1Api(api).list_node, kind=("v1", "Node"),
+                              on_event=self._node_event, **common)
+        self.sets = Informer(api, "imagesets", _lister(self.custom, IMAGE_SET),
+                             kind=(IMAGE_SET.api_version, IMAGE_SET.kind), on_event=self._set_event, **common)
+        self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
+                                 kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
+                                 **common)
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
+        self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
+        self.recomputes = 0
+        self.writes = 0
+        self.write_errors = 0
+
+    # ------------------------------------------------------------------ what changed
+
+    def mark(self, *names: str) -> None:
+        if names:
+            self._dirty.update(names)
+            self._wake.set()
+
+    def _mark_all(self) -> None:
+        self.mark(*self.sets.items)
+
+    def _selecting(self, labels: dict[str, str]) -> list[str]:
+        return [n for n, s in self.sets.items.items() if truth.selects_node(s, labels)]
+
+    def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
+        if kind == "LIST":
+            self._mark_all()
+            return
+        name = str(((new or old) or {}).get("metadata", {}).get("name"))
+        if kind == "DELETED":
+            self._forget(name)
+            return
+        self.mark(name)
+
+    def _node_event(self, kind: str, old: Obj, new: Obj) -> None:
+        if kind == "LIST":
+            self._mark_all()
+            return
+        before = truth.node_labels(old) if old is not None else None
+        after = truth.node_labels(new) if new is not None else None
+        if before == after:
+            return  # a status heartbeat: nothing a set looks at
+        names = set(self._selecting(before)) if before is not None else set()
+        if after is not None:
+            names.update(self._selecting(after))
+        self.mark(*names)
+
+    def _status_event(self, kind: str, old: Obj, new: Obj) -> None:
+        if kind == "LIST":
+            self._mark_all()
+            return
+        obj = new or old or {}
+        node = self.nodes.items.get(str(obj.get("metadata", {}).get("name")))
+        names = (_rows(old) | _rows(new)) & set(self.sets.items)
+        if node is not None:
+            names.update(self._selecting(truth.node_labels(node)))
+        self.mark(*names)
+
+    def _forget(self, name: str) -> None:
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+        self._written.pop(name, None)
+        self._started.pop(name, None)
+        self._dirty.discard(name)
+
+    # ------------------------------------------------------------------ acting (leader only)
+
+    def _schedule(self, name: str, due: float | None) -> None:
+        old = self._timers.pop(name, None)
+        if old is not None:
+            old.cancel()
+        if due is not None:
+            delay = max(0.0, due - time.time()) + 0.05
+            self._timers[name] = asyncio.get_running_loop().call_later(delay, self.mark, name)
+
+    async def reconcile(self, name: str) -> None:
+        obj = self.sets.items.get(name)
+        if obj is None:
+            self._forget(name)
+            return
+        view = {**obj, "status": self._written.get(name, obj.get("status") or {})}
+        if (view["status"].get("observedGeneration") != obj["metadata"].get("generation")
+                and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"].get("generation")):
+            view["status"] = obj.get("status") or {}  # another leader wrote since: its times hold
+        now = time.time()
+        gen = obj["metadata"].get("generation")
+        seen = self._started.get(name)
+        started = seen[1] if seen is not None and seen[0] == gen else report.rollout_start(view, now)
+        self._started[name] = (gen, started)
+        t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
+                          stale_after=self.stale_after)
+        self.recomputes += 1
+        self._schedule(name, t.next_due)
+        status = report.status_of(view, t, started=started, now=now)
+        if report.unchanged(view, status) or not self.elector.leading:
+            return
+        try:
+            await self.custom.patch_cluster_custom_object_status(  # type: ignore[call-arg]  # .pyi lacks _content_type
+                IMAGE_SET.group, IMAGE_SET.version, IMAGE_SET.plural, name, report.apply_body(name, status),
+                field_manager=report.FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+                _request_timeout=self.request_timeout)
+        except Exception as e:
+            self.write_errors += 1
+            logs.log(_log, logging.WARNING, "cannot write the image set's status; will retry", set=name,
+                     error=describe(e))
+            asyncio.get_running_loop().call_later(min(30.0, 1.0 * 2 ** min(self.write_errors, 5)), self.mark, name)
+            return
+        self.writes += 1
+        self._written[name] = status
+
+    async def lead(self) -> None:
+        """The leader's work, cancelled when leadership is lost."""
+        self._written.clear()
+        self._mark_all()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not (self.nodes.synced and self.sets.synced and self.statuses.synced):
+                    continue  # each informer's list marks every set once it is synced
+                batch, self._dirty = sorted(self._dirty), set()
+                for name in batch:
+                    await self.reconcile(name)
+                await asyncio.sleep(self.batch_interval)
+        finally:
+            for timer in self._timers.values():
+                timer.cancel()
+            self._timers.clear()
+            self._written.clear()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(inf.run(), name=f"controller-watch-{inf.name}")
+                 for inf in (self.nodes, self.sets, self.statuses)]
+        try:
+            await self.elector.run(self.lead)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.reach.stop()

@@ -1,0 +1,180 @@
+"""Leader election on a ``coordination.k8s.io/v1`` Lease, as client-go's leaderelection does it.
+
+* Every candidate tries to acquire the Lease every ``retry_period`` (2 s, jittered up to 1.2x).
+  A Lease held by another identity is taken only when its record has not changed for
+  ``lease_duration`` (15 s) of this candidate's own clock (client-go's observedTime: no clock
+  is compared across machines). Writes carry the resourceVersion read, so two candidates
+  never both win.
+* The leader renews every ``retry_period``. When no renewal succeeded for ``renew_deadline``
+  (10 s), it stops acting (``leading`` goes false at once, its work is cancelled) and becomes a
+  candidate again: it stops 5 s before any standby may take over.
+* Stopped cleanly (SIGTERM), the leader releases the Lease (empty holder, 1 s duration), so a
+  standby takes over at its next try instead of after the lease duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import random
+import time
+from typing import Any, Callable, Coroutine
+
+from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..cluster.informer import describe
+from ..observability import logs
+
+_log = logs.get("controller")
+
+
+def _micro(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(self, api: ApiClient, *, namespace: str, name: str, identity: str, lease_duration: float = 15.0,
+                 renew_deadline: float = 10.0, retry_period: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_duration > renew_deadline > retry_period > 0:
+            raise ValueError("need lease duration > renew deadline > retry period > 0")
+        self.coord = CoordinationV1Api(api)
+        self.namespace = namespace
+        self.name = name
+        self.identity = identity
+        self.lease_duration = lease_duration
+        self.renew_deadline = renew_deadline
+        self.retry_period = retry_period
+        self._clock = clock
+        self._observed: tuple[Any, ...] | None = None  # the Lease's record as last read
+        self._observed_at = 0.0  # when it last changed, on our clock
+        self._renewed_at = -1e18  # our last successful acquire or renew
+        self._leading = False
+        self.transitions = 0  # times this process became leader
+        self.holder = ""  # the holder as last seen
+
+    @property
+    def leading(self) -> bool:
+        """True only while a renewal succeeded within the renew deadline."""
+        return self._leading and self._clock() - self._renewed_at < self.renew_deadline
+
+    def _spec(self, now_wall: float, acquired: str | None, transitions: int) -> dict[str, Any]:
+        return {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.lease_duration),
+                "acquireTime": acquired or _micro(now_wall), "renewTime": _micro(now_wall),
+                "leaseTransitions": transitions}
+
+    async def try_acquire_or_renew(self) -> bool:
+        now_wall, now = time.time(), self._clock()
+        timeout = self.retry_period * 2
+        try:
+            lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec(now_wall, None, 0)}
+            try:
+                await self.coord.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)  # type: ignore[arg-type]
+            except ApiException as e2:
+                if e2.status == 409:  # another candidate created it first
+                    return False
+                raise
+            self._observed, self._observed_at, self.holder = None, now, self.identity
+            return True
+        spec = lease.spec
+        record = (spec.holder_identity, spec.renew_time, spec.lease_duration_seconds, spec.lease_transitions)
+        if record != self._observed:
+            self._observed, self._observed_at = record, now
+        holder = spec.holder_identity or ""
+        self.holder = holder
+        duration = spec.lease_duration_seconds or self.lease_duration
+        if holder and holder != self.identity and now < self._observed_at + duration:
+            return False
+        mine = holder == self.identity
+        acquired = spec.acquire_time.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if mine and spec.acquire_time else None
+        transitions = (spec.lease_transitions or 0) + (0 if mine else 1)
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace,
+                             "resourceVersion": lease.metadata.resource_version},
+                "spec": self._spec(now_wall, acquired, transitions)}
+        try:
+            await self.coord.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]
+                                                      _request_timeout=timeout)
+        except ApiException as e:
+            if e.status == 409:  # someone else wrote it since our read
+                return False
+            raise
+        self.holder = self.identity
+        return True
+
+    async def _try(self) -> bool:
+        try:
+            ok = await self.try_acquire_or_renew()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logs.log(_log, logging.WARNING, "cannot read or write the leader Lease", lease=self.name,
+                     error=describe(e))
+            return False
+        if ok:
+            self._renewed_at = self._clock()
+        return ok
+
+    async def run(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Forever: acquire, then run ``lead()`` while renewing; cancel it when leadership is lost."""
+        while True:
+            while not await self._try():
+                await asyncio.sleep(self.retry_period * (1 + 0.2 * random.random()))
+            self._leading = True
+            self.transitions += 1
+            logs.log(_log, logging.INFO, "became leader", lease=f"{self.namespace}/{self.name}", identity=self.identity)
+            work = asyncio.get_running_loop().create_task(lead(), name="controller-lead")
+            try:
+                await self._renew_until_lost(work)
+            finally:
+                self._leading = False
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+            logs.log(_log, logging.WARNING, "lost leadership: stopped acting", lease=f"{self.namespace}/{self.name}",
+                     identity=self.identity, holder=self.holder)
+
+    async def _renew_until_lost(self, work: asyncio.Task[None]) -> None:
+        while True:
+            await asyncio.sleep(self.retry_period)
+            if work.done():  # the work ended by itself (a bug): fail loudly, do not hold the Lease idle
+                work.result()
+                raise RuntimeError("the leader's work ended")
+            left = self._renewed_at + self.renew_deadline - self._clock()
+            if left > 0:
+                try:
+                    async with asyncio.timeout(left):
+                        if await self._try():
+                            continue
+                except TimeoutError:
+                    pass
+            if not self.leading:
+                return
+
+    async def release(self) -> None:
+        """Give the Lease up (when stopping, after the work was cancelled) if we still hold it: a
+        standby takes it at its next try."""
+        if self.transitions == 0:
+            return
+        self._leading = False
+        try:
+            lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
+            if lease.spec.holder_identity != self.identity:
+                return
+            now = time.time()
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace,
+                                 "resourceVersion": lease.metadata.resource_version},
+                    "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": _micro(now),
+                             "acquireTime": _micro(now), "leaseTransitions": lease.spec.lease_transitions or 0}}
+            await self.coord.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]
+                                                      _request_timeout=5)
+            logs.log(_log, logging.INFO, "released the leader Lease", lease=f"{self.namespace}/{self.name}")
+        except Exception as e:
+            logs.log(_log, logging.WARNING, "cannot release the leader Lease", error=describe(e))

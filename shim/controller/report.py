@@ -1,0 +1,102 @@
+"""ImageSet.status as the controller writes it (server-side apply to the status subresource,
+field manager ``cri-shim-controller``): the counts of truth.py, the rollout's times and the
+conditions.
+
+* ``observedGeneration``, ``rolloutStartTime`` (when the controller first saw that generation),
+  ``rolloutCompletionTime`` and ``rolloutSeconds`` (start until every selected node was current;
+  kept until the next generation).
+* ``Available``: every selected node current. ``Progressing``: nodes still pulling or not yet
+  caught up. ``Degraded``: a node failed (reason by type: ``AuthFailed``, ``NotFound``, ...),
+  or is stale or missing (``NodesStale``, ``NodesMissing``). Slow progress never sets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..cluster.objects import IMAGE_SET
+from .truth import Truth, format_time, parse_time
+
+FIELD_MANAGER = "cri-shim-controller"
+_REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
+           "other": "PullFailed"}
+
+
+def rollout_start(image_set: Mapping[str, Any], now: float) -> float:
+    """When the set's current generation was first seen: kept in its status across leaders."""
+    meta, status = image_set.get("metadata") or {}, image_set.get("status") or {}
+    if status.get("observedGeneration") == meta.get("generation"):
+        t = parse_time(status.get("rolloutStartTime"))
+        if t is not None:
+            return t
+    return now
+
+
+def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
+    of = f"{t.current} of {t.selected} selected nodes current"
+    if t.selector_error:
+        bad = ("True", "InvalidSelector", t.selector_error)
+        return {"Available": ("False", "InvalidSelector", t.selector_error),
+                "Progressing": ("False", "InvalidSelector", t.selector_error), "Degraded": bad}
+    available = ("True", "AllNodesCurrent", of) if t.all_current else ("False", "NodesNotCurrent", of)
+    progressing = (("True", "NodesPulling", f"{t.progressing} node(s) pulling or catching up; {of}")
+                   if t.progressing else ("False", "Idle", of))
+    if t.failing:
+        top = max(t.failed_reasons.items(), key=lambda kv: (kv[1], kv[0]))[0] if t.failed_reasons else "other"
+        names = ", ".join(f"{f['node']} ({f['reasons']})" for f in t.failing_nodes[:5])
+        degraded = ("True", _REASON.get(top, top), f"{t.failing} node(s) failing: {names}")
+    elif t.stale:
+        degraded = ("True", "NodesStale",
+                    f"{t.stale} node(s) behind with a silent shim: {', '.join(t.stale_nodes[:5])}")
+    elif t.missing:
+        degraded = ("True", "NodesMissing",
+                    f"{t.missing} selected node(s) without any report: {', '.join(t.missing_nodes[:5])}")
+    else:
+        degraded = ("False", "NoFailures", "no selected node failing, stale or missing")
+    return {"Available": available, "Progressing": progressing, "Degraded": degraded}
+
+
+def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: float) -> dict[str, Any]:
+    """The status to apply; times carried over from the present status where nothing changed."""
+    meta, old = image_set.get("metadata") or {}, image_set.get("status") or {}
+    same_gen = old.get("observedGeneration") == meta.get("generation")
+    status: dict[str, Any] = {
+        "observedGeneration": meta.get("generation"),
+        "selected": t.selected, "current": t.current, "progressing": t.progressing, "failing": t.failing,
+        "stale": t.stale, "missing": t.missing,
+        "rolloutStartTime": format_time(started),
+    }
+    if t.failed_reasons:
+        status["failedReasons"] = dict(t.failed_reasons)
+    if t.failing_nodes:
+        status["failingNodes"] = list(t.failing_nodes)
+    if t.stale_nodes:
+        status["staleNodes"] = list(t.stale_nodes)
+    if t.missing_nodes:
+        status["missingNodes"] = list(t.missing_nodes)
+    done_at = parse_time(old.get("rolloutCompletionTime")) if same_gen else None
+    if done_at is None and t.all_current and not t.selector_error:
+        done_at = now
+    if done_at is not None:
+        status["rolloutCompletionTime"] = format_time(done_at)
+        status["rolloutSeconds"] = max(0, round(done_at - started))
+    old_conds = {c.get("type"): c for c in old.get("conditions") or []}
+    conds = []
+    for typ, (st, reason, message) in _conditions(t).items():
+        prev = old_conds.get(typ)
+        since = prev.get("lastTransitionTime") if prev is not None and prev.get("status") == st else None
+        conds.append({"type": typ, "status": st, "reason": reason, "message": message[:2048],
+                      "lastTransitionTime": since or format_time(now),
+                      "observedGeneration": meta.get("generation")})
+    status["conditions"] = conds
+    return status
+
+
+def apply_body(name: str, status: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": IMAGE_SET.api_version, "kind": IMAGE_SET.kind, "metadata": {"name": name},
+            "status": status}
+
+
+def unchanged(image_set: Mapping[str, Any], status: Mapping[str, Any]) -> bool:
+    """True when applying ``status`` would change nothing we own."""
+    return dict(image_set.get("status") or {}) == status
