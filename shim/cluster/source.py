@@ -71,6 +71,7 @@ class ClusterSource:
         self.selected: dict[str, Selected] = {}
         self.errors: dict[str, str] = {}  # by object (cluster:Kind/name, MachineConfigPool name, node)
         self.refused: dict[str, objects.Refused] = {}  # by set name: its newest version cannot be applied
+        self.last_refused: dict[str, str] = {}  # by set name: the generation refused last, while the set is declared
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
         self.state_write_failures = 0  # the start check and every save that failed
         self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
@@ -211,6 +212,9 @@ class ClusterSource:
         for name in self.refused.keys() - refused.keys():
             logs.log(_log, logging.INFO, "cluster image set no longer refused", set=name)
         self.errors, self.refused = errors, refused
+        self.last_refused.update((n, r.generation) for n, r in refused.items())
+        for name in self.last_refused.keys() - refused.keys() - selected.keys():  # no longer declared here
+            del self.last_refused[name]
         self._own_raw, self._pinned_raw = own_raw, pinned_raw
         changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
         self.selected = selected

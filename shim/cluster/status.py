@@ -53,6 +53,11 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _generation(value: str) -> int:
+    """A generation as written in a row ("" or not a number: 0)."""
+    return int(value) if value.isdigit() else 0
+
+
 class NodeStatus:
     def __init__(self, source: ClusterSource, sets: ImageSets, poller: ProgressPoller | None, *,
                  interval: float, event_interval: float, event_namespace: str, request_timeout: float,
@@ -100,6 +105,9 @@ class NodeStatus:
         problems: dict[str, list[str]] = {r: [] for r in SET_REASONS}
         cluster_sets = self.sets.sources.get("cluster", {})
         refused, secret_errors = self.source.refused, self.source.secret_errors()
+        for name, gen in self.source.last_refused.items():  # refused since the last document, maybe fixed by now
+            if name not in self.failed or _generation(self.failed[name][0]) < _generation(gen):
+                self.failed[name] = (gen, refused[name].error if name in refused else "")
         for name, v in snap.sets.items():
             c = v.counts.as_dict()
             reasons: Counter[str] = Counter(v.failed_reasons)

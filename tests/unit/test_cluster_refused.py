@@ -193,6 +193,32 @@ async def test_status_row_degraded_and_rate_limited_event(runtime, store, tmp_pa
         assert "refused" in text and "set keep generation 2" in text and "in force: generation 1" in text
 
 
+async def test_a_refusal_fixed_before_the_next_status_write_is_still_the_last_failed_generation(
+        runtime, store, tmp_path) -> None:  # noqa: F811
+    """Refused and fixed between two status documents (a restart, a quick edit): the row still says
+    which generation was refused last (the source remembers it, not the status writer's sampling)."""
+    store.add(*GOOD)
+    sets_dir = tmp_path / "sets"
+    sets_dir.mkdir()
+    async with image_sets(runtime, sets_dir) as h:
+        src, _ = source(tmp_path, h.sets, h.metrics)
+        src.informers = {"node": informer([node({})]), "imagesets": informer([versioned(own("keep", GOOD), 1)])}
+        src.recompute()
+        st = NodeStatus(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
+                        request_timeout=5)
+        src.informers["imagesets"] = informer([versioned(own("keep", [*GOOD, UPPER]), 2)])
+        src.recompute()
+        src.informers["imagesets"] = informer([versioned(own("keep", GOOD[:2]), 3)])
+        src.recompute()
+        assert not src.refused
+        await reconciled(h, "keep", 2)
+        row = next(r for r in st.document()["status"]["sets"] if r["name"] == "keep")
+        assert (row["currentGeneration"], row["lastFailedGeneration"]) == ("3", "2") and "reason" not in row
+        src.informers["imagesets"] = informer([])  # deleted: nothing of it remembered
+        src.recompute()
+        assert "keep" not in src.last_refused
+
+
 async def test_file_with_a_bad_set_keeps_every_set_of_it_and_is_reported(runtime, store, tmp_path) -> None:  # noqa: F811
     """The file source: the file's previous content (each of its sets' last valid version) stays."""
     store.add(*GOOD)
