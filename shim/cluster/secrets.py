@@ -55,6 +55,7 @@ class PullSecrets:
         self._fetched: dict[SecretRef, float] = {}
         self._watches: dict[SecretRef, tuple[Informer, asyncio.Task[None]]] = {}
         self._get_only: set[SecretRef] = set()  # its watch was refused (RBAC allows get only)
+        self._first_gets: set[asyncio.Task[None]] = set()  # the GET right after a watch was refused
         self.by_set: dict[str, tuple[SecretRef, ...]] = {}
 
     def _named(self) -> set[SecretRef]:
@@ -114,9 +115,17 @@ class PullSecrets:
         logs.log(_log, logging.WARNING, "cannot watch a pull secret (RBAC allows get only: add list, watch to its "
                  "Role, see deploy/cluster/rbac.yaml); reading it every cluster.secret_refresh_seconds instead",
                  secret=f"{ref.namespace}/{ref.name}", error=entry[0].error)
+        first = asyncio.get_running_loop().create_task(self._first_get(ref), name="cluster-secret-first-get")
+        self._first_gets.add(first)
+        first.add_done_callback(self._first_gets.discard)
+
+    async def _first_get(self, ref: SecretRef) -> None:
+        """Read it now, not at the next refresh tick: its entries, or why it cannot be read, are known at once."""
+        if ref in self._get_only and await self.refresh([ref]):
+            self._on_change()
 
     async def stop(self) -> None:
-        tasks = [t for _, t in self._watches.values()]
+        tasks = [t for _, t in self._watches.values()] + list(self._first_gets)
         self._watches.clear()
         for t in tasks:
             t.cancel()

@@ -135,7 +135,7 @@ async def test_answers_nobody_reads_stay_bounded_in_the_runtime_and_the_shim(
             conn, sent = await asyncio.to_thread(never_read, shim.path, window=client == "reads-nothing")
             await asyncio.sleep(2.0)  # the runtime answers what it got meanwhile
         finally:
-            honest.stop()
+            await honest.stop()
             growth = {k: p.stop() - idle[k] for k, p in peaks.items()}
         conn.close()
         after = {"runtime": await _back_to(runtime_pid, idle["runtime"], IDLE_WAIT_S),

@@ -77,6 +77,9 @@ class FakeKube:
             return web.json_response(self.discovery[path])
         if path.startswith("/apis/") and path.count("/") <= 3:  # a discovery document not scripted
             return web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
+        parent, _, name = path.rpartition("/")
+        if path not in self.collections and not watch and name in self.collections.get(parent, {}):
+            return web.json_response(self.collections[parent][name])  # a GET by name
         if path not in self.collections:
             return web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
         items = list(self.collections[path].values())

@@ -344,8 +344,10 @@ async def test_secret_watch_forbidden_falls_back_to_get(kube: FakeKube) -> None:
     ps.by_set = {"s": (ref,)}
     ps.sync()
     try:
-        await until(lambda: ps.due() == [ref], "the refused watch handed over to GET")
-        assert kube.count(SECRETS) == 1  # refused once, not retried
+        # handed over to GET, and read at once (not at the next refresh tick, up to a minute later)
+        await until(lambda: ps.for_sets(frozenset({"s"})) != [], "the refused watch's Secret read by GET at once")
+        assert kube.count(SECRETS) == 1 and kube.count(f"{SECRETS}/pull") == 1  # list refused, not retried; one GET
+        assert ps.due() == []  # the next GET after refresh_seconds
     finally:
         await ps.stop()
 
