@@ -21,6 +21,7 @@ import asyncio
 import base64
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable, Coroutine
 
 import grpc
 import pytest
@@ -48,13 +49,19 @@ def gauges(port: int) -> dict[str, float]:
             if n in ("cri_shim_pulls_in_flight", "cri_shim_pull_queue_length")}
 
 
-async def timed(call) -> tuple[grpc.StatusCode, float, str]:
+def timed(start: Callable[[], Awaitable[object]]) -> Coroutine[None, None, tuple[grpc.StatusCode, float, str]]:
+    """Start the call now and time it from before it was made: grpc.aio fixes a call's deadline when the call
+    object is built, so a clock started later (when the coroutine first runs) reads less than the deadline."""
     t0 = time.monotonic()
-    try:
-        await call
-        return grpc.StatusCode.OK, time.monotonic() - t0, ""
-    except grpc.aio.AioRpcError as e:
-        return e.code(), time.monotonic() - t0, e.details() or ""
+    call = start()
+
+    async def finish() -> tuple[grpc.StatusCode, float, str]:
+        try:
+            await call
+            return grpc.StatusCode.OK, time.monotonic() - t0, ""
+        except grpc.aio.AioRpcError as e:
+            return e.code(), time.monotonic() - t0, e.details() or ""
+    return finish()
 
 
 async def until(predicate, timeout: float = 15.0) -> None:
@@ -76,10 +83,10 @@ async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, ma
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         pull = ch.unary_unary(PULL)
         first = [images[0]] * 3 + [images[1]] * 2  # in flight, 3 and 2 callers
-        calls = [asyncio.ensure_future(timed(pull(cri.pull_image_request(i.ref), timeout=120))) for i in first]
+        calls = [asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(i.ref), timeout=120))) for i in first]
         await until(lambda: proxy.stats().inflight_images == 2)
         later = [images[2]] * 2 + [images[3]]  # queued, 2 and 1 callers
-        calls += [asyncio.ensure_future(timed(pull(cri.pull_image_request(i.ref), timeout=120))) for i in later]
+        calls += [asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(i.ref), timeout=120))) for i in later]
         await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 2.0, "cri_shim_pull_queue_length": 2.0})
         assert not any(c.done() for c in calls)
 
@@ -112,8 +119,8 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
     shim = shim_factory({"server": {"engine": engine}, "pulls": {"max_parallel": 2}}, upstream=ctd.socket)
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         pull = ch.unary_unary(PULL)
-        storm = [pull(cri.pull_image_request(images[i % 3].ref), timeout=60) for i in range(9)]
-        results = await asyncio.wait_for(asyncio.gather(*map(timed, storm)), 30)
+        storm = [timed(lambda i=i: pull(cri.pull_image_request(images[i % 3].ref), timeout=60)) for i in range(9)]
+        results = await asyncio.wait_for(asyncio.gather(*storm), 30)
         assert [c for c, _, _ in results] == [grpc.StatusCode.UNAVAILABLE] * 9
         assert max(s for _, s, _ in results) < PROMPT
         print(f"\n[{engine}] no containerd yet: 9 pulls UNAVAILABLE within {max(s for _, s, _ in results):.3f}s: "
@@ -123,8 +130,8 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
         await asyncio.to_thread(ctd.start)
         t_version = await until_ok(ch, VERSION, b"", timeout=30, call_timeout=30)
         t_first = await until_ok(ch, PULL, cri.pull_image_request(images[0].ref), timeout=30, call_timeout=30)
-        storm = [pull(cri.pull_image_request(images[i % 3].ref), timeout=60) for i in range(9)]
-        results = await asyncio.gather(*map(timed, storm))
+        storm = [timed(lambda i=i: pull(cri.pull_image_request(images[i % 3].ref), timeout=60)) for i in range(9)]
+        results = await asyncio.gather(*storm)
         stats = proxy.stats()
         print(f"[{engine}] containerd up: Version through the shim after {t_version:.3f}s, first pull done "
               f"{t_version + t_first:.3f}s; storm of 9 -> {[c.name for c, _, _ in results].count('OK')} OK, "
@@ -146,10 +153,10 @@ async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_imag
     proxy.hold_blobs()
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         pull = ch.unary_unary(PULL)
-        first = asyncio.ensure_future(timed(pull(cri.pull_image_request(a.ref), timeout=1.5)))
+        first = asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(a.ref), timeout=1.5)))
         await until(lambda: proxy.stats().inflight_blob_gets > 0)
-        others = await asyncio.gather(timed(pull(cri.pull_image_request(a.ref), timeout=0.5)),  # joined
-                                      timed(pull(cri.pull_image_request(b.ref), timeout=0.5)))  # queued
+        others = await asyncio.gather(timed(lambda: pull(cri.pull_image_request(a.ref), timeout=0.5)),  # joined
+                                      timed(lambda: pull(cri.pull_image_request(b.ref), timeout=0.5)))  # queued
         code, seconds, _ = await first
         results = [(code, seconds)] + [(c, s) for c, s, _ in others]
         print(f"\n[{engine}] registry stuck: in flight (1.5s), joined (0.5s), queued (0.5s) -> "
@@ -158,7 +165,7 @@ async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_imag
         assert 1.5 <= results[0][1] < 2.5 and all(0.5 <= s < 1.5 for _, s in results[1:])
         await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0})
         proxy.release_blobs()
-        assert (await timed(pull(cri.pull_image_request(b.ref), timeout=60)))[0] is grpc.StatusCode.OK
+        assert (await timed(lambda: pull(cri.pull_image_request(b.ref), timeout=60)))[0] is grpc.StatusCode.OK
 
 
 # --------------------------------------------------------------------------- pins by every name
@@ -255,17 +262,17 @@ async def test_keepalive_client_keeps_its_connection_while_the_shim_answers(cont
             ("grpc.http2.max_pings_without_data", 0)]
     proxy.hold_blobs()
     async with grpc.aio.insecure_channel(shim.endpoint, options=opts) as ch:
-        assert (await timed(ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
-        held = asyncio.ensure_future(timed(ch.unary_unary(PULL)(cri.pull_image_request(img.ref), timeout=60)))
+        assert (await timed(lambda: ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
+        held = asyncio.ensure_future(timed(lambda: ch.unary_unary(PULL)(cri.pull_image_request(img.ref), timeout=60)))
         await until(lambda: proxy.stats().inflight_blob_gets > 0)
         for _ in range(15):  # 1.5 s of keepalive PINGs, calls answered by the shim meanwhile
-            code, _, details = await timed(ch.unary_unary("/runtime.v1.ImageService/ListImages")(b"", timeout=10))
+            code, _, details = await timed(lambda: ch.unary_unary("/runtime.v1.ImageService/ListImages")(b"", timeout=10))
             assert code is grpc.StatusCode.OK, details
             await asyncio.sleep(0.1)
         proxy.release_blobs()
         code, _, details = await held
         assert code is grpc.StatusCode.OK, details
-        assert (await timed(ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
+        assert (await timed(lambda: ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
 
 
 async def test_oversized_request_leaves_the_connection_serving(containerd, shim_factory, engine) -> None:
@@ -274,9 +281,9 @@ async def test_oversized_request_leaves_the_connection_serving(containerd, shim_
     async with grpc.aio.insecure_channel(shim.endpoint, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
         for size in (65537, 4 << 20):
             big = cri.pull_image_request("reg.example.com/a:1", annotations={"big": "x" * size})
-            code, _, details = await timed(ch.unary_unary(PULL)(big, timeout=10))
+            code, _, details = await timed(lambda: ch.unary_unary(PULL)(big, timeout=10))
             assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "65536" in details, details
             for method, request in ((VERSION, b""), ("/runtime.v1.ImageService/ListImages", b""),
                                     ("/runtime.v1.ImageService/ImageFsInfo", b"")):
-                code, _, details = await timed(ch.unary_unary(method)(request, timeout=10))
+                code, _, details = await timed(lambda: ch.unary_unary(method)(request, timeout=10))
                 assert code is grpc.StatusCode.OK, (method, details)
