@@ -64,7 +64,6 @@ async def env(runtime):
     def make(**cfg) -> ProgressPoller:
         poller = ProgressPoller(upstream, scheduler, metrics, PullsConfig(**cfg), clock=clock,
                                 wall=lambda: START_WALL, autostart=False)
-        scheduler.observers.append(poller)
         return poller
 
     yield store, scheduler, clock, metrics, make
