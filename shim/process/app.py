@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory
     # credential readers) only with image_sets.dir or cluster.kubeconfig
     from ..cluster.source import ClusterSource
     from ..cluster.status import NodeStatus
+    from ..credentials import Credential
     from ..imagesets import ImageSets
 
 
@@ -158,10 +159,14 @@ class App:
                 self.images.expect_declared_pins()  # cluster's state file is read before serving (below)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
                                         on_pins=self.declare_pins, pins=lambda: self.images.pins,
-                                        handler_for=self.handlers.for_prefetch)
+                                        handler_for=self.handlers.for_prefetch, set_credentials=self._set_credentials)
             self.image_sets.load_state()
             await self._start_cluster(cfg)
             await self.image_sets.start()
+
+    def _set_credentials(self, set_names: frozenset[str]) -> list[tuple[str, Credential]]:
+        """Image-set prefetch: the pull secrets of cluster sets (a set's own, before the node's)."""
+        return self.cluster.credentials_for(set_names) if self.cluster is not None else []
 
     async def _start_cluster(self, cfg: Config) -> None:
         if not cfg.cluster.kubeconfig or self.image_sets is None:
