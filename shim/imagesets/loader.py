@@ -233,6 +233,10 @@ class SetDirectory:
         self._restored_from = ""
         self._dup_errors: dict[str, str] = {}
 
+    def configure(self, max_file_bytes: int) -> None:
+        """A reload (image_sets.max_file_bytes): the next scan reads files within the new cap."""
+        self.max_file_bytes = max_file_bytes
+
     def restore(self, files: dict[str, str], where: str) -> None:
         """The last valid text of each file, saved before a restart (``where``: the state file).
         Used by the first scan for a file that is invalid or unreadable then; a file that is gone is gone."""
