@@ -2,7 +2,7 @@
 
 The files, in an order where each imports only files above it:
 
-- ``h2.py``: wire vocabulary (frame types, flags, error codes, frame builders).
+- ``http2.py``: wire vocabulary (frame types, flags, error codes, frame builders).
 - ``hpack_decoder.py``: HPACK decoding, bounded, mirroring the client's table.
 - ``bucket.py``: a token bucket. ``grpcwire.py``: gRPC framing of the shim's own answers.
 - ``frames.py``: the frame buffer and the frame-layer rules for client frames.

@@ -41,7 +41,7 @@ from ..cri.call import Deadline, Handler
 from ..cri.peer import Peer
 from ..errors import RpcError
 from ..observability import logs
-from . import events, grpcwire, h2
+from . import events, grpcwire, http2
 from .admission import peer_of
 from .core import Phase, RelayCore
 from .host import FD_ERRNOS, Host, Send
@@ -461,7 +461,7 @@ class ClientConnection(asyncio.Protocol):
                     stalled_since = now if stalled_since is None else stalled_since
                     if now - stalled_since >= stall:  # the client opens no window: end the call
                         self.host.stream_stalled(method=s.path, seconds=stall, key="server.stream_stall_seconds")
-                        calls.reset(s, h2.CANCEL)
+                        calls.reset(s, http2.CANCEL)
                         self._pump()
                         raise asyncio.CancelledError()
                     with contextlib.suppress(asyncio.TimeoutError):
