@@ -38,8 +38,8 @@ from .status import StatusSource, collect
 if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory at rest"): the
     # Kubernetes client only with cluster.kubeconfig (seconds, about 45 MiB), image sets (and the
     # credential readers) only with image_sets.dir or cluster.kubeconfig
+    from ..cluster.node_report import NodeReport
     from ..cluster.source import ClusterSource
-    from ..cluster.status import NodeStatus
     from ..credentials import Credential
     from ..imagesets import ImageSets
 
@@ -73,7 +73,7 @@ class App:
             raise ConfigError("pins.images", str(e)) from None
         self.image_sets: ImageSets | None = None
         self.cluster: ClusterSource | None = None
-        self.node_status: NodeStatus | None = None
+        self.node_report: NodeReport | None = None
         # The interception table, looked up once per call by either engine (as the runtime routes it).
         self.router: Router[Handler] = Router(self.table(), cfg.server.allowed_services)
         self.observation = Observation(self.metrics.observe_call, self.tracing)
@@ -171,22 +171,22 @@ class App:
     async def _start_cluster(self, cfg: Config) -> None:
         if not cfg.cluster.kubeconfig or self.image_sets is None:
             return
+        from ..cluster.node_report import NodeReport
         from ..cluster.source import ClusterSource
-        from ..cluster.status import NodeStatus
 
         c = cfg.cluster
         self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
-        self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
+        self.node_report = NodeReport(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
                                       request_timeout=c.request_timeout_seconds)
-        self.node_status.start()
+        self.node_report.start()
 
     async def _stop_cluster(self) -> None:
-        if self.node_status is not None:
-            await self.node_status.stop()
-            self.node_status = None
+        if self.node_report is not None:
+            await self.node_report.stop()
+            self.node_report = None
         if self.cluster is not None:
             await self.cluster.stop()
             self.cluster = None
@@ -202,7 +202,7 @@ class App:
         if self.cluster is None:
             return {"enabled": False}
         return {"enabled": True, **self.cluster.status(),
-                **({"status_object": self.node_status.status()} if self.node_status is not None else {})}
+                **({"status_object": self.node_report.status()} if self.node_report is not None else {})}
 
     async def start(self) -> None:
         self.upstream.start_watch()
