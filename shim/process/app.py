@@ -33,7 +33,7 @@ from ..relay.listener import Relay
 from ..runtime_handlers.resolver import HandlerResolver, compile_rules
 from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
-from .status import StatusSource, collect
+from .status_document import StatusSource, collect
 
 if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory at rest"): the
     # Kubernetes client only with cluster.kubeconfig (seconds, about 45 MiB), image sets (and the
