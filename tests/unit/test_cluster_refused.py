@@ -13,7 +13,7 @@ from shim.cluster import objects
 from shim.cluster.source import ClusterSource
 from shim.cluster.node_report import NodeReport
 from shim.observability.metrics import Metrics
-from shim.process.status_view import render
+from shim.process.status_render import render
 from tests.unit.test_cluster_source import FakeSets, fake_informer, node, own, pis, pool
 from tests.unit.test_imagesets import image_sets, reconciled, store, write  # noqa: F401  (store: a fixture)
 from tests.unit.test_imagesets import own as own_file

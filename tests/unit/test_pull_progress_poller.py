@@ -17,7 +17,7 @@ from shim.errors import RpcError
 from shim.observability.metrics import Metrics
 from shim.pulls.poller import ProgressPoller
 from shim.pulls.scheduler import PullKey, PullScheduler
-from shim.process.status_view import progress_line
+from shim.process.status_render import progress_line
 from shim.cri.upstream import Upstream
 from tests.support.fake_content import SVC, START_WALL, MiB, Store, dg
 
