@@ -64,7 +64,7 @@ class ImageSet:
     handlers: tuple[str, ...] = ()  # runtime handler per image, parallel to refs ("" = none declared)
 
 
-def canonical(ref: str) -> str:
+def normalize_ref(ref: str) -> str:
     """Normalized form used for presence and pins; raises ValueError if invalid or a glob."""
     if any(c in ref for c in "*?["):
         raise ValueError("globs are not allowed in an image set")
@@ -104,7 +104,7 @@ def _images(where: str, items: Any, default_handler: str = "", *,
         if not isinstance(name, str) or not name.strip():
             raise SetFileError(f"{key}: expected an image reference string, got {shown(name)}")
         try:
-            ref = canonical(name.strip())
+            ref = normalize_ref(name.strip())
         except ValueError as e:
             raise SetFileError(f"{key}: {e}") from None
         handler = default_handler
