@@ -58,7 +58,10 @@ CLOSE_LINGER_SECONDS = 1.0
 CLOSE_LINGER_BYTES = 64 * 1024
 
 
-class _Upstream(asyncio.Protocol):
+class _RuntimeProtocol(asyncio.Protocol):
+    """The relay's raw socket to the runtime, one per client connection (the handlers' own
+    calls go over the grpc channel of shim/cri/upstream.py instead)."""
+
     def __init__(self, conn: ClientConnection) -> None:
         self.conn = conn
 
@@ -141,7 +144,7 @@ class ClientConnection(asyncio.Protocol):
     async def _connect(self) -> None:
         try:
             transport, _ = await asyncio.wait_for(
-                self.loop.create_unix_connection(lambda: _Upstream(self), self.host.upstream_path), 2.0)
+                self.loop.create_unix_connection(lambda: _RuntimeProtocol(self), self.host.upstream_path), 2.0)
         except (TimeoutError, OSError) as e:
             if self._closed:
                 return
