@@ -134,7 +134,7 @@ class ShimServer:
                     await self.relay.start(bound)
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
-                    from ..grpc_engine import (
+                    from ..grpc_engine.proxy import (
                         Proxy,  # the fallback engine, only when chosen
                     )
 

@@ -19,5 +19,5 @@ The files, in an order where each imports only files above it:
 - ``connection.py``: the asyncio adapter of one client connection (and its runtime one).
 - ``listener.py``: the listening socket and what its connections share.
 
-The relay never imports shim/grpc_engine.py; routing and the call model are shim/cri/.
+The relay never imports shim/grpc_engine/; routing and the call model are shim/cri/.
 """
