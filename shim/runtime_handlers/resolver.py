@@ -35,7 +35,7 @@ from ..cri import protowire as wire
 from ..cri.methods import LIST_POD_SANDBOX
 from ..cri.upstream import Upstream
 from ..errors import Metadata, RpcError, check_image_name
-from ..images import pins
+from ..image_patterns import normalize_pattern
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 
@@ -120,7 +120,7 @@ def compile_rules(rules: Iterable[HandlerRule]) -> tuple[Rule, ...]:
         globs: list[str] = []
         for j, p in enumerate(r.images):
             try:
-                canon = pins.normalize_pattern(p)
+                canon = normalize_pattern(p)
             except ValueError as e:
                 raise ConfigError(f"runtime_handlers.rules[{i}].images[{j}]", f"{e} (got {logs.shown(p)})") from None
             if any(c in canon for c in "*?["):
