@@ -20,7 +20,7 @@ from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
 from ..pulls.slots import Priority
-from ..runtime_handlers.resolver import inject
+from ..runtime_handlers.inject import inject
 from .service import ImageService, decode
 
 _log = logs.get("pull")
