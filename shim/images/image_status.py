@@ -13,7 +13,7 @@ from ..cri.call import Call
 from ..errors import check_image_name
 from ..proto.runtime.v1 import api_pb2
 from ..runtime_handlers.inject import inject_image_handler
-from .pinned import mark_status
+from .mark_pinned import mark_status
 from .service import ImageService, counting_upstream_errors, decode
 
 

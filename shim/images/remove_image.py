@@ -45,7 +45,7 @@ from ..errors import RpcError, check_image_name
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..runtime_handlers.inject import inject_image_handler
-from .pinned import pin_of
+from .mark_pinned import pin_of
 from .service import ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pins")

@@ -18,7 +18,7 @@ from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pulls.scheduler import PullScheduler
 from ..runtime_handlers.resolver import HandlerResolver
-from .pins import PinSet
+from .pin_set import PinSet
 
 M = TypeVar("M", bound=Message)
 _log = logs.get("pins")

@@ -70,7 +70,7 @@ from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..cri.methods import IMAGE_FS_INFO, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
-from ..images.pins import PinSet
+from ..images.pin_set import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2

@@ -17,7 +17,7 @@ from ..cri import protowire as wire
 from ..cri.fields import IMAGE_PINNED, RESPONSE_IMAGES, STATUS_IMAGE
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from .pins import PinSet
+from .pin_set import PinSet
 
 _log = logs.get("pins")
 
