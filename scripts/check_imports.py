@@ -89,22 +89,25 @@ def resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def in_shim(target: str) -> bool:
-    return (target == PACKAGE or target.startswith(PACKAGE + ".")) and not excluded(target)
+def shim_imports(modules: dict[str, Path]) -> Iterator[tuple[str, int, str, str]]:
+    """(importer, line, imported name, the shim module it lives in) for every import of a shim name."""
+    for mod, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in imports(ast.parse(path.read_text(), str(path))):
+            for target in targets(mod, is_package, node):
+                if not (target == PACKAGE or target.startswith(PACKAGE + ".")) or excluded(target):
+                    continue
+                home = resolve(target, modules)
+                if home is not None:
+                    yield mod, node.lineno, target, home
 
 
 def build_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
     """importer -> {imported module: line of the first such import}, every import counted."""
     graph: dict[str, dict[str, int]] = {m: {} for m in modules}
-    for mod, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in imports(ast.parse(path.read_text(), str(path))):
-            for target in targets(mod, is_package, node):
-                if not in_shim(target):
-                    continue
-                dep = resolve(target, modules)
-                if dep is not None and dep != mod:
-                    graph[mod].setdefault(dep, node.lineno)
+    for mod, line, _, dep in shim_imports(modules):
+        if dep != mod:
+            graph[mod].setdefault(dep, line)
     return graph
 
 
@@ -120,19 +123,8 @@ def _private(part: str) -> bool:
 def private_imports(modules: dict[str, Path], root: Path) -> list[str]:
     """Imports of a private name (``_x``, or anything inside a ``_x`` module) that lives in
     another package than the importer's."""
-    found: list[str] = []
-    for mod, path in modules.items():
-        is_package = path.name == "__init__.py"
-        for node in imports(ast.parse(path.read_text(), str(path))):
-            for target in targets(mod, is_package, node):
-                if not in_shim(target):
-                    continue
-                home = resolve(target, modules)
-                if home is None or package_of(home, modules) == package_of(mod, modules):
-                    continue
-                if any(_private(part) for part in target.split(".")):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}: {target}")
-    return found
+    return [f"{modules[mod].relative_to(root)}:{line}: {target}" for mod, line, target, home in shim_imports(modules)
+            if package_of(home, modules) != package_of(mod, modules) and any(map(_private, target.split(".")))]
 
 
 def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -256,26 +248,20 @@ def main(argv: list[str] | None = None) -> int:
         steps = [f"{a} ({modules[a].relative_to(root)}:{g[a][b]})" for a, b in zip(cyc, cyc[1:])]
         return "  " + " -> ".join(steps) + f" -> {cyc[-1]}"
 
-    failed = False
     found = cycles(graph)
-    if found:
-        failed = True
-        print(f"check_imports: {len(found)} import cycle(s) among shim modules (every import counts, "
-              "TYPE_CHECKING and function-level ones too):")
-        for cyc in found:
-            print(show(graph, cyc))
-    private = private_imports(modules, root)
-    if private:
-        failed = True
-        print("check_imports: private names imported from another package:")
-        for line in private:
-            print("  " + line)
-    aio = relay_grpc_aio(modules, root)
-    if aio:
-        failed = True
-        print("check_imports: shim/relay uses grpc.aio or grpc.server (the relay engine must not):")
-        for line in aio:
-            print("  " + line)
+    broken = {
+        f"{len(found)} import cycle(s) among shim modules (every import counts, TYPE_CHECKING and "
+        "function-level ones too):": [show(graph, cyc) for cyc in found],
+        "private names imported from another package:": private_imports(modules, root),
+        "shim/relay uses grpc.aio or grpc.server (the relay engine must not):": relay_grpc_aio(modules, root),
+    }
+    failed = False
+    for rule, lines in broken.items():
+        if lines:
+            failed = True
+            print("check_imports: " + rule)
+            for line in lines:
+                print("  " + line.strip())
     if not failed:
         print(f"check_imports: {len(modules)} modules, no import cycle, no private name taken from another "
               "package; shim/relay uses no grpc.aio")
