@@ -17,6 +17,7 @@ from shim.config import ConfigError
 from shim.runtime_handlers.inject import inject_image_handler
 from shim.runtime_handlers.pods import PodCache
 from shim.runtime_handlers.resolver import NEGATIVE_TTL_SECONDS
+from shim.runtime_handlers.rules import compile_rules, reference_names
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -306,6 +307,15 @@ def test_bad_image_pattern_is_a_config_error_naming_the_key() -> None:
     with pytest.raises(ConfigError) as e:
         config_mod.from_dict(rules({"handler": "kata", "images": ["ok/*", "Not A Ref"]}))
     assert e.value.key == "runtime_handlers.rules[0].images[1]"
+
+
+def test_rule_patterns_read_an_ipv6_registry_as_a_host_as_pins_do() -> None:
+    """``[fc00::1]:5000/`` is a host (shim/image_patterns.py), not a character class."""
+    cfg = config_mod.from_dict(rules({"handler": "kata", "images": ["[fc00::1]:5000/team/*", "[fc00::1]:5000/one:1"]}))
+    (rule,) = compile_rules(cfg.runtime_handlers.rules)
+    for image, matched in [("[fc00::1]:5000/team/app:1", True), ("[fc00::1]:5000/one:1", True),
+                           ("[fc00::1]:5000/one:2", False), ("f:5000/team/app:1", False)]:
+        assert rule.matches(reference_names(image), None, None, ()) is matched, image
 
 
 def test_pod_cache_is_bounded_lru_and_forgets_by_sandbox() -> None:
