@@ -21,7 +21,7 @@ from .pin_set import PinSet
 
 _log = logs.get("pins")
 
-PINNED_TRUE = wire.varint(IMAGE_PINNED << 3 | wire.VARINT) + b"\x01"  # Image.pinned = true
+PINNED_TRUE = wire.varint_field(IMAGE_PINNED, 1)  # Image.pinned = true
 
 
 def pin_of(pins: PinSet, image: api_pb2.Image) -> str | None:
