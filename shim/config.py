@@ -27,6 +27,7 @@ import yaml
 
 from . import safeyaml
 from .cri.routing import check_allowed_services
+from .image_patterns import validate_pattern
 from .observability.logs import (
     DEFAULT_MAX_REPEATS,
     DEFAULT_REPEAT_WINDOW_SECONDS,
@@ -137,10 +138,8 @@ def strings(*, none_is_empty: bool = False) -> Parse:
 
 
 def image_patterns(*, none_is_empty: bool = False) -> Parse:
-    """Image patterns, normalized as pins are (``images.pins.validate_pattern``)."""
+    """Image patterns (shim/image_patterns.py), each checked to have a normal form."""
     def parse(key: str, v: Any) -> tuple[str, ...]:
-        from .images.pins import validate_pattern  # local import: pins needs reference parsing only
-
         patterns = () if v is None and none_is_empty else _str_list(key, v)
         for i, pattern in enumerate(patterns):
             try:

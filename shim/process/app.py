@@ -28,7 +28,8 @@ from ..observability.tracing import Tracing
 from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
-from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..runtime_handlers.resolver import HandlerResolver
+from ..runtime_handlers.rules import compile_rules
 from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
 from .status import StatusSource, collect
