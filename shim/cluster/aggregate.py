@@ -19,8 +19,9 @@ The rest is aggregated:
   computes from the ImageSets it sees selecting the node (so a node that has not yet seen a
   generation is never called current at it). Absent when every set has a row.
 
-Worst case with the default cap (100): rows of 253-character names with 1,024-character errors
-are about 1.7 KiB each, so the object stays under 200 KiB (at the largest cap, 120, under 240 KiB); ordinary rows are about 0.3 KiB.
+Worst case: rows of 253-character names with 1,024-character errors are about 1.7 KiB each, so
+the object stays under 200 KiB at the default cap (100) and under 240 KiB at the largest (120,
+``config.MAX_STATUS_ROWS``); ordinary rows are about 0.3 KiB.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ node's ``omitted.imageSets`` digest equals the digest of the ImageSets selecting
 from __future__ import annotations
 
 import datetime as dt
-from functools import partial
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Mapping
 
 from ..cluster.aggregate import digest
