@@ -119,13 +119,13 @@ class NodeStatus:
                 self.failed[name] = (gen, refused[name].error if name in refused else "")
         for name, v in snap.sets.items():
             c = v.counts.as_dict()
-            reasons: Counter[str] = Counter(v.failed_reasons)
+            reasons = v.failed_reasons
             done = total = 0
             for spelled in v.pulling:
                 d, t = by_pull.get(pull_name(spelled), (0, 0))
                 done, total = done + d, total + t
             if c["queued"] and snap.disk_blocked:
-                reasons["noSpace"] += c["queued"]
+                reasons = {**reasons, "noSpace": reasons.get("noSpace", 0) + c["queued"]}
             if v.complete:
                 self.current[name] = v.generation
             err = v.last_error or (snap.disk_blocked if c["queued"] and snap.disk_blocked else "")
@@ -148,14 +148,16 @@ class NodeStatus:
             if name in snap.refused:
                 row["error"] = snap.refused[name][:1024]
             if reasons:
-                row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons[r]}
+                row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons.get(r)}
             if total:
                 row["bytesDone"], row["bytesTotal"] = done, total
             if problem is not None:
                 self._mark(row, *problem, problems)
             rows.append(row)
-            totals.update(c)
-            reasons_all.update(reasons)
+            for k, n in c.items():
+                totals[k] += n
+            for k, n in reasons.items():
+                reasons_all[k] += n
         for name, why in snap.refused.items():  # beyond image_sets.max_images
             errors.append(f"{name}: {why}")
         for name, r in refused.items():  # refused with no version in force: a row all the same
