@@ -122,13 +122,16 @@ def test_2500_sets_status_bounded_writes_succeed_events_bounded(control_plane, a
         print(f"status writes: {status_object['writes']}, errors: {status_object['write_errors']}; Events: "
               f"{status_object['event_requests']}")
         assert status_object["writes"] >= 1 and status_object["write_errors"] == 0, shim.log_tail()
-        assert status_object["event_requests"] == {"created": 11, "count_updates": EVENT_BURST - 11,
-                                                   "dropped": FAILING_SETS - EVENT_BURST, "errors": 0}
+        asked = status_object["event_requests"]
+        sent = asked["created"] + asked["count_updates"]
+        # one token more per event_interval_seconds (300 s) if asking took that long on a loaded machine
+        assert asked["created"] == 11 and asked["errors"] == 0 and EVENT_BURST <= sent <= EVENT_BURST + 1
+        assert asked["dropped"] == FAILING_SETS - sent
         events = our_events(admin, "node-a", before)
         print(f"Events: {len(events)} objects, counts {sorted(e.count for e in events)}")
-        assert len(events) == 11 and sum(e.count for e in events) == EVENT_BURST
+        assert len(events) == 11 and sum(e.count for e in events) == sent
         combined = [e for e in events if e.message.startswith("(combined from similar events): ")]
-        assert len(combined) == 1 and combined[0].count == EVENT_BURST - 10
+        assert len(combined) == 1 and combined[0].count == sent - 10
 
         # the controller counts a set without a row as current on this node, and a failing one as failing
         omitted = next(n for n in names() if n not in rows)
