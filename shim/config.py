@@ -66,6 +66,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
+MAX_STATUS_ROWS = 120  # cluster.status_max_rows: 120 worst-case rows (1.7 KiB each) keep the object under 256 KiB
 Parse = Callable[[str, Any], Any]  # (dotted key, value from YAML) -> checked value; raises ConfigError
 
 
@@ -87,6 +88,13 @@ def section(cls: type) -> Any:
 
 def integer(minimum: int | None = 0) -> Parse:
     return lambda key, v: _int(key, v, minimum)
+
+
+def _int_in(key: str, v: Any, low: int, high: int) -> int:
+    n: int = _int(key, v, low)
+    if n > high:
+        raise ConfigError(key, f"must be <= {high}, got {shown(v)}")
+    return n
 
 
 def boolean() -> Parse:
@@ -268,7 +276,10 @@ class ClusterConfig:
     state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())
     mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
+    # rows in NodeImageSetStatus; the other sets are aggregated (counts by state, the worst 20)
+    status_max_rows: int = knob(100, lambda k, v: _int_in(k, v, 0, MAX_STATUS_ROWS))
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often
+    event_burst: int = knob(25, integer(1))  # Events per node at once; then one per event_interval_seconds
     event_namespace: str = knob("default", text())  # where the Events go (the status object is cluster-scoped)
     watch_timeout_seconds: float = knob(300.0, duration(at_least=1.0))  # server-side timeout of one watch
     backoff_initial_seconds: float = knob(1.0, duration(at_least=0.1))  # after an API error, doubling with jitter

@@ -158,7 +158,8 @@ class App:
         await self.cluster.start()
         self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
-                                      request_timeout=c.request_timeout_seconds)
+                                      request_timeout=c.request_timeout_seconds, max_rows=c.status_max_rows,
+                                      event_burst=c.event_burst)
         self.node_status.start()
 
     async def _stop_cluster(self) -> None:
