@@ -30,7 +30,8 @@ from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
 from ..relay.listener import Relay
-from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..runtime_handlers.resolver import HandlerResolver
+from ..runtime_handlers.rules import compile_rules
 from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
 from .status_document import StatusSource, collect
@@ -180,7 +181,8 @@ class App:
         await self.cluster.start()
         self.node_report = NodeReport(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
-                                      request_timeout=c.request_timeout_seconds)
+                                      request_timeout=c.request_timeout_seconds, max_rows=c.status_max_rows,
+                                      event_burst=c.event_burst)
         self.node_report.start()
 
     async def _stop_cluster(self) -> None:
