@@ -49,7 +49,7 @@ async def test_handler_sees_metadata_and_deadline(runtime: FakeRuntime) -> None:
 
     async def handler(request: bytes, call) -> bytes:
         seen["md"] = dict(call.metadata)
-        seen["timeout"] = call.time_remaining()
+        seen["timeout"] = call.deadline.remaining()
         return b"ok"
     async with running_shim(runtime.endpoint, engine="relay") as shim:
         shim.app.router.set_table({LOCAL: handler})
