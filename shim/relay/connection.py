@@ -406,7 +406,8 @@ class ClientConnection(asyncio.Protocol):
         hdr = dict(s.headers)
         try:  # everything read from the client is parsed inside: the stream is answered whatever it holds
             timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
-            deadline = Deadline.after(timeout)
+            # counted from the call's HEADERS (s.opened, the core's clock), as grpc.aio counts it
+            deadline = Deadline.after(None if timeout is None else timeout - (time.monotonic() - s.opened))
             metadata = grpcwire.metadata(s.headers)
             sent_as = hdr[b":path"].decode("latin-1")
             body, s.body = bytes(s.body), bytearray()
