@@ -22,44 +22,13 @@ import grpc
 
 from ..errors import Metadata, RpcError
 from ..observability.tracing import NOOP_SPAN, Span, Tracing
+from .deadline import Deadline, ended
 from .peer import Peer
 from .upstream import Upstream
 
 # Request headers that belong to the hop, not to the call: never forwarded as the call's metadata.
 HOP_HEADERS = frozenset({"user-agent", "te", "content-type", "grpc-timeout", "grpc-encoding",
                          "grpc-accept-encoding", ":authority", "host"})
-
-# A deadline this close is as good as gone: a call cancelled within it ended by its deadline.
-# gRPC clients send what is left of their deadline (grpc-timeout) and cancel (RST_STREAM) when
-# it passes, by their own clock, which started before the request reached the shim: on a
-# loaded node that RST_STREAM comes a few milliseconds before the shim's own timer. Only how
-# an ended call is reported (log, metric, span) depends on this.
-DEADLINE_SLACK_SECONDS = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class Deadline:
-    """The caller's deadline on the event loop's clock (``None``: the caller set none)."""
-
-    at: float | None
-
-    @classmethod
-    def after(cls, seconds: float | None) -> Deadline:
-        if seconds is None:
-            return cls(None)
-        return cls(asyncio.get_running_loop().time() + seconds)
-
-    def remaining(self) -> float | None:
-        """Seconds left, never negative; None without a deadline."""
-        if self.at is None:
-            return None
-        return max(0.0, self.at - asyncio.get_running_loop().time())
-
-    def expired(self) -> bool:
-        left = self.remaining()
-        return left is not None and left <= DEADLINE_SLACK_SECONDS
-
-
 
 @dataclass(slots=True)
 class Call:
@@ -74,9 +43,6 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     peer: Peer = field(kw_only=True)  # who called (cri/peer.py): its uid decides its share of the pull slots
 
-    def time_remaining(self) -> float | None:
-        return self.deadline.remaining()
-
     async def forward(self, request: bytes, method: str | None = None) -> bytes:
         """Send (possibly rewritten) request bytes to the runtime, same metadata and deadline.
 
@@ -84,11 +50,11 @@ class Call:
         (or refuses a spelling it does not route) as it would have without the shim.
         """
         return await self.upstream.unary(method or self.sent_as or self.method, request, metadata=self.metadata,
-                                         timeout=self.time_remaining())
+                                         deadline=self.deadline)
 
     def forward_stream(self, request: bytes) -> AsyncIterator[bytes]:
         return self.upstream.server_stream(self.sent_as or self.method, request, metadata=self.metadata,
-                                           timeout=self.time_remaining())
+                                           deadline=self.deadline)
 
 
 UnaryHandler = Callable[[bytes, Call], Awaitable[bytes]]
@@ -122,7 +88,7 @@ class Observation:
             code, details = e.code, e.details
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if call.deadline.expired() else grpc.StatusCode.CANCELLED
+            code = ended(call.deadline)
             raise
         except BaseException:
             code, details = grpc.StatusCode.INTERNAL, "internal error"

@@ -19,6 +19,7 @@ import grpc
 
 from ..errors import Metadata, RpcError
 from ..observability import logs
+from .deadline import NO_DEADLINE, Deadline
 
 _log = logs.get("upstream")
 
@@ -51,7 +52,10 @@ async def _accepts(path: str) -> bool:
 
 
 class Upstream:
-    """Raw-bytes calls to the runtime. Errors become RpcError(from_upstream=True)."""
+    """Raw-bytes calls to the runtime. Errors become RpcError(from_upstream=True).
+
+    A call ends at its ``deadline`` (cri/deadline.py): the caller's, or one the shim sets
+    for its own calls (``Deadline.after(seconds)``); grpc.aio gets what is left of it."""
 
     def __init__(self, target: str, max_message_bytes: int) -> None:
         self.target = target
@@ -75,29 +79,26 @@ class Upstream:
         return mc
 
     async def unary(self, method: str, request: bytes, *, metadata: Metadata = (),
-                    timeout: float | None = None) -> bytes:
+                    deadline: Deadline = NO_DEADLINE) -> bytes:
         mc = self.unary_callable(method)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
         try:
-            return await mc(request, metadata=metadata, timeout=timeout)
+            return await mc(request, metadata=metadata, timeout=deadline.remaining())
         except grpc.aio.AioRpcError as e:
-            left = None if timeout is None else timeout - (loop.time() - start)
-            if not await self._back_after_outage(e, left):
+            if not await self._back_after_outage(e, deadline):
                 raise RpcError.from_aio(e) from None
-        left = None if timeout is None else timeout - (loop.time() - start)
         try:  # the first attempt never left this process: sending it now is no retry
-            return await mc(request, metadata=metadata, timeout=left)
+            return await mc(request, metadata=metadata, timeout=deadline.remaining())
         except grpc.aio.AioRpcError as e:
             raise RpcError.from_aio(e) from None
 
-    async def _back_after_outage(self, e: grpc.aio.AioRpcError, left: float | None) -> bool:
+    async def _back_after_outage(self, e: grpc.aio.AioRpcError, deadline: Deadline) -> bool:
         """The call failed without a connection, yet the runtime's socket accepts one now:
         the channel is still in reconnect backoff from an outage (up to a second). Wait
         for it, within the caller's deadline. A runtime that is really away still
         fails the call at once."""
         if e.code() is not grpc.StatusCode.UNAVAILABLE or not (e.details() or "").startswith(_NOT_CONNECTED):
             return False
+        left = deadline.remaining()
         wait = RECONNECT_WAIT_SECONDS if left is None else min(left, RECONNECT_WAIT_SECONDS)
         if wait <= 0 or not await _accepts(self.path):
             return False
@@ -109,8 +110,8 @@ class Upstream:
         return True
 
     async def server_stream(self, method: str, request: bytes, *, metadata: Metadata = (),
-                            timeout: float | None = None) -> AsyncIterator[bytes]:
-        call = self.stream_callable(method)(request, metadata=metadata, timeout=timeout)
+                            deadline: Deadline = NO_DEADLINE) -> AsyncIterator[bytes]:
+        call = self.stream_callable(method)(request, metadata=metadata, timeout=deadline.remaining())
         try:
             async for msg in call:
                 yield msg

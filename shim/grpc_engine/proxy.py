@@ -25,13 +25,13 @@ import grpc
 
 from ..cri.call import (
     Call,
-    Deadline,
     Handler,
     Observation,
     StreamHandler,
     UnaryHandler,
     forwardable,
 )
+from ..cri.deadline import Deadline
 from ..cri.methods import Cardinality, cardinality
 from ..cri.peer import UNIDENTIFIED
 from ..cri.routing import Intercept, Refusal, Router

@@ -14,6 +14,7 @@ from opentelemetry.trace import Span
 
 from ..cri import protowire as wire
 from ..cri.call import Call
+from ..cri.deadline import ended
 from ..cri.fields import IMAGE_SPEC, named
 from ..cri.methods import PULL_IMAGE
 from ..errors import RpcError, check_image_name, invalid_request
@@ -80,16 +81,15 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
 
     try:
         outcome = await svc.scheduler.pull(key, run, priority=priority, uid=call.peer.uid,
-                                           timeout=call.time_remaining(),
+                                           deadline=call.deadline,
                                            listener=span.add_event if span.is_recording() else None)
     except RpcError as e:
         _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)
         raise
     except asyncio.CancelledError:  # the caller went away, or (relay engine) its deadline passed
-        if call.deadline.expired():
-            _failed(span, image, handler, "DEADLINE_EXCEEDED", "cri-shim: the caller's deadline passed")
-        else:
-            _failed(span, image, handler, "CANCELLED", "cancelled by the caller")
+        code = ended(call.deadline)
+        _failed(span, image, handler, code.name, "cri-shim: the caller's deadline passed"
+                if code is grpc.StatusCode.DEADLINE_EXCEEDED else "cancelled by the caller")
         raise
     if span.is_recording():
         span.set_attributes({"cri_shim.pull.joined": outcome.joined,

@@ -70,7 +70,7 @@ async def lookup(svc: ImageService, request: bytes, parsed: api_pb2.RemoveImageR
     """The image a RemoveImage request names, as the runtime knows it; None if it does not."""
     with counting_upstream_errors(svc, "ImageStatus"):
         raw = await svc.upstream.unary(IMAGE_STATUS, status_request(request, parsed), metadata=call.metadata,
-                                       timeout=call.time_remaining())
+                                       deadline=call.deadline)
     try:
         resp = api_pb2.ImageStatusResponse.FromString(raw)
     except DecodeError:

@@ -67,6 +67,7 @@ import grpc
 from ..config import ImageSetsConfig
 from ..credentials import Credential, DockerConfigFiles, Keyring
 from ..credentials.plugins import PluginProviders, ProviderConfigError
+from ..cri.deadline import Deadline
 from ..cri.methods import IMAGE_FS_INFO, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
@@ -505,7 +506,8 @@ class Reconciler:
         wall = time.time()
         self._need_list = False
         try:
-            raw = await self.upstream.unary(LIST_IMAGES, b"", timeout=self.cfg.runtime_timeout_seconds)
+            raw = await self.upstream.unary(LIST_IMAGES, b"",
+                                            deadline=Deadline.after(self.cfg.runtime_timeout_seconds))
             if self.cfg.min_free_bytes > 0:
                 await self._refresh_fs()
         except RpcError as e:
@@ -548,7 +550,8 @@ class Reconciler:
 
         async def one(img: _Image) -> bool:
             req = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
-            raw = await self.upstream.unary(IMAGE_STATUS, req, timeout=self.cfg.runtime_timeout_seconds)
+            raw = await self.upstream.unary(IMAGE_STATUS, req,
+                                            deadline=Deadline.after(self.cfg.runtime_timeout_seconds))
             return bool(api_pb2.ImageStatusResponse.FromString(raw).image.id)
 
         try:
@@ -608,7 +611,8 @@ class Reconciler:
     async def _refresh_fs(self) -> None:
         try:
             resp = api_pb2.ImageFsInfoResponse.FromString(
-                await self.upstream.unary(IMAGE_FS_INFO, b"", timeout=self.cfg.runtime_timeout_seconds))
+                await self.upstream.unary(IMAGE_FS_INFO, b"",
+                                          deadline=Deadline.after(self.cfg.runtime_timeout_seconds)))
         except RpcError as e:
             self._mounts, self._fs_error = [], f"ImageFsInfo failed: {e.code.name}: {e.details}"
             return

@@ -14,6 +14,7 @@ from typing import Callable
 
 import grpc
 
+from ..cri.deadline import Deadline
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..proto.containerd.services.content.v1 import content_pb2 as pb
@@ -100,7 +101,8 @@ class ContentClient:
     async def list_statuses(self) -> list[Ingest]:
         self._count(LIST_STATUSES)
         try:
-            raw = await self.upstream.unary(LIST_STATUSES, b"", metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS)
+            raw = await self.upstream.unary(LIST_STATUSES, b"", metadata=NAMESPACE,
+                                            deadline=Deadline.after(CALL_TIMEOUT_SECONDS))
         except RpcError as e:
             self._check(e)
             raise
@@ -113,7 +115,8 @@ class ContentClient:
         req = pb.ListContentRequest(filters=filters).SerializeToString()
         out: list[StoredBlob] = []
         try:
-            async for raw in self.upstream.server_stream(LIST, req, metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS):
+            async for raw in self.upstream.server_stream(LIST, req, metadata=NAMESPACE,
+                                                         deadline=Deadline.after(CALL_TIMEOUT_SECONDS)):
                 for i in pb.ListContentResponse.FromString(raw).info:
                     out.append(StoredBlob(i.digest, i.size, dict(i.labels),
                                           max(_wall(i.created_at), _wall(i.updated_at)), _wall(i.created_at)))
@@ -130,7 +133,8 @@ class ContentClient:
         chunks: list[bytes] = []
         got = 0
         try:
-            async for raw in self.upstream.server_stream(READ, req, metadata=NAMESPACE, timeout=CALL_TIMEOUT_SECONDS):
+            async for raw in self.upstream.server_stream(READ, req, metadata=NAMESPACE,
+                                                         deadline=Deadline.after(CALL_TIMEOUT_SECONDS)):
                 data = pb.ReadContentResponse.FromString(raw).data
                 got += len(data)
                 if got > MAX_MANIFEST_BYTES:
@@ -144,4 +148,4 @@ class ContentClient:
     async def abort(self, ref: str) -> None:
         self._count(ABORT)
         await self.upstream.unary(ABORT, pb.AbortRequest(ref=ref).SerializeToString(), metadata=NAMESPACE,
-                                  timeout=CALL_TIMEOUT_SECONDS)
+                                  deadline=Deadline.after(CALL_TIMEOUT_SECONDS))

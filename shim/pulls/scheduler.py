@@ -53,6 +53,7 @@ from typing import Awaitable, Callable, Iterable, Mapping
 
 import grpc
 
+from ..cri.deadline import NO_DEADLINE, Deadline, enforced
 from ..errors import RpcError
 from .key import PullKey
 from .queue import Lanes
@@ -172,12 +173,13 @@ class PullScheduler:
         self._dispatch()
 
     async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
-                   uid: int | None = None, timeout: float | None = None,
+                   uid: int | None = None, deadline: Deadline = NO_DEADLINE,
                    listener: Listener | None = None) -> PullOutcome:
-        """Wait for the pull ``key`` (joining an identical one) within ``timeout`` seconds, for a
-        caller of class ``priority`` (``uid``: an untrusted caller's uid).
+        """Wait for the pull ``key`` (joining an identical one) until ``deadline``, for a
+        caller of class ``priority`` (``uid``: an untrusted caller's uid). The deadline ends
+        this caller's wait, not the flight (unless nobody else waits for it).
 
-        Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``timeout`` runs out
+        Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``deadline`` passes
         (also while still queued: no slot is taken), UNAVAILABLE when shutting down,
         RESOURCE_EXHAUSTED for an untrusted caller when the cap leaves no slot to its class.
         """
@@ -198,14 +200,8 @@ class PullScheduler:
         if listener is not None:
             flight.listeners.append(listener)
         try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
-            # arrives just as the result does, and this caller must see its own cancel.
-            async with asyncio.timeout(None if timeout is None else max(timeout, 0.0)):
+            async with enforced(deadline, functools.partial(_deadline_passed, flight)):
                 response = await asyncio.shield(flight.future)
-        except TimeoutError:
-            where = "waiting for a pull slot" if flight.queued else "while the runtime was pulling"
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"cri-shim: deadline exceeded {where} {key.image}") from None
         finally:
             if listener is not None:
                 flight.listeners.remove(listener)
@@ -442,6 +438,12 @@ class PullScheduler:
         for o in self.observers:
             o.queue_changed(self.queued, self.in_flight)
             o.running_changed(running)
+
+
+def _deadline_passed(flight: Flight) -> str:
+    """What a caller whose deadline passed while it waited for ``flight`` is told."""
+    where = "waiting for a pull slot" if flight.queued else "while the runtime was pulling"
+    return f"cri-shim: deadline exceeded {where} {flight.key.image}"
 
 
 def _consume(fut: asyncio.Future[bytes]) -> None:

@@ -37,7 +37,8 @@ from typing import cast
 
 import grpc
 
-from ..cri.call import Deadline, Handler
+from ..cri.call import Handler
+from ..cri.deadline import Deadline, enforced
 from ..cri.peer import Peer
 from ..errors import RpcError
 from ..observability import logs
@@ -405,7 +406,8 @@ class ClientConnection(asyncio.Protocol):
         hdr = dict(s.headers)
         try:  # everything read from the client is parsed inside: the stream is answered whatever it holds
             timeout = grpcwire.parse_timeout(hdr[b"grpc-timeout"]) if b"grpc-timeout" in hdr else None
-            deadline = Deadline.after(timeout)
+            # counted from the call's HEADERS (s.opened, the core's clock), as grpc.aio counts it
+            deadline = Deadline.after(None if timeout is None else timeout - (time.monotonic() - s.opened))
             metadata = grpcwire.metadata(s.headers)
             sent_as = hdr[b":path"].decode("latin-1")
             body, s.body = bytes(s.body), bytearray()
@@ -421,7 +423,7 @@ class ClientConnection(asyncio.Protocol):
             coro = self.host.serve(s.path, handler, messages[0], metadata, deadline, self._sender(s),
                                    sent_as="" if sent_as == s.path else sent_as, peer=self.peer)
             del messages
-            async with asyncio.timeout_at(deadline.at):  # the caller's deadline (grpc-timeout), if any
+            async with enforced(deadline, lambda: "cri-shim: deadline exceeded"):  # grpc-timeout, if any
                 await coro
             calls.send_trailers(s, grpcwire.trailers(grpc.StatusCode.OK))
         except RpcError as e:
@@ -432,8 +434,6 @@ class ClientConnection(asyncio.Protocol):
             calls.answer_error(s, grpc.StatusCode.INTERNAL, str(e))
         except grpcwire.MessageError as e:
             calls.answer_error(s, grpc.StatusCode.INVALID_ARGUMENT, f"cri-shim: {e}")
-        except TimeoutError:
-            calls.answer_error(s, grpc.StatusCode.DEADLINE_EXCEEDED, "cri-shim: deadline exceeded")
         except asyncio.CancelledError:
             pass  # the client went away (RST_STREAM or connection closed)
         except Exception:  # noqa: BLE001  (a handler's bug: this call answers INTERNAL, logged with its traceback)

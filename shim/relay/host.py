@@ -11,7 +11,8 @@ import errno
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from ..cri.call import Deadline, Handler
+from ..cri.call import Handler
+from ..cri.deadline import Deadline
 from ..cri.peer import Peer
 from ..cri.routing import Intercept, Refusal
 from ..errors import Metadata

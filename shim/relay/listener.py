@@ -21,7 +21,8 @@ from contextlib import AbstractContextManager
 from typing import Any, cast
 
 from ..config import ServerConfig
-from ..cri.call import Call, Deadline, Handler
+from ..cri.call import Call, Handler
+from ..cri.deadline import Deadline
 from ..cri.methods import Cardinality, cardinality
 from ..cri.peer import Peer
 from ..cri.routing import Intercept, Refusal, Router

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 from google.protobuf.message import DecodeError
 
 from ..config import RuntimeHandlersConfig
+from ..cri.deadline import Deadline
 from ..cri.methods import LIST_POD_SANDBOX
 from ..cri.upstream import Upstream
 from ..errors import Metadata, RpcError
@@ -135,20 +136,17 @@ class HandlerResolver:
             return None
         task = self._inflight.get(uid)
         if task is None:
-            timeout = self.lookup_timeout
-            remaining = call.time_remaining()
-            if remaining is not None:
-                timeout = max(0.0, min(timeout, remaining))
-            task = asyncio.get_running_loop().create_task(self._list(uid, call.metadata, timeout),
+            deadline = call.deadline.within(self.lookup_timeout)
+            task = asyncio.get_running_loop().create_task(self._list(uid, call.metadata, deadline),
                                                           name=f"pod-lookup-{uid}")
             self._inflight[uid] = task
             task.add_done_callback(lambda t: self._inflight.pop(uid) if self._inflight.get(uid) is t else None)
         # shield: a caller that gives up does not cancel the lookup the others wait for
         return await asyncio.shield(task)
 
-    async def _list(self, uid: str, metadata: Metadata, timeout: float) -> Pod | None:
+    async def _list(self, uid: str, metadata: Metadata, deadline: Deadline) -> Pod | None:
         try:
-            raw = await self.upstream.unary(LIST_POD_SANDBOX, b"", metadata=metadata, timeout=timeout)
+            raw = await self.upstream.unary(LIST_POD_SANDBOX, b"", metadata=metadata, deadline=deadline)
             items = api_pb2.ListPodSandboxResponse.FromString(raw).items
         except RpcError as e:
             logs.log(_log, logging.WARNING, "pod lookup failed; no runtime handler from the pod", uid=uid,

@@ -5,6 +5,7 @@ runtime loss mid-call, and HPACK decoding."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ from shim.errors import RpcError
 from shim.relay import http2
 from shim.relay.hpack_decoder import Decoder
 from shim.cri.routing import Router
+from tests.support import h2raw
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 
@@ -49,7 +51,7 @@ async def test_handler_sees_metadata_and_deadline(runtime: FakeRuntime) -> None:
 
     async def handler(request: bytes, call) -> bytes:
         seen["md"] = dict(call.metadata)
-        seen["timeout"] = call.time_remaining()
+        seen["timeout"] = call.deadline.remaining()
         return b"ok"
     async with running_shim(runtime.endpoint, engine="relay") as shim:
         shim.app.router.set_table({LOCAL: handler})
@@ -60,6 +62,30 @@ async def test_handler_sees_metadata_and_deadline(runtime: FakeRuntime) -> None:
     assert seen["md"]["x-id-bin"] == b"\x00\xff"
     assert "user-agent" not in seen["md"] and "grpc-timeout" not in seen["md"]
     assert 3 < seen["timeout"] <= 4.05
+
+
+@pytest.mark.parametrize("engine", ["relay", "grpc"])
+async def test_deadline_counts_from_the_call_s_headers(runtime: FakeRuntime, engine: str) -> None:
+    """A request whose body arrives 0.6 s after its HEADERS (grpc-timeout 2S) leaves its handler
+    what is left of the 2 s, in either engine, as grpc-go counts it."""
+    seen: list[float | None] = []
+
+    async def handler(request: bytes, call) -> bytes:
+        seen.append(call.deadline.remaining())
+        return b"ok"
+
+    def call(path: str) -> bytes:
+        with h2raw.RawH2(path) as c:
+            c.send(h2raw.headers(1, h2raw.request_block(LOCAL, [(b"grpc-timeout", b"2S")]), end_stream=False))
+            time.sleep(0.6)
+            c.send(h2raw.frame(h2raw.DATA, h2raw.END_STREAM, 1, h2raw.grpc_message(b"")))
+            f, _ = c.read_until(lambda f: f.type == h2raw.HEADERS and f.flags & h2raw.END_STREAM)
+            assert f is not None
+            return c.decode_headers(f).get(b"grpc-status", b"?")
+    async with running_shim(runtime.endpoint, engine=engine) as shim:
+        shim.app.router.set_table({LOCAL: handler})
+        assert await asyncio.to_thread(call, shim.path) == b"0"
+    assert len(seen) == 1 and seen[0] is not None and 0.5 < seen[0] <= 1.45, seen
 
 
 async def test_local_error_carries_code_details_and_trailers(runtime: FakeRuntime) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import grpc
 import pytest
 
+from shim.cri.deadline import Deadline
 from shim.errors import RpcError
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
 
@@ -173,7 +174,7 @@ async def test_deadline_shorter_than_queue_wait_takes_no_slot() -> None:
     blocker = asyncio.create_task(s.pull(key("a"), up.runner("a")))
     await settle()
     with pytest.raises(RpcError) as e:
-        await s.pull(key("b"), up.runner("b"), timeout=0.01)
+        await s.pull(key("b"), up.runner("b"), deadline=Deadline.after(0.01))
     assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert "waiting for a pull slot" in e.value.details
     assert s.queued == 0
@@ -188,7 +189,7 @@ async def test_each_waiter_keeps_its_own_deadline() -> None:
     patient = asyncio.create_task(s.pull(key("a"), up.runner("a")))
     await settle()
     with pytest.raises(RpcError) as e:
-        await s.pull(key("a"), up.runner("a"), timeout=0.01)
+        await s.pull(key("a"), up.runner("a"), deadline=Deadline.after(0.01))
     assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     assert up.cancelled == []
     up.release("a", b"x")

@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from shim.cri.deadline import Deadline
 from shim.errors import RpcError
 from shim.pulls.scheduler import PullScheduler
 from shim.pulls.slots import Priority, Slots
@@ -126,7 +127,7 @@ async def test_root_joining_a_queued_untrusted_flight_lifts_it_and_leaving_lower
     queued = pull(s, up, "shared", uid=1000)  # uid 1000 is at its part: queued
     await settle()
     assert up.calls == ["u0", "v0"]
-    root = pull(s, up, "shared", timeout=0.05)  # joins it: the flight is trusted now and starts
+    root = pull(s, up, "shared", deadline=Deadline.after(0.05))  # joins it: the flight is trusted now and starts
     await settle()
     assert up.calls == ["u0", "v0", "shared"]
     assert s.running.describe() | {"untrusted_by_uid": None} == {"trusted": 1, "untrusted": 2, "background": 0,
@@ -136,7 +137,7 @@ async def test_root_joining_a_queued_untrusted_flight_lifts_it_and_leaving_lower
 
     lowered = pull(s, up, "other", uid=1000)
     await settle()
-    root2 = pull(s, up, "other", timeout=0.01)
+    root2 = pull(s, up, "other", deadline=Deadline.after(0.01))
     await settle()
     assert up.calls[-1] == "other"  # lifted: started at once
     up.release("other")
@@ -144,7 +145,7 @@ async def test_root_joining_a_queued_untrusted_flight_lifts_it_and_leaving_lower
 
     late = pull(s, up, "late", uid=1000)
     await settle()
-    leaving = pull(s, up, "late", timeout=0.0)
+    leaving = pull(s, up, "late", deadline=Deadline.after(0.0))
     with pytest.raises(RpcError):
         await leaving
     await settle()
@@ -163,7 +164,7 @@ async def test_a_queued_flight_goes_back_to_its_uid_when_root_leaves_it() -> Non
     mine = pull(s, up, "u0", uid=1000)
     await settle()
     queued = pull(s, up, "u1", uid=1000)
-    root = pull(s, up, "u1", timeout=0.05)  # lifted, but the trusted slot is taken: queued as trusted
+    root = pull(s, up, "u1", deadline=Deadline.after(0.05))  # lifted, but the trusted slot is taken: queued as trusted
     await settle()
     assert [r["priority"] for r in s.snapshot()["queued"]] == ["foreground"]
     with pytest.raises(RpcError) as e:
@@ -228,7 +229,7 @@ async def test_with_a_cap_of_one_a_queued_flight_left_to_untrusted_callers_is_re
     up, s = Upstream(), PullScheduler(max_parallel=1)
     busy = pull(s, up, "r0")
     await settle()
-    root = pull(s, up, "y", timeout=0.05)  # queued behind r0 as trusted
+    root = pull(s, up, "y", deadline=Deadline.after(0.05))  # queued behind r0 as trusted
     joined = pull(s, up, "y", uid=1000)  # no deadline, like kubelet's PullImage
     await settle()
     with pytest.raises(RpcError) as e:

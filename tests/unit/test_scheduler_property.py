@@ -16,6 +16,7 @@ import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shim.cri.deadline import Deadline
 from shim.errors import RpcError
 from shim.pulls.scheduler import PullKey, PullScheduler
 from shim.pulls.slots import Priority, Slots
@@ -107,7 +108,7 @@ async def _scenario(actions, slots: Slots, lease_ends: float, rnd: random.Random
         timeout = 0.002 if behaviour == "timeout" else None
         try:
             out = await s.pull(PullKey(image, auth=auth), runner(image, behaviour, delay), priority=prio, uid=uid,
-                               timeout=timeout)
+                               deadline=Deadline.after(timeout))
             return ("ok", out.response)
         except RpcError as e:
             return ("err", e.code)
