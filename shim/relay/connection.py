@@ -73,11 +73,11 @@ class _RuntimeProtocol(asyncio.Protocol):
         self.conn.upstream_lost()
 
     def pause_writing(self) -> None:  # the runtime is slow to read: stop reading the client
-        self.conn.core.runtime_slow = True
+        self.conn.core.runtime_reads_slowly(True)
         self.conn.pause("client", "runtime-slow")
 
     def resume_writing(self) -> None:
-        self.conn.core.runtime_slow = False
+        self.conn.core.runtime_reads_slowly(False)
         self.conn.resume("client", "runtime-slow")
 
 
@@ -86,7 +86,7 @@ class ClientConnection(asyncio.Protocol):
         self.host = host
         self.config = host.limits.server  # server.* (shim/config.py)
         self.loop = asyncio.get_running_loop()
-        self.core = RelayCore(host.limits, host.route)
+        self.core: RelayCore  # built at connection_made, once the peer (trusted or not) is known
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -108,7 +108,7 @@ class ClientConnection(asyncio.Protocol):
         self.client = cast(asyncio.Transport, transport)  # a stream server's transport
         s = self.config
         self.peer = peer_of(transport, s.trusted_uids)
-        self.core.trusted = self.peer.trusted
+        self.core = RelayCore(self.host.limits, self.host.route, trusted=self.peer.trusted)
         if not self.host.admit(self):
             self._closed = True
             transport.close()

@@ -168,11 +168,16 @@ class RelayCore:
         self._emit = self.output.emit  # a frame of the shim's own to the client, in order
         self.going_away = False
         self.goaway_sid = 0
-        # the runtime reads slower than the shim writes to it (set by the adapter): its PINGs
+        # the runtime reads slower than the shim writes to it (runtime_reads_slowly): its PINGs
         # go to the client, so the shim adds nothing of its own to what the runtime has not read
         self.runtime_slow = False
         self._clock = clock
         self._refusals = TokenBucket(REFUSED_STREAMS_BURST, REFUSED_STREAMS_PER_SECOND, clock)
+
+    def runtime_reads_slowly(self, slow: bool) -> None:
+        """Input from the adapter: the shim's writes to the runtime are above the high mark (True),
+        or below the low mark again (False)."""
+        self.runtime_slow = slow
 
     # ------------------------------------------------------------------ outputs
 

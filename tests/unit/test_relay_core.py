@@ -68,8 +68,8 @@ def message(body: bytes) -> bytes:
 class Peers:
     """A RelayCore with a client and a runtime attached, past both prefaces."""
 
-    def __init__(self, lim: Limits | None = None, relay: bool = True) -> None:
-        self.core = RelayCore(lim or limits(), ROUTE)
+    def __init__(self, lim: Limits | None = None, relay: bool = True, trusted: bool = True) -> None:
+        self.core = RelayCore(lim or limits(), ROUTE, trusted=trusted)
         self.core.receive_client(http2.PREFACE)
         assert self.core.take_events() == [PrefaceReceived()]
         assert self.core.take_runtime() == b""  # nothing for the runtime before we know where calls go
@@ -633,7 +633,7 @@ def test_the_runtimes_pings_are_answered_by_the_shim_and_never_reach_the_client(
 def test_while_the_runtime_reads_slowly_its_pings_go_to_the_client() -> None:
     """The shim adds none of its own frames to what the runtime has not read."""
     p = Peers()
-    p.core.runtime_slow = True
+    p.core.runtime_reads_slowly(True)
     p.from_runtime(http2.frame(http2.PING, 0, 0, b"keepaliv"))
     assert p.runtime_got() == []
     assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(http2.PING, 0, b"keepaliv")]
@@ -742,8 +742,8 @@ def test_a_request_over_its_methods_limit_is_refused_on_its_declared_length() ->
 
 def test_intercepted_calls_at_once_are_capped_over_all_connections_with_room_kept_for_trusted_clients() -> None:
     calls = Pool(4)
-    kubelet, other, other2 = (Peers(limits(calls=calls)) for _ in range(3))
-    other.core.trusted = other2.core.trusted = False
+    kubelet = Peers(limits(calls=calls))
+    other, other2 = (Peers(limits(calls=calls), trusted=False) for _ in range(2))
     for sid in (1, 3):
         other.from_client(headers(sid, PULL, end_stream=True))
     assert len(other.events()) == 2  # the untrusted share (half) is taken
