@@ -26,7 +26,6 @@ from functools import partial
 from typing import Any, Callable
 
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
-from kubernetes_asyncio.config import new_client_from_config
 
 from ..config import ClusterConfig
 from ..imagesets.loader import SetFileError
@@ -34,6 +33,7 @@ from ..imagesets.manager import ImageSets
 from ..observability import logs
 from ..observability.metrics import Metrics
 from . import objects, state
+from .client import new_client
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
@@ -299,7 +299,7 @@ class ClusterSource:
     # ------------------------------------------------------------------ running
 
     async def start(self) -> None:
-        self.api = await new_client_from_config(config_file=self.cfg.kubeconfig, persist_config=False)
+        self.api = await new_client(self.cfg.kubeconfig)
         api = self.api
         custom = CustomObjectsApi(api)
         core = CoreV1Api(api)

@@ -1,0 +1,88 @@
+"""The API client of a kubeconfig, whose client-certificate files may be rotated under it.
+
+kubelet's own kubeconfig (``/var/lib/kubelet/kubeconfig``) names its client certificate and key
+by file (``/var/lib/kubelet/pki/kubelet-client-current.pem``, which kubelet points at a new
+certificate before the old one expires). kubernetes_asyncio reads them once, when the client is
+made. Here, before each request, the files' identity (device, inode, size, modification time:
+two ``stat`` calls, nothing read) is compared with the pair loaded; when it changed, the pair is
+loaded into a new connection pool and the old pool is closed, as client-go closes every
+connection on rotation so that none keeps the old identity (a watch in flight ends; its
+informer resumes it on the new pool). A pair that cannot be loaded (half written, key and
+certificate not matching yet) keeps the old pool and is tried again at the next request.
+A kubeconfig with a token, an exec plugin or inline certificate data is used as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from typing import Any
+
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.rest import RESTClientObject
+from kubernetes_asyncio.config import new_client_from_config
+
+from ..observability import logs
+
+_log = logs.get("cluster")
+
+Stamp = tuple[tuple[int, int, int, int], ...]
+
+
+def stamp(files: tuple[str, ...]) -> Stamp | None:
+    """What identifies the files' content without reading it; None while one is missing."""
+    out = []
+    for f in files:
+        try:
+            st = os.stat(f)
+        except OSError:
+            return None
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+class RotatingCertificate(RESTClientObject):
+    """The REST client of ``ApiClient``, reloading its client certificate files when they change."""
+
+    def __init__(self, configuration: Configuration) -> None:
+        files = (str(configuration.cert_file), str(configuration.key_file or configuration.cert_file))
+        self.files = tuple(dict.fromkeys(files))  # one file holding both, as kubelet's
+        self.loaded = stamp(self.files)
+        super().__init__(configuration)
+        self.configuration = configuration
+        self.reloads = 0
+        self.error = ""  # why the changed files could not be loaded; "" once they were
+
+    async def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+        now = stamp(self.files)
+        if now is not None and now != self.loaded:
+            await self._reload(now)
+        return await super().request(method, url, *args, **kwargs)
+
+    async def _reload(self, now: Stamp) -> None:
+        try:
+            fresh = RESTClientObject(self.configuration)
+        except (OSError, ssl.SSLError) as e:
+            if str(e) != self.error:
+                logs.log(_log, logging.WARNING, "client certificate changed but cannot be loaded; the previous "
+                         "one stays in use", file=self.files[0], error=str(e))
+            self.error = str(e)
+            return
+        old, self.pool_manager = self.pool_manager, fresh.pool_manager
+        self.loaded = now
+        self.reloads += 1
+        self.error = ""
+        logs.log(_log, logging.INFO, "client certificate reloaded: new connections use it", file=self.files[0])
+        await old.close()
+
+
+async def new_client(kubeconfig: str) -> ApiClient:
+    """The client of ``kubeconfig``; its client-certificate files, if any, are followed (above)."""
+    api = await new_client_from_config(config_file=kubeconfig, persist_config=False)
+    cfg = api.configuration
+    if cfg.cert_file and os.path.isfile(str(cfg.cert_file)):
+        old = api.rest_client
+        api.rest_client = RotatingCertificate(cfg)
+        await old.close()
+    return api
