@@ -8,6 +8,7 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
 * a Node added, deleted or relabelled marks the sets selecting it before or after;
 * a NodeImageSetStatus event marks the sets its rows name and those selecting its node;
 * a (re-)list marks every set;
+* an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
 * a set with a node that turns stale if nothing changes gets one timer, at that due time.
 
 Marked sets are recomputed in batches (at most one batch per ``batch_interval``, 0.5 s): one
@@ -31,6 +32,7 @@ from ..cluster.reachability import Reachability, readyz
 from ..observability import logs
 from . import report, truth
 from .leader import LeaderElector
+from .pull_secrets import PullSecretRoles
 
 _log = logs.get("controller")
 
@@ -66,6 +68,7 @@ class Controller:
         self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
+        self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -90,10 +93,13 @@ class Controller:
 
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
+            self.secret_roles.relisted(self.sets.items)
             self._mark_all()
             return
         name = str(((new or old) or {}).get("metadata", {}).get("name"))
+        self.secret_roles.set_changed(name, new)
         if kind == "DELETED":
+            self._wake.set()
             self._forget(name)
             return
         self.mark(name)
@@ -188,12 +194,15 @@ class Controller:
                 batch, self._dirty = sorted(self._dirty), set()
                 for name in batch:
                     await self.reconcile(name)
+                if self.secret_roles.dirty and not await self.secret_roles.sync():
+                    asyncio.get_running_loop().call_later(5.0, self._wake.set)
                 await asyncio.sleep(self.batch_interval)
         finally:
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
             self._written.clear()
+            self.secret_roles.lost_lead()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -5,13 +5,15 @@ keep each node to its own NodeImageSetStatus and its own Events."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio.client import CoreV1Api, EventsV1Api
+from kubernetes_asyncio.client import CoreV1Api, EventsV1Api, RbacAuthorizationV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from shim.controller.pull_secrets import ROLE
 from tests.support.apiserver import ControlPlane
 from tests.support.kube import Admin
 
@@ -138,3 +140,49 @@ def test_shim_with_the_kubelet_kubeconfig_follows_its_rotated_certificate(contro
     finally:
         delete(admin, *SHIM, "imagesets", "t40-kubelet-identity")
         admin.set_node_labels("node-b", {"t40": None})
+
+
+def test_node_reads_the_secrets_sets_name_and_no_other(control_plane, admin, controllers, tmp_path) -> None:
+    """The controller keeps the Role nodes read pull Secrets by: exactly those a set names; when no
+    set names them any more, none."""
+    ns = "t41-team"
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/dockerconfigjson",
+              "data": {".dockerconfigjson": base64.b64encode(b'{"auths": {}}').decode()}}
+    admin.apply_docs([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+                      {**secret, "metadata": {"name": "named", "namespace": ns}},
+                      {**secret, "metadata": {"name": "other", "namespace": ns}}])
+    body = image_set("t41-private", ["registry.example/app:1"], {"t41": "yes"})
+    body["spec"]["imagePullSecrets"] = [{"namespace": ns, "name": "named"}]
+    admin.apply_custom(*SHIM, "imagesets", body)
+    kc = as_node(control_plane, tmp_path, "node-a")
+
+    def read(name: str) -> Any:
+        return kc.run(lambda api: CoreV1Api(api).read_namespaced_secret(name, ns))
+
+    def readable(name: str) -> bool:
+        try:
+            return read(name).metadata.name == name
+        except ApiException as e:
+            if e.status == 403:
+                return False
+            raise
+    try:
+        assert not readable("named")  # no controller yet: no Role
+        controllers("c1")
+        wait_for(lambda: readable("named"), 30, "node-a may read the Secret the set names", interval=0.3)
+        watched = kc.run(lambda api: CoreV1Api(api).list_namespaced_secret(ns, field_selector="metadata.name=named"))
+        assert [s.metadata.name for s in watched.items] == ["named"]  # as the shim watches it, by name
+        with pytest.raises(ApiException) as e:
+            read("other")
+        assert e.value.status == 403 and 'cannot get resource \\"secrets\\"' in e.value.body
+        with pytest.raises(ApiException) as e:
+            kc.run(lambda api: CoreV1Api(api).list_namespaced_secret(ns))
+        assert e.value.status == 403
+        role = admin.run(lambda api: RbacAuthorizationV1Api(api).read_namespaced_role(ROLE, ns))
+        assert role.rules[0].resource_names == ["named"]
+
+        delete(admin, *SHIM, "imagesets", "t41-private")
+        wait_for(lambda: not readable("named"), 30, "the Secret no longer readable once no set names it",
+                 interval=0.3)
+    finally:
+        delete(admin, *SHIM, "imagesets", "t41-private")
