@@ -55,10 +55,14 @@ class RotatingCertificate(RESTClientObject):
         self.error = ""  # why the changed files could not be loaded; "" once they were
 
     async def request(self, method: Any, url: Any, *args: Any, **kwargs: Any) -> Any:
+        await self.refresh()
+        return await super().request(method, url, *args, **kwargs)
+
+    async def refresh(self) -> None:
+        """Load the files into a new pool if they changed since loaded (before each request)."""
         now = stamp(self.files)
         if now is not None and now != self.loaded:
             await self._reload(now)
-        return await super().request(method, url, *args, **kwargs)
 
     async def _reload(self, now: Stamp) -> None:
         try:

@@ -81,7 +81,7 @@ class PullSecretRoles:
                 refs = pull_secret_refs(obj.get("spec") or {}, f"ImageSet/{name}")
             except SetFileError:
                 refs = None  # the last readable version's references stay
-        if refs is None or self.refs.get(name, ()) == refs:
+        if refs is None or set(self.refs.get(name, ())) == set(refs):
             return
         if refs:
             self.refs[name] = refs
