@@ -60,8 +60,8 @@ def test_node_writes_only_its_own_status(control_plane, admin, tmp_path) -> None
     kc = as_node(control_plane, tmp_path, "node-a")
     e = refused(lambda: apply_status(kc, "node-b"))
     assert e.status == 403
-    assert "ValidatingAdmissionPolicy 'cri-shim-node-own-status'" in e.body
-    assert "node node-a may write only the NodeImageSetStatus named node-a, not node-b" in e.body
+    assert ("ValidatingAdmissionPolicy 'cri-shim-node-own-status' with binding 'cri-shim-node-own-status' denied "
+            "request: node node-a may write only the NodeImageSetStatus named node-a, not node-b") in e.body
     # its own passes RBAC and the policy (raises if refused; a dry run: the test shims own node-a's object)
     apply_status(kc, "node-a", dry_run="All")
 
