@@ -10,6 +10,10 @@ connection on rotation so that none keeps the old identity (a watch in flight en
 informer resumes it on the new pool). A pair that cannot be loaded (half written, key and
 certificate not matching yet) keeps the old pool and is tried again at the next request.
 A kubeconfig with a token, an exec plugin or inline certificate data is used as it is.
+
+``identity_problem``: with kubelet's identity (``system:node:<name>``) the admission policies of
+deploy/cluster/node-identity.yaml refuse every write not about ``<name>``, so a ``cluster.node_name``
+that differs is said at start, not discovered in refused writes.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import os
 import ssl
 from typing import Any
 
-from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client import ApiClient, AuthenticationV1Api, Configuration
 from kubernetes_asyncio.client.rest import RESTClientObject
 from kubernetes_asyncio.config import new_client_from_config
 
@@ -90,3 +94,22 @@ async def new_client(kubeconfig: str) -> ApiClient:
         api.rest_client = RotatingCertificate(cfg)
         await old.close()
     return api
+
+
+NODE_USER = "system:node:"  # kubelet's user name prefix (group system:nodes)
+
+
+async def user_name(api: ApiClient, request_timeout: float) -> str:
+    """Who the API server says this client is (SelfSubjectReview, authentication.k8s.io/v1, GA in 1.28)."""
+    review = await AuthenticationV1Api(api).create_self_subject_review(
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"},  # type: ignore[arg-type]
+        _request_timeout=request_timeout)
+    return str(review.status.user_info.username)
+
+
+def identity_problem(user: str, node_name: str) -> str:
+    """Why this node's writes will be refused: its user is another node's kubelet; "" when not."""
+    if not user.startswith(NODE_USER) or user[len(NODE_USER):] == node_name:
+        return ""
+    return (f"the kubeconfig's user is {user} but cluster.node_name is {node_name}: the API server refuses "
+            f"this node's status writes (set cluster.node_name: {user[len(NODE_USER):]})")

@@ -17,7 +17,7 @@ from shim.controller.pull_secrets import ROLE
 from tests.support.apiserver import ControlPlane
 from tests.support.kube import Admin
 
-from .test_cluster_sets import SHIM, current, delete, image_set, pinned, shim_config, wait_for
+from .test_cluster_sets import SHIM, current, delete, image_set, pinned, shim_config, shim_status, wait_for
 
 
 def as_node(cp: ControlPlane, tmp: Path, node: str) -> Admin:
@@ -186,3 +186,18 @@ def test_node_reads_the_secrets_sets_name_and_no_other(control_plane, admin, con
                  interval=0.3)
     finally:
         delete(admin, *SHIM, "imagesets", "t41-private")
+
+
+def test_a_node_name_other_than_the_identity_is_said_at_start(control_plane, admin, shim_factory, tmp_path,
+                                                             short_tmp) -> None:
+    """node-b's kubelet kubeconfig with cluster.node_name node-a: `cri-shim status` says which name
+    to set; reading node-a's Node is refused, with the API server's reason."""
+    admin_sock = str(short_tmp / "admin.sock")
+    cfg = shim_config(control_plane, tmp_path, "node-a", server={"admin_socket": admin_sock})
+    cfg["cluster"]["kubeconfig"] = str(control_plane.kubelet_kubeconfig(tmp_path / "kubelet.kubeconfig", "node-b"))
+    shim_factory(cfg, log_level="info")
+    st = wait_for(lambda: (s := shim_status(admin_sock)).get("identity_error") and s, 30, "the identity checked")
+    assert st["identity_error"] == ("the kubeconfig's user is system:node:node-b but cluster.node_name is node-a: "
+                                    "the API server refuses this node's status writes (set cluster.node_name: node-b)")
+    err = wait_for(lambda: shim_status(admin_sock)["watches"]["node"].get("error"), 30, "the Node watch refused")
+    assert err.startswith("HTTP 403: Forbidden: ") and 'User "system:node:node-b"' in err, err

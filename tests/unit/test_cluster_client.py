@@ -4,13 +4,16 @@ connection pool; a file that cannot be loaded yet keeps the previous one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import yaml
+from kubernetes_asyncio.client.exceptions import ApiException
 
-from shim.cluster.client import RotatingCertificate, new_client
+from shim.cluster.client import RotatingCertificate, identity_problem, new_client
+from shim.cluster.reachability import describe
 
 
 def issue(pem: Path, cn: str) -> None:
@@ -69,3 +72,21 @@ async def test_a_token_kubeconfig_is_used_as_it_is(tmp_path: Path) -> None:
         assert not isinstance(api.rest_client, RotatingCertificate)
     finally:
         await api.close()
+
+
+def test_identity_problem_names_the_node_name_to_set() -> None:
+    assert identity_problem("system:node:n1", "n1") == ""
+    assert identity_problem("system:serviceaccount:cri-shim:cri-shim-n1", "n1") == ""  # RBAC narrows those
+    assert identity_problem("system:node:n1", "host-1") == (
+        "the kubeconfig's user is system:node:n1 but cluster.node_name is host-1: the API server refuses this "
+        "node's status writes (set cluster.node_name: n1)")
+
+
+def test_an_api_error_is_described_with_its_status_message() -> None:
+    body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+                       "message": "admission webhook said no"})
+    e = ApiException(status=403, reason="Forbidden")
+    e.body = body
+    assert describe(e) == "HTTP 403: Forbidden: admission webhook said no"
+    e.body = "<html>bad gateway</html>"
+    assert describe(e) == "HTTP 403: Forbidden"
