@@ -6,7 +6,8 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
 
 * an ImageSet event marks that set;
 * a Node added, deleted or relabelled marks the sets selecting it before or after;
-* a NodeImageSetStatus event marks the sets its rows name and those selecting its node;
+* a NodeImageSetStatus event marks the sets its rows (and ``worst`` entries) name and those
+  selecting its node;
 * a (re-)list marks every set;
 * an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
 * a set with a node that turns stale if nothing changes gets one timer, at that due time.
@@ -42,7 +43,8 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
 
 
 def _rows(obj: Obj) -> set[str]:
-    return {str(r.get("name")) for r in ((obj or {}).get("status") or {}).get("sets") or []}
+    status = (obj or {}).get("status") or {}
+    return {str(r.get("name")) for r in [*(status.get("sets") or []), *(status.get("worst") or [])]}
 
 
 class Controller:
@@ -74,6 +76,7 @@ class Controller:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
+        self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
         self.recomputes = 0
         self.writes = 0
         self.write_errors = 0
@@ -91,7 +94,15 @@ class Controller:
     def _selecting(self, labels: dict[str, str]) -> list[str]:
         return [n for n, s in self.sets.items.items() if truth.selects_node(s, labels)]
 
+    def _expected(self, node: str) -> str:
+        """What a node reporting sets in aggregate should digest (cached until a set or its labels change)."""
+        if node not in self._digests:
+            labels = truth.node_labels(self.nodes.items.get(node) or {})
+            self._digests[node] = truth.expected_digest(self.sets.items, labels)
+        return self._digests[node]
+
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
+        self._digests.clear()
         if kind == "LIST":
             self.secret_roles.relisted(self.sets.items)
             self._mark_all()
@@ -105,7 +116,9 @@ class Controller:
         self.mark(name)
 
     def _node_event(self, kind: str, old: Obj, new: Obj) -> None:
+        self._digests.pop(str(((new or old) or {}).get("metadata", {}).get("name")), None)
         if kind == "LIST":
+            self._digests.clear()
             self._mark_all()
             return
         before = truth.node_labels(old) if old is not None else None
@@ -161,7 +174,7 @@ class Controller:
         started = seen[1] if seen is not None and seen[0] == gen else report.rollout_start(view, now)
         self._started[name] = (gen, started)
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
-                          stale_after=self.stale_after)
+                          stale_after=self.stale_after, expected=self._expected)
         self.recomputes += 1
         self._schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now)

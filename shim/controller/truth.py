@@ -17,6 +17,12 @@ Every selected node is counted in exactly one of:
 
 A node at rest writes nothing, so a current node is never called stale: its report is the
 truth until it changes (a dead shim's images may still go; its Node going removes it).
+
+A node with more sets than ``cluster.status_max_rows`` reports the rest in aggregate
+(shim/cluster/aggregate.py): a set found in its ``worst`` list is read like a row; a set with
+neither a row nor a ``worst`` entry is current there when every omitted set is current and the
+node's ``omitted.imageSets`` digest equals the digest of the ImageSets selecting it as seen here
+(``expected``); otherwise it counts as behind (progressing, or stale if its shim stays silent).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
+from ..cluster.aggregate import digest
 from ..cluster.objects import FIELD_MANAGER, SelectorError, check_selector, selects
 from ..pulls.failure import REASONS
 
@@ -87,10 +95,36 @@ def selects_node(image_set: Mapping[str, Any], labels: Mapping[str, str]) -> boo
         return False
 
 
+def expected_digest(sets: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
+    """The ``omitted.imageSets`` digest a node with these labels writes once it has seen every set."""
+    return digest((str(n), str((s.get("metadata") or {}).get("generation", ""))) for n, s in sets.items()
+                  if selects_node(s, labels))
+
+
+def _row(status: Mapping[str, Any], name: Any, expected: Callable[[], str]) -> Mapping[str, Any] | None:
+    """The node's row for the set: its own, its ``worst`` entry, or one implied by the aggregate."""
+    for r in status.get("sets") or []:
+        if r.get("name") == name:
+            return dict(r)
+    for r in status.get("worst") or []:
+        if r.get("name") == name:
+            return dict(r)
+    omitted = status.get("omitted")
+    if (isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
+            and omitted.get("imageSets") == expected()):
+        return {"name": name, "implied": True}
+    return None
+
+
+def _unknown(node: str) -> str:
+    return ""
+
+
 def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
             statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
-            stale_after: float) -> Truth:
-    """``changed_at``: when the set's current generation was first seen (wall clock)."""
+            stale_after: float, expected: Callable[[str], str] | None = None) -> Truth:
+    """``changed_at``: when the set's current generation was first seen (wall clock).
+    ``expected(node)``: ``expected_digest`` for the node (the controller caches it)."""
     name = (image_set.get("metadata") or {}).get("name")
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     selector = (image_set.get("spec") or {}).get("nodeSelector")
@@ -111,7 +145,10 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
             counts["missing"] += 1
             missing.append(node)
             continue
-        row = next((r for r in (obj.get("status") or {}).get("sets") or [] if r.get("name") == name), None)
+        row = _row(obj.get("status") or {}, name, partial(expected or _unknown, node))
+        if row is not None and row.get("implied"):
+            counts["current"] += 1
+            continue
         at_gen = row is not None and row.get("desiredGeneration") == generation
         if at_gen and row is not None and row.get("currentGeneration") == generation:
             counts["current"] += 1

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -17,11 +17,8 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pulls.scheduler import PullScheduler
-from .pins import PinSet
-
-if TYPE_CHECKING:  # the resolver uses this service's types too
-    from ..runtime_handlers.resolver import HandlerResolver
-
+from ..runtime_handlers.resolver import HandlerResolver
+from .pin_set import PinSet
 
 M = TypeVar("M", bound=Message)
 _log = logs.get("pins")

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import yaml
 
 from .. import reference, safeyaml
-from ..images.pins import normalize_pattern
+from ..image_patterns import normalize_pattern
 from ..observability.logs import QUOTE_MAX_CHARS, cut, shown
 
 MCO_GROUP = "machineconfiguration.openshift.io"

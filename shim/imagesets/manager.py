@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config import ImageSetsConfig
 from ..cri.upstream import Upstream
-from ..images.pins import PinSet
+from ..images.pin_set import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler

@@ -28,7 +28,8 @@ from ..observability.tracing import Tracing
 from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
-from ..runtime_handlers.resolver import HandlerResolver, compile_rules
+from ..runtime_handlers.resolver import HandlerResolver
+from ..runtime_handlers.rules import compile_rules
 from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
 from .status import StatusSource, collect
@@ -157,7 +158,8 @@ class App:
         await self.cluster.start()
         self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
-                                      request_timeout=c.request_timeout_seconds)
+                                      request_timeout=c.request_timeout_seconds, max_rows=c.status_max_rows,
+                                      event_burst=c.event_burst)
         self.node_status.start()
 
     async def _stop_cluster(self) -> None:

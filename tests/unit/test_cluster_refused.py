@@ -178,7 +178,7 @@ async def test_status_row_degraded_and_rate_limited_event(runtime, store, tmp_pa
             async def create_namespaced_event(self, namespace: str, body: dict[str, Any], **_: Any) -> None:
                 sent.append(body)
 
-        st.uid, st.last_written = "uid-1", st.document()
+        st.written(st.document(), "uid-1")
         for _ in range(3):  # every status write asks; one Event per set and reason per event_interval
             await st.events(Core())  # type: ignore[arg-type]
         assert sorted(e["metadata"]["generateName"] for e in sent) == ["n1.", "n1."]

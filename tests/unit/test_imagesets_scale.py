@@ -80,7 +80,8 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
     async with image_sets(runtime, tmp_path, max_parallel=2, retry_initial_seconds=0.01, retry_max_seconds=0.02,
                           retry_per_second=0.001) as h:  # a burst of one retry, then one every 1,000 s
         await reconciled(h, "warm", 1)  # fast.local's retry was not held back by slow.local's
-        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local") == 4,
+        # 4 wait while the one retry with the token runs, 5 once it failed again (a busy machine may poll late)
+        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
                          what="slow.local's other retries to wait for a token")
         assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
         s = h.set_status("warm")
