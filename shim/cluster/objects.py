@@ -94,6 +94,19 @@ class SecretRef:
     name: str
 
 
+def pull_secret_refs(spec: Mapping[str, Any], where: str) -> tuple[SecretRef, ...]:
+    """The Secrets an ImageSet's ``spec.imagePullSecrets`` names; SetFileError when unusable."""
+    refs = spec.get("imagePullSecrets") or []
+    if isinstance(refs, list) and len(refs) > MAX_PULL_SECRETS:
+        raise SetFileError(f"{where}.spec.imagePullSecrets: {len(refs)} entries, at most {MAX_PULL_SECRETS}")
+    out = []
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, Mapping) or not ref.get("name") or not ref.get("namespace"):
+            raise SetFileError(f"{where}.spec.imagePullSecrets[{i}]: needs namespace and name")
+        out.append(SecretRef(str(ref["namespace"]), str(ref["name"])))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class RoleOverride:
     max_parallel: int | None
@@ -146,14 +159,7 @@ def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | Non
            "metadata": {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("name", "generation")},
            "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
     s = parse_document(doc, where, source_of(obj))
-    secrets = []
-    refs = spec.get("imagePullSecrets") or []
-    if isinstance(refs, list) and len(refs) > MAX_PULL_SECRETS:
-        raise SetFileError(f"{where}.spec.imagePullSecrets: {len(refs)} entries, at most {MAX_PULL_SECRETS}")
-    for i, ref in enumerate(refs):
-        if not isinstance(ref, Mapping) or not ref.get("name") or not ref.get("namespace"):
-            raise SetFileError(f"{where}.spec.imagePullSecrets[{i}]: needs namespace and name")
-        secrets.append(SecretRef(str(ref["namespace"]), str(ref["name"])))
+    secrets = pull_secret_refs(spec, where)
     overrides = []
     for i, o in enumerate(spec.get("roleOverrides") or []):
         try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import random
 import time
@@ -48,9 +49,21 @@ def backoff(failures: int, initial: float, maximum: float, rng: Callable[[], flo
 
 
 def describe(e: BaseException) -> str:
+    """One line for a log, a status or ``cri-shim status``: for an API error its code, reason and
+    the message of its Status (what an admission policy or RBAC said; never an object's content)."""
     if isinstance(e, ApiException):
-        return f"HTTP {e.status}: {e.reason}"
+        msg = _status_message(e.body)
+        return f"HTTP {e.status}: {e.reason}" + (f": {msg}" if msg else "")
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _status_message(body: object, limit: int = 512) -> str:
+    try:
+        doc = json.loads(body) if isinstance(body, (str, bytes)) and body else None
+    except ValueError:
+        return ""
+    msg = doc.get("message") if isinstance(doc, dict) and doc.get("kind") == "Status" else None
+    return msg[:limit] if isinstance(msg, str) else ""
 
 
 def unreachable(e: BaseException) -> bool:

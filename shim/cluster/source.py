@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any, Callable
 
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
-from kubernetes_asyncio.config import new_client_from_config
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..config import ClusterConfig
 from ..credentials import Credential
@@ -35,6 +35,7 @@ from ..imagesets.manager import ImageSets
 from ..observability import logs
 from ..observability.metrics import Metrics
 from . import objects, state
+from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
@@ -74,6 +75,7 @@ class ClusterSource:
         self.refused: dict[str, objects.Refused] = {}  # by set name: its newest version cannot be applied
         self.last_refused: dict[str, str] = {}  # by set name: the generation refused last, while the set is declared
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
+        self.identity_error = ""  # the kubeconfig is another node's kubelet (client.identity_problem)
         self.state_write_failures = 0  # the start check and every save that failed
         self._unsaved = False  # the last save failed: tried again after backoff_max_seconds
         self._clear_metrics()  # not a previous source's (a reload that changed cluster.*)
@@ -304,7 +306,7 @@ class ClusterSource:
     # ------------------------------------------------------------------ running
 
     async def start(self) -> None:
-        self.api = await new_client_from_config(config_file=self.cfg.kubeconfig, persist_config=False)
+        self.api = await new_client(self.cfg.kubeconfig)
         api = self.api
         custom = CustomObjectsApi(api)
         core = CoreV1Api(api)
@@ -332,8 +334,28 @@ class ClusterSource:
                        for name, inf in self.informers.items()]
         self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
+        self._tasks.append(loop.create_task(self._identity_check(api), name="cluster-identity"))
         if self.cfg.mco:  # in the background: the shim serves before any API request is answered
             self._tasks.append(loop.create_task(self._mco_loop(custom), name="cluster-mco"))
+
+    async def _identity_check(self, api: ApiClient) -> None:
+        """Once answered: whether the kubeconfig's user is another node's kubelet. Not answered
+        (unreachable, 401 before a certificate rotation) it is asked again after backoff."""
+        delay = self.cfg.backoff_initial_seconds
+        while True:
+            try:
+                user = await user_name(api, self.cfg.request_timeout_seconds)
+                break
+            except ApiException as e:
+                if e.status in (403, 404):
+                    return  # not allowed to ask, or an API server before 1.28: nothing to say
+            except Exception:  # unreachable: ask again
+                pass
+            await asyncio.sleep(delay * random.uniform(1, 2))
+            delay = min(delay * 2, self.cfg.backoff_max_seconds)
+        self.identity_error = identity_problem(user, self.node_name)
+        if self.identity_error:
+            logs.log(_log, logging.ERROR, "wrong node name for this identity", error=self.identity_error)
 
     def _secret_watch(self, core: CoreV1Api, ref: SecretRef, on_change: Callable[[], None]) -> Informer:
         assert self.api is not None
@@ -481,6 +503,8 @@ class ClusterSource:
                                    for n, r in sorted(self.refused.items())}
         if self.state_error:
             out["state_error"] = self.state_error
+        if self.identity_error:
+            out["identity_error"] = self.identity_error
         if self.state_write_failures:
             out["state_write_failures"] = self.state_write_failures
         if self.secrets is not None and self.secrets.by_set:

@@ -9,6 +9,7 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
 * a NodeImageSetStatus event marks the sets its rows (and ``worst`` entries) name and those
   selecting its node;
 * a (re-)list marks every set;
+* an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
 * a set with a node that turns stale if nothing changes gets one timer, at that due time.
 
 Marked sets are recomputed in batches (at most one batch per ``batch_interval``, 0.5 s): one
@@ -32,6 +33,7 @@ from ..cluster.reachability import Reachability, readyz
 from ..observability import logs
 from . import report, truth
 from .leader import LeaderElector
+from .pull_secrets import PullSecretRoles
 
 _log = logs.get("controller")
 
@@ -68,6 +70,7 @@ class Controller:
         self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
+        self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -101,10 +104,13 @@ class Controller:
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
         self._digests.clear()
         if kind == "LIST":
+            self.secret_roles.relisted(self.sets.items)
             self._mark_all()
             return
         name = str(((new or old) or {}).get("metadata", {}).get("name"))
+        self.secret_roles.set_changed(name, new)
         if kind == "DELETED":
+            self._wake.set()
             self._forget(name)
             return
         self.mark(name)
@@ -201,12 +207,15 @@ class Controller:
                 batch, self._dirty = sorted(self._dirty), set()
                 for name in batch:
                     await self.reconcile(name)
+                if self.secret_roles.dirty and not await self.secret_roles.sync():
+                    asyncio.get_running_loop().call_later(5.0, self._wake.set)
                 await asyncio.sleep(self.batch_interval)
         finally:
             for timer in self._timers.values():
                 timer.cancel()
             self._timers.clear()
             self._written.clear()
+            self.secret_roles.lost_lead()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

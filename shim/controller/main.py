@@ -10,8 +10,9 @@ import socket
 import uuid
 
 from kubernetes_asyncio.client import ApiClient
-from kubernetes_asyncio.config import load_incluster_config, new_client_from_config
+from kubernetes_asyncio.config import load_incluster_config
 
+from ..cluster.client import new_client
 from ..observability import logs
 from .controller import Controller
 from .leader import LeaderElector
@@ -21,7 +22,7 @@ _log = logs.get("controller")
 
 async def _client(kubeconfig: str | None) -> ApiClient:
     if kubeconfig:
-        return await new_client_from_config(config_file=kubeconfig, persist_config=False)
+        return await new_client(kubeconfig)
     load_incluster_config()  # type: ignore[no-untyped-call]  # the Pod's ServiceAccount
     return ApiClient()
 

@@ -1,6 +1,7 @@
 """A real kubelet registers its Node with the test API server; the shim in front of its
-containerd reads that Node's labels (set by kubelet's --node-labels) and keeps the set that
-selects them: pulled through the shim, pinned, status current."""
+containerd, with the kubelet's own kubeconfig (its client certificate: system:node:node-k), reads
+that Node's labels (set by kubelet's --node-labels) and keeps the set that selects them: pulled
+through the shim, pinned, status current."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def test_kubelet_registered_node_labels_select_a_set(control_plane, admin: Admin
                                                      kubelet_factory, shim_factory, tmp_path: Path) -> None:
     admin.apply_custom(*SHIM, "imagesets", image_set("t5-node", [node_images.busybox.ref], {"t5-pool": "blue"}))
     try:
-        shim = shim_factory(shim_config(control_plane, tmp_path, KUBELET_NODE), upstream=node_containerd.socket,
-                            log_level="info")
         kc = control_plane.kubelet_kubeconfig(tmp_path / "kubelet.kubeconfig", KUBELET_NODE)
+        cfg = shim_config(control_plane, tmp_path, KUBELET_NODE)
+        cfg["cluster"]["kubeconfig"] = str(kc)  # as deployed: no ServiceAccount, the node's own identity
+        shim = shim_factory(cfg, upstream=node_containerd.socket, log_level="info")
         kubelet_factory(runtime_endpoint=f"unix://{shim.socket}", node_name=KUBELET_NODE,
                         args=["--kubeconfig", str(kc), "--node-labels", "t5-pool=blue"])
         node = wait_for(lambda: admin.run(lambda api: _node(api)), 120, "kubelet registered its Node", interval=0.5)

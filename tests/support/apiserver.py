@@ -2,12 +2,16 @@
 
 Install: ``scripts/setup.d/55-apiserver.sh`` builds both from the Go module proxy into
 /var/cache/cri-shim/{etcd-<v>,kube-apiserver-<v>}/. Certificates are made here with ``openssl``
-(a CA, the serving cert for 127.0.0.1, the service-account signing key); clients authenticate
-with static bearer tokens (``--token-auth-file``): ``admin`` (system:masters), one user per
-node named like the ServiceAccount ``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the
-RBAC manifests in deploy/cluster/ are tested exactly as a fleet uses them), one kubelet
-identity per node (``system:node:<node>``) and the controller's ServiceAccount
-(``system:serviceaccount:cri-shim:cri-shim-controller``, rights of deploy/cluster/controller.yaml). Authorization: Node, RBAC.
+(a CA, the serving cert for 127.0.0.1, the service-account signing key, one kubelet client
+certificate per node). Clients authenticate with static bearer tokens (``--token-auth-file``):
+``admin`` (system:masters), one user per node named like the ServiceAccount
+``system:serviceaccount:cri-shim:cri-shim-<node>`` (so the RBAC manifests in deploy/cluster/ are
+tested exactly as a fleet uses them) and the controller's ServiceAccount
+(``system:serviceaccount:cri-shim:cri-shim-controller``, rights of deploy/cluster/controller.yaml);
+each kubelet with a client certificate signed by the test CA (``--client-ca-file``), CN
+``system:node:<node>``, O ``system:nodes``, as kubelet's TLS bootstrap gets one.
+As a real cluster: authorization Node, RBAC; admission NodeRestriction and the default plugins,
+ValidatingAdmissionPolicy among them (GA since 1.30), so deploy/cluster/node-identity.yaml's policy is enforced.
 
     cp = ControlPlane(workdir).start()
     cp.kubeconfig(path, token=cp.admin_token)
@@ -76,7 +80,7 @@ class ControlPlane:
         self.url = f"https://127.0.0.1:{self.port}"
         self.admin_token = secrets.token_hex(16)
         self.node_tokens = {n: secrets.token_hex(16) for n in nodes}  # the node's cri-shim ServiceAccount
-        self.kubelet_tokens = {n: secrets.token_hex(16) for n in nodes}  # system:node:<n>, for a real kubelet
+        self.nodes = nodes  # each has a kubelet client certificate (system:node:<n>)
         self.controller_token = secrets.token_hex(16)  # the controller's ServiceAccount (controller.yaml)
         self.etcd: subprocess.Popen[bytes] | None = None
         self.apiserver: subprocess.Popen[bytes] | None = None
@@ -97,10 +101,32 @@ class ControlPlane:
         _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
         lines = [f"{self.admin_token},admin,admin,system:masters"]
         lines += [f"{tok},{node_user(n)},{n},system:serviceaccounts" for n, tok in self.node_tokens.items()]
-        lines += [f'{tok},system:node:{n},kubelet-{n},"system:nodes,system:authenticated"'
-                  for n, tok in self.kubelet_tokens.items()]
         lines.append(f"{self.controller_token},{CONTROLLER_USER},controller,system:serviceaccounts")
         (d / "tokens.csv").write_text("\n".join(lines) + "\n")
+        for n in self.nodes:
+            self.issue_kubelet_cert(n, d / f"kubelet-{n}.pem")
+
+    def issue_kubelet_cert(self, node: str, pem: Path, *, ca: str = "ca") -> Path:
+        """A kubelet client certificate and its key in one PEM file, as kubelet keeps
+        /var/lib/kubelet/pki/kubelet-client-current.pem; signed by ``<ca>.crt`` (another CA: one the API server does not trust).
+        Written next to ``pem`` and renamed over it, as kubelet's rotation replaces the file."""
+        d, tmp = self.dir, pem.with_name(pem.name + ".new")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{tmp}.key", "-out", f"{tmp}.csr",
+                 "-subj", f"/O=system:nodes/CN=system:node:{node}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{tmp}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
+                 "-out", f"{tmp}.crt", "-days", "2", cwd=d)
+        tmp.write_bytes(Path(f"{tmp}.crt").read_bytes() + Path(f"{tmp}.key").read_bytes())
+        for ext in (".key", ".csr", ".crt"):
+            Path(f"{tmp}{ext}").unlink()
+        os.replace(tmp, pem)
+        return pem
+
+    def other_ca(self) -> str:
+        """A CA the API server does not trust (``issue_kubelet_cert(..., ca=...)``)."""
+        if not (self.dir / "other-ca.crt").exists():
+            _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other-ca.key", "-out",
+                     "other-ca.crt", "-days", "2", "-subj", "/CN=not-the-cluster-ca", cwd=self.dir)
+        return "other-ca"
 
     # ------------------------------------------------------------------ processes
 
@@ -128,7 +154,8 @@ class ControlPlane:
              "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
              "--tls-cert-file", str(d / "server.crt"), "--tls-private-key-file", str(d / "server.key"),
              "--cert-dir", str(d / "certs"),
-             "--token-auth-file", str(d / "tokens.csv"), "--authorization-mode", "Node,RBAC",
+             "--token-auth-file", str(d / "tokens.csv"), "--client-ca-file", str(self.ca),
+             "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
              "--service-account-issuer", "https://kubernetes.default.svc",
              "--service-account-key-file", str(d / "sa.pub"),
              "--service-account-signing-key-file", str(d / "sa.key"),
@@ -180,11 +207,16 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ clients
 
-    def kubeconfig(self, path: Path, *, token: str | None = None, user: str = "admin") -> Path:
+    def kubeconfig(self, path: Path, *, token: str | None = None, user: str = "admin",
+                   cert: Path | None = None) -> Path:
+        """A kubeconfig with a bearer token (the admin's unless ``token``) or a client certificate
+        file holding the certificate and its key (``cert``, as kubelet's own kubeconfig)."""
+        creds = ({"client-certificate": str(cert), "client-key": str(cert)} if cert is not None
+                 else {"token": token or self.admin_token})
         doc = {
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
             "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
-            "users": [{"name": user, "user": {"token": token or self.admin_token}}],
+            "users": [{"name": user, "user": creds}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
         }
         path.write_text(yaml.safe_dump(doc))
@@ -198,9 +230,14 @@ class ControlPlane:
         """The controller's ServiceAccount (rights: deploy/cluster/controller.yaml)."""
         return self.kubeconfig(path, token=self.controller_token, user="controller")
 
-    def kubelet_kubeconfig(self, path: Path, node: str) -> Path:
-        """A kubelet's identity (system:node:<node>): the Node authorizer lets it register its Node."""
-        return self.kubeconfig(path, token=self.kubelet_tokens[node], user=f"kubelet-{node}")
+    def kubelet_cert(self, node: str) -> Path:
+        """The node's kubelet client certificate + key (system:node:<node>, group system:nodes)."""
+        return self.dir / f"kubelet-{node}.pem"
+
+    def kubelet_kubeconfig(self, path: Path, node: str, cert: Path | None = None) -> Path:
+        """A kubelet's own kubeconfig (/var/lib/kubelet/kubeconfig): its client certificate file,
+        ``kubelet_cert(node)`` unless ``cert``. The Node authorizer lets it register its Node."""
+        return self.kubeconfig(path, user="default-auth", cert=cert or self.kubelet_cert(node))
 
 
 def remove(workdir: Path) -> None:

@@ -42,6 +42,7 @@ class Admin:
         """Create each document (CRDs, RBAC, namespaces, service accounts, secrets); one that exists is kept."""
         async def go(api: client.ApiClient) -> None:
             ext, rbac, core = client.ApiextensionsV1Api(api), client.RbacAuthorizationV1Api(api), client.CoreV1Api(api)
+            adm = client.AdmissionregistrationV1Api(api)
             for d in docs:
                 kind, ns = d["kind"], d["metadata"].get("namespace")
                 create = {
@@ -53,6 +54,8 @@ class Admin:
                     "Namespace": core.create_namespace,
                     "ServiceAccount": core.create_namespaced_service_account,
                     "Secret": core.create_namespaced_secret,
+                    "ValidatingAdmissionPolicy": adm.create_validating_admission_policy,
+                    "ValidatingAdmissionPolicyBinding": adm.create_validating_admission_policy_binding,
                 }[kind]
                 try:
                     await (create(ns, d) if ns else create(d))
@@ -114,9 +117,10 @@ class Admin:
 
 def install(kubeconfig: Path, nodes: Iterable[str]) -> Admin:
     """A fresh API server made ready for shims: the shim's CRDs, MCO's test CRDs, the RBAC of
-    deploy/cluster/ (node-rbac.yaml once per node; controller.yaml but its Deployment), every kind served. Returns the admin."""
+    deploy/cluster/ (node-rbac.yaml once per node; node-identity.yaml: RBAC for system:nodes and the
+    admission policies; controller.yaml but its Deployment), every kind served. Returns the admin."""
     admin = Admin(kubeconfig)
-    admin.apply_files(DEPLOY / "crds.yaml", MCO_CRDS, DEPLOY / "rbac.yaml")
+    admin.apply_files(DEPLOY / "crds.yaml", MCO_CRDS, DEPLOY / "rbac.yaml", DEPLOY / "node-identity.yaml")
     admin.apply_docs(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text())
                      if d and d["kind"] != "Deployment")  # tests run the controller as processes
     for node in nodes:
