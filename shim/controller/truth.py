@@ -17,16 +17,23 @@ Every selected node is counted in exactly one of:
 
 A node at rest writes nothing, so a current node is never called stale: its report is the
 truth until it changes (a dead shim's images may still go; its Node going removes it).
+
+A paced set (``spec.rollout``, rollout.py) adds ``waiting``: a selected node not granted the
+generation (grants.py) that holds its previous version, by its own report (row ``reason:
+AwaitingGrant``) or because its shim has not reported the generation yet. A waiting node at
+rest writes nothing, so a waiting row never turns stale; a node that never said it waits does,
+after ``stale_after``. A granted node's age starts at the grant at the latest.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..cluster.objects import FIELD_MANAGER, SelectorError, check_selector, selects
+from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, SelectorError, check_selector, selects
 from ..pulls.failure import REASONS
 
 MAX_LISTED = 20  # failing / stale / missing nodes named in the status, each
@@ -69,6 +76,7 @@ class Truth:
     missing_nodes: list[str]
     next_due: float | None  # when a node now progressing turns stale (wall clock), if nothing changes
     selector_error: str = ""
+    waiting: int = 0  # paced sets: selected nodes waiting for a grant
 
     @property
     def all_current(self) -> bool:
@@ -87,53 +95,98 @@ def selects_node(image_set: Mapping[str, Any], labels: Mapping[str, str]) -> boo
         return False
 
 
-def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
-            statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
-            stale_after: float) -> Truth:
-    """``changed_at``: when the set's current generation was first seen (wall clock)."""
+class Report(enum.Enum):
+    """What a selected node's own report says about the set's generation, grants aside."""
+    MISSING = "missing"  # no NodeImageSetStatus at all
+    CURRENT = "current"  # desired = current = the generation
+    FAILING = "failing"  # at the generation, an image failed or the version is refused
+    PULLING = "pulling"  # at the generation, not yet complete
+    WAITING = "waiting"  # the generation declared, the previous version held until a grant
+    BEHIND = "behind"  # no row at the generation: its shim has not applied (or seen) it
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    report: Report
+    due: float | None = None  # WAITING, BEHIND: when it turns stale if its shim stays silent
+    reasons: tuple[str, ...] = ()  # FAILING: typed reasons
+    error: str = ""
+
+
+def _row(obj: Mapping[str, Any], name: Any) -> Mapping[str, Any] | None:
+    return next((r for r in (obj.get("status") or {}).get("sets") or [] if r.get("name") == name), None)
+
+
+def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
+                stale_after: float) -> NodeReport:
+    """One node's report for the set ``name`` at ``generation``."""
+    if obj is None:
+        return NodeReport(Report.MISSING)
+    row = _row(obj, name)
+    if row is not None and row.get("desiredGeneration") == generation:
+        if row.get("currentGeneration") == generation:
+            return NodeReport(Report.CURRENT)
+        if row.get("reason") == AWAITING_GRANT:
+            return NodeReport(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after)
+        if row.get("failedReasons") or (row.get("images") or {}).get("failed") or row.get("reason"):
+            reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
+                             | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
+            return NodeReport(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
+        return NodeReport(Report.PULLING)
+    return NodeReport(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after)
+
+
+def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
+                 statuses: Mapping[str, Mapping[str, Any]], *, changed_at: float,
+                 stale_after: float) -> dict[str, NodeReport]:
+    """Every selected node's report, by node name. Raises SelectorError for a bad nodeSelector."""
     name = (image_set.get("metadata") or {}).get("name")
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     selector = (image_set.get("spec") or {}).get("nodeSelector")
+    check_selector(selector)
+    return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after)
+            for n in sorted(nodes) if selects(selector, node_labels(nodes[n]), none_selects_all=True)}
+
+
+def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
+            statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
+            stale_after: float, paced: bool = False, granted: Mapping[str, float] | None = None) -> Truth:
+    """``changed_at``: when the set's current generation was first seen (wall clock).
+    ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when."""
+    generation = str((image_set.get("metadata") or {}).get("generation", ""))
+    try:
+        reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after)
+    except SelectorError as e:
+        return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
+    grants = granted or {}
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     failing: list[dict[str, str]] = []
     stale: list[str] = []
     missing: list[str] = []
     next_due: float | None = None
-    try:
-        check_selector(selector)
-        chosen = [n for n, node in nodes.items() if selects(selector, node_labels(node), none_selects_all=True)]
-    except SelectorError as e:
-        return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
-    for node in sorted(chosen):
-        obj = statuses.get(node)
-        if obj is None:
-            counts["missing"] += 1
+    for node, r in reports.items():
+        if r.report is Report.MISSING:
             missing.append(node)
+        elif r.report is Report.FAILING:
+            reasons.update(r.reasons)
+            failing.append({"node": node, "reasons": ",".join(r.reasons), "error": r.error})
+        if r.report in (Report.MISSING, Report.CURRENT, Report.FAILING, Report.PULLING):
+            counts[{Report.PULLING: "progressing"}.get(r.report, r.report.value)] += 1
             continue
-        row = next((r for r in (obj.get("status") or {}).get("sets") or [] if r.get("name") == name), None)
-        at_gen = row is not None and row.get("desiredGeneration") == generation
-        if at_gen and row is not None and row.get("currentGeneration") == generation:
-            counts["current"] += 1
+        held = paced and node not in grants
+        if held and r.report is Report.WAITING:
+            counts["waiting"] += 1  # said so itself: at rest until granted, never stale
             continue
-        if at_gen and row is not None and (row.get("failedReasons") or (row.get("images") or {}).get("failed")
-                                           or row.get("reason")):
-            counts["failing"] += 1
-            node_reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
-                                  | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
-            reasons.update(node_reasons)
-            failing.append({"node": node, "reasons": ",".join(node_reasons), "error": str(row.get("error", ""))[:256]})
+        assert r.due is not None
+        due = max(r.due, grants[node] + stale_after) if node in grants else r.due
+        if now >= due:
+            counts["stale"] += 1
+            stale.append(node)
             continue
-        if not at_gen:  # behind: is its shim silent?
-            wrote = report_time(obj) or changed_at
-            due = max(wrote, changed_at) + stale_after
-            if now >= due:
-                counts["stale"] += 1
-                stale.append(node)
-                continue
-            next_due = due if next_due is None else min(next_due, due)
-        counts["progressing"] += 1
-    return Truth(generation, len(chosen), counts["current"], counts["progressing"], counts["failing"],
+        next_due = due if next_due is None else min(next_due, due)
+        counts["waiting" if held else "progressing"] += 1
+    return Truth(generation, len(reports), counts["current"], counts["progressing"], counts["failing"],
                  counts["stale"], counts["missing"],
                  {r: reasons[r] for r in (*REASONS, *sorted(set(reasons) - set(REASONS))) if reasons[r]},
-                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due)
+                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due, waiting=counts["waiting"])
