@@ -178,16 +178,13 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
         a, b = controllers("r3-a"), controllers("r3-b")
         wait_for(lambda: counts(admin, "r3-web")[1] >= 2, 60, "2 nodes current")
         leader, standby = (a, b) if _holder(admin) == "r3-a" else (b, a)
-        before = {n: len(fleet.nodes[n].started) for n in nodes}
         kill(leader.proc)  # SIGKILL: no release, the standby waits out the lease
         killed = time.monotonic()
+        old_grants = set(rollout_status(admin, "r3-web")["granted"])  # the killed leader's last word
 
-        def next_grant() -> float | None:
-            for n in nodes:
-                s = fleet.nodes[n].started
-                if len(s) > before[n] and s[-1][1] > killed:
-                    return s[-1][1]
-            return None
+        def next_grant() -> float | None:  # a node starting that the killed leader had not granted
+            return next((t for n in nodes if n not in old_grants for _, t in fleet.nodes[n].started if t > killed),
+                        None)
         # the node in flight at the kill finishes on its own; the next grant needs the new leader
         granted_at = wait_for(next_grant, 40, "a grant after the kill", interval=0.05)
         took = granted_at - killed
