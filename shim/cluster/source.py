@@ -508,6 +508,11 @@ class ClusterSource:
             out["refused_sets"] = {n: {"kind": r.kind, "refused_generation": r.generation, "error": r.error,
                                        "in_force_generation": r.kept or "none"}
                                    for n, r in sorted(self.refused.items())}
+        if self.held:
+            out["awaiting_grant"] = {n: {"generation": s.set.generation,
+                                         "in_force_generation": self.selected[n].set.generation
+                                         if n in self.selected else "none"}
+                                     for n, s in sorted(self.held.items())}
         if self.state_error:
             out["state_error"] = self.state_error
         if self.state_write_failures:

@@ -132,14 +132,19 @@ def test_set_truth_missing_stale_deleted_and_columns(control_plane, admin, contr
         writes = ctl.log_text().count("cannot write")
         assert writes == 0, ctl.log_text()
     finally:
-        delete(admin, *SHIM, "imagesets", "c1-warm")
-        for n in nodes:
-            try:
-                admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-            delete(admin, *SHIM, "nodeimagesetstatuses", n)
+        cleanup(admin, "c1-warm", nodes)
+
+
+def cleanup(admin: Admin, name: str, nodes: tuple[str, ...] | list[str]) -> None:
+    """Delete the set, the Nodes and their status objects."""
+    delete(admin, *SHIM, "imagesets", name)
+    for n in nodes:
+        try:
+            admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        delete(admin, *SHIM, "nodeimagesetstatuses", n)
 
 
 def _holder(admin: Admin) -> str:

@@ -10,14 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kubernetes_asyncio.client import CoreV1Api
-from kubernetes_asyncio.client.exceptions import ApiException
-
-from tests.cluster.test_cluster_sets import SHIM, delete, pinned, shim_config, wait_for
-from tests.cluster.test_controller import _holder, conds, counts, set_status, table
+from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
+from tests.cluster.test_controller import _holder, cleanup, conds, counts, set_status, table
 from tests.support.kube import Admin
 from tests.support.procs import kill
-from tests.support.sim_fleet import SimFleet
+from tests.support.sim_fleet import SimFleet, merge
 
 PULL_BYTES = 384 << 10  # per image; each proxy sends blobs at THROTTLE: about a second per node
 THROTTLE = 384 << 10
@@ -43,27 +40,6 @@ def max_overlap(spans: dict[str, list[tuple[float, float]]]) -> tuple[int, float
         if now > most:
             most, at = now, t
     return most, at
-
-
-def merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1] + 0.05:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def cleanup(admin: Admin, name: str, nodes: list[str]) -> None:
-    delete(admin, *SHIM, "imagesets", name)
-    for n in nodes:
-        try:
-            admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
-        except ApiException as e:
-            if e.status != 404:
-                raise
-        delete(admin, *SHIM, "nodeimagesetstatuses", n)
 
 
 def test_canary_with_a_missing_image_halts_and_no_other_node_pulls(control_plane, admin, controllers, registry,
@@ -106,7 +82,7 @@ def test_canary_with_a_missing_image_halts_and_no_other_node_pulls(control_plane
         ro = rollout_status(admin, "r1-web")
         assert ro["phase"] == "Complete" and ro["resumedWith"] == "after-push" and ro["granted"] == []
         assert conds(admin, "r1-web")["Halted"] == "False/NotHalted"
-        most, _ = max_overlap({n: merge(s) for n, s in fleet.intervals().items() if n != "r1-n1"})
+        most, _ = max_overlap({n: s for n, s in fleet.intervals().items() if n != "r1-n1"})
         assert most <= 2, most
         assert not fleet.errors, fleet.errors
     finally:
@@ -146,7 +122,7 @@ def test_max_concurrent_nodes_2_over_10_nodes(control_plane, admin, controllers,
             return c[:2] == (10, 10)
         wait_for(done, 120, "10 of 10 current", interval=0.2)
         took = time.monotonic() - started
-        spans = {n: merge(s) for n, s in fleet.intervals().items()}
+        spans = fleet.intervals()
         spans["node-a"] = merge([(r.start, r.end) for r in proxy.records()])
         assert all(spans[n] for n in spans), spans  # every node fetched, counted at the registry side
         most, at = max_overlap(spans)
@@ -192,7 +168,7 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
         assert took <= 15 + 2 + 2, took
         assert "became leader" in standby.log_text()
         wait_for(lambda: counts(admin, "r3-web")[:2] == (6, 6), 90, "6 of 6 current")
-        most, at = max_overlap({n: merge(s) for n, s in fleet.intervals().items()})
+        most, at = max_overlap(fleet.intervals())
         assert most == 1, (most, at)  # one at a time, across the takeover too
         assert not fleet.errors, fleet.errors
     finally:

@@ -51,6 +51,18 @@ class _Node:
         self.started: list[tuple[Any, float]] = []  # (generation, when this node saw its grant)
 
 
+def merge(spans: list[tuple[float, float]], gap: float = 0.05) -> list[tuple[float, float]]:
+    """Request times as fetching spans: requests of one pull follow each other (within ``gap``);
+    a longer pause (a retry's wait, the next generation) separates pulls."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def fetch(host: str, ref: str, timeout: float = 60.0) -> None:
     """Fetch an image (manifest and blobs) from ``host``; raises urllib.error.HTTPError (404)."""
     path = ref.split("/", 1)[1]
@@ -97,17 +109,7 @@ class SimFleet:
     def intervals(self) -> dict[str, list[tuple[float, float]]]:
         """Per node, when it fetched from the registry: one (first start, last end) per attempt,
         from its proxy's records (the registry side's clock, time.monotonic)."""
-        out: dict[str, list[tuple[float, float]]] = {}
-        for name, n in self.nodes.items():
-            recs = sorted(n.proxy.records(), key=lambda r: r.start)
-            spans: list[tuple[float, float]] = []
-            for r in recs:  # requests of one attempt follow each other; a gap of a retry separates attempts
-                if spans and r.start <= spans[-1][1] + 0.05:
-                    spans[-1] = (spans[-1][0], max(spans[-1][1], r.end))
-                else:
-                    spans.append((r.start, r.end))
-            out[name] = spans
-        return out
+        return {name: merge([(r.start, r.end) for r in n.proxy.records()]) for name, n in self.nodes.items()}
 
     def requests(self, node: str) -> int:
         return len(self.nodes[node].proxy.records())

@@ -57,6 +57,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
         await eventually(lambda: pins(h) == {"app:v1", "app:v2", "side:v1"}, what="new images pinned at once")
         assert src.sets.reconciler.sets["web"].generation == "1" and set(src.held) == {"web"}
         assert store.pulls == []  # nothing of generation 2 pulled, the version in force kept (pinned)
+        assert src.status()["awaiting_grant"] == {"web": {"generation": "2", "in_force_generation": "1"}}
         doc = NodeStatus(src, h.sets, None, interval=1, event_interval=60, event_namespace="default",
                          request_timeout=5).document()
         row = doc["status"]["sets"][0]
