@@ -7,8 +7,11 @@ proxy's records)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
 from tests.cluster.test_controller import _holder, cleanup, conds, counts, set_status, table
@@ -174,3 +177,32 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
     finally:
         fleet.stop()
         cleanup(admin, "r3-web", nodes)
+
+
+def test_the_api_server_refuses_a_bad_rollout_with_a_readable_message(control_plane, admin) -> None:
+    """The CRD's CEL rules on spec.rollout (dry run: nothing is stored)."""
+    def apply(**rollout: Any) -> str:
+        body = paced_set("r4-web", ["registry.example/app:v1"], "r4-pool", **rollout)
+        try:
+            admin.custom("patch", *SHIM, "imagesets", "r4-web", body, field_manager="test", force=True,
+                         dry_run="All", _content_type="application/apply-patch+yaml")
+        except ApiException as e:
+            assert e.status == 422, e
+            return str(json.loads(e.body)["message"])
+        return ""
+    for ok in ({"maxConcurrentNodes": 2}, {"maxConcurrentNodes": "10%"}, {"maxConcurrentNodes": "100%"},
+               {"maxConcurrentNodes": 1, "canary": {"count": 1}, "failureThreshold": 3},
+               {"maxConcurrentNodes": 1, "canary": {"nodeSelector": {"matchLabels": {"canary": "yes"}}}}):
+        assert apply(**ok) == "", ok
+    for bad, says in (({"maxConcurrentNodes": 0}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "0%"}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "150%"}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "ten"}, "a count >= 1 or a percentage"),
+                      ({"failureThreshold": 1}, "maxConcurrentNodes: Required value"),
+                      ({"maxConcurrentNodes": 1, "canary": {}}, "exactly one of count or nodeSelector"),
+                      ({"maxConcurrentNodes": 1, "canary": {"count": 1, "nodeSelector": {}}},
+                       "exactly one of count or nodeSelector"),
+                      ({"maxConcurrentNodes": 1, "failureThreshold": 0}, "failureThreshold")):
+        message = apply(**bad)
+        assert says in message, (bad, message)
+    print(f"\n422 from the API server: {message}")
