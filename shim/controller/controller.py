@@ -160,13 +160,13 @@ class Controller:
         seen = self._started.get(name)
         started = seen[1] if seen is not None and seen[0] == gen else report.rollout_start(view, now)
         self._started[name] = (gen, started)
-        decision, rollout_error = self._grants(view, started, now)
+        decision, rollout_error, reports = self._grants(view, started, now)
         times = self._grant_times.get(name, {})
         granted = {n: times.get(n, now) for n in decision.granted} if decision is not None else {}
         self._grant_times[name] = granted
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
                           stale_after=self.stale_after, paced=decision is not None or bool(rollout_error),
-                          granted=granted)
+                          granted=granted, reports=reports)
         self.recomputes += 1
         self._schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
@@ -186,23 +186,25 @@ class Controller:
         self.writes += 1
         self._written[name] = status
 
-    def _grants(self, view: dict[str, Any], started: float, now: float) -> tuple[grants.Decision | None, str]:
-        """A paced set's grants from the status last written (``view``), or why its rollout is invalid."""
+    def _grants(self, view: dict[str, Any], started: float,
+                now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReport] | None]:
+        """A paced set's grants from the status last written (``view``), or why its rollout is
+        invalid; and the nodes' reports read for it (None: not read)."""
         try:
             ro = rollout.parse(view.get("spec") or {})
         except rollout.RolloutError as e:
-            return None, str(e)
+            return None, str(e), None
         if ro is None:
-            return None, ""
+            return None, "", None
         try:
             reports = truth.read_reports(view, self.nodes.items, self.statuses.items, changed_at=started,
                                          stale_after=self.stale_after)
         except SelectorError:
-            return None, ""  # the truth says why; no node is selected
+            return None, "", None  # the truth says why; no node is selected
         labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}
         gen = view["metadata"].get("generation")
         return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen),
-                             resume=rollout.resume_token(view), now=now), ""
+                             resume=rollout.resume_token(view), now=now), "", reports
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""

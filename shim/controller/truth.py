@@ -150,14 +150,17 @@ def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, 
 
 def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
             statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
-            stale_after: float, paced: bool = False, granted: Mapping[str, float] | None = None) -> Truth:
+            stale_after: float, paced: bool = False, granted: Mapping[str, float] | None = None,
+            reports: Mapping[str, NodeReport] | None = None) -> Truth:
     """``changed_at``: when the set's current generation was first seen (wall clock).
-    ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when."""
+    ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when;
+    ``reports``: read_reports' answer for the same inputs, when the caller has it already."""
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
-    try:
-        reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after)
-    except SelectorError as e:
-        return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
+    if reports is None:
+        try:
+            reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after)
+        except SelectorError as e:
+            return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
     grants = granted or {}
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
