@@ -19,8 +19,8 @@ if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see benc
     _bootstrap.run_as_module(__file__)
 
 from shim.cri import protowire as wire  # noqa: E402
-from shim.images.pinned import mark_images  # noqa: E402
-from shim.images.pins import PinSet, image_names  # noqa: E402
+from shim.images.mark_pinned import mark_images  # noqa: E402
+from shim.images.pin_set import PinSet, image_names  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 
 

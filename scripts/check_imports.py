@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Import rules of shim/ that import-linter cannot express (scripts/lint.sh runs both).
 
-1. No import cycles between modules of shim/ (shim/proto excluded). Only imports that run
-   when a module is loaded count: those at module level, in class bodies and in module-level
-   if/try/with blocks. Imports inside functions (deferred on purpose) and under
-   ``if TYPE_CHECKING:`` do not.
-2. shim/relay/ never uses grpc.aio (``import grpc.aio``, ``from grpc import aio``,
+1. No import cycles between modules of shim/ (shim/proto excluded). Every import counts:
+   those that run when the module is loaded, those inside functions and those under
+   ``if TYPE_CHECKING:`` (a cycle that never runs still ties the modules together for the
+   reader and the type checker).
+2. No private name (``_x``: a module, or a name in one) imported from another package:
+   what a package keeps private is used inside it only.
+3. shim/relay/ never uses grpc.aio (``import grpc.aio``, ``from grpc import aio``,
    ``from grpc.aio import ...`` or ``grpc.aio.<...>``) nor grpc's thread-pool server
    (``grpc.server``), at any level: the relay engine is independent of the grpc engine.
 
-The package rules (relay -> grpc_engine, images -> relay, cri -> relay/images/process) are
-import-linter contracts in pyproject.toml ([tool.importlinter]).
+The package rules (relay -> grpc_engine, images -> relay, runtime_handlers -> images,
+cri -> relay/images/process, ...) are import-linter contracts in pyproject.toml
+([tool.importlinter]).
 
 Usage: scripts/check_imports.py [--root DIR] [--graph]. Exit status 1 when a rule is broken.
 """
@@ -48,34 +51,11 @@ def discover(root: Path) -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def load_time_imports(body: list[ast.stmt], type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements that run when the module is loaded (and, with ``type_checking``,
-    those under ``if TYPE_CHECKING:`` too)."""
-    for node in body:
+def imports(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, wherever it stands."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        elif isinstance(node, ast.If):
-            if type_checking or not _is_type_checking(node.test):
-                yield from load_time_imports(node.body, type_checking)
-            yield from load_time_imports(node.orelse, type_checking)
-        elif isinstance(node, ast.ClassDef):
-            yield from load_time_imports(node.body, type_checking)
-        elif isinstance(node, (ast.Try, ast.TryStar)):
-            yield from load_time_imports(node.body, type_checking)
-            for h in node.handlers:
-                yield from load_time_imports(h.body, type_checking)
-            yield from load_time_imports(node.orelse, type_checking)
-            yield from load_time_imports(node.finalbody, type_checking)
-        elif isinstance(node, (ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.While)):
-            yield from load_time_imports(node.body, type_checking)
-            yield from load_time_imports(getattr(node, "orelse", []), type_checking)
 
 
 def _absolute(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -109,21 +89,42 @@ def resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def build_graph(modules: dict[str, Path], type_checking: bool = False) -> dict[str, dict[str, int]]:
-    """importer -> {imported module: line of the first such import}, load-time imports only
-    (plus TYPE_CHECKING ones with ``type_checking``)."""
-    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+def shim_imports(modules: dict[str, Path]) -> Iterator[tuple[str, int, str, str]]:
+    """(importer, line, imported name, the shim module it lives in) for every import of a shim name."""
     for mod, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
-        for node in load_time_imports(tree.body, type_checking):
+        for node in imports(ast.parse(path.read_text(), str(path))):
             for target in targets(mod, is_package, node):
                 if not (target == PACKAGE or target.startswith(PACKAGE + ".")) or excluded(target):
                     continue
-                dep = resolve(target, modules)
-                if dep is not None and dep != mod:
-                    graph[mod].setdefault(dep, node.lineno)
+                home = resolve(target, modules)
+                if home is not None:
+                    yield mod, node.lineno, target, home
+
+
+def build_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """importer -> {imported module: line of the first such import}, every import counted."""
+    graph: dict[str, dict[str, int]] = {m: {} for m in modules}
+    for mod, line, _, dep in shim_imports(modules):
+        if dep != mod:
+            graph[mod].setdefault(dep, line)
     return graph
+
+
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    """The package a module belongs to: itself for a package's ``__init__``, else its parent."""
+    return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def private_imports(modules: dict[str, Path], root: Path) -> list[str]:
+    """Imports of a private name (``_x``, or anything inside a ``_x`` module) that lives in
+    another package than the importer's."""
+    return [f"{modules[mod].relative_to(root)}:{line}: {target}" for mod, line, target, home in shim_imports(modules)
+            if package_of(home, modules) != package_of(mod, modules) and any(map(_private, target.split(".")))]
 
 
 def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
@@ -235,7 +236,7 @@ def relay_grpc_aio(modules: dict[str, Path], root: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the repository")
-    ap.add_argument("--graph", action="store_true", help="print the load-time import graph")
+    ap.add_argument("--graph", action="store_true", help="print the import graph")
     args = ap.parse_args(argv)
     root = Path(args.root)
     modules = discover(root)
@@ -247,29 +248,23 @@ def main(argv: list[str] | None = None) -> int:
         steps = [f"{a} ({modules[a].relative_to(root)}:{g[a][b]})" for a, b in zip(cyc, cyc[1:])]
         return "  " + " -> ".join(steps) + f" -> {cyc[-1]}"
 
-    failed = False
     found = cycles(graph)
-    if found:
-        failed = True
-        print(f"check_imports: {len(found)} import cycle(s) among shim modules (load-time imports):")
-        for cyc in found:
-            print(show(graph, cyc))
-    # Not a failure: a cycle closed only by an import under TYPE_CHECKING never runs, but it
-    # still ties the modules together for the reader and the type checker.
-    typed = build_graph(modules, type_checking=True)
-    only_typed = [c for c in cycles(typed) if c not in found]
-    if only_typed:
-        print(f"check_imports: note: {len(only_typed)} cycle(s) closed only by TYPE_CHECKING imports (allowed):")
-        for cyc in only_typed:
-            print(show(typed, cyc))
-    aio = relay_grpc_aio(modules, root)
-    if aio:
-        failed = True
-        print("check_imports: shim/relay uses grpc.aio or grpc.server (the relay engine must not):")
-        for line in aio:
-            print("  " + line)
+    broken = {
+        f"{len(found)} import cycle(s) among shim modules (every import counts, TYPE_CHECKING and "
+        "function-level ones too):": [show(graph, cyc) for cyc in found],
+        "private names imported from another package:": private_imports(modules, root),
+        "shim/relay uses grpc.aio or grpc.server (the relay engine must not):": relay_grpc_aio(modules, root),
+    }
+    failed = False
+    for rule, lines in broken.items():
+        if lines:
+            failed = True
+            print("check_imports: " + rule)
+            for line in lines:
+                print("  " + line.strip())
     if not failed:
-        print(f"check_imports: {len(modules)} modules, no import cycle; shim/relay uses no grpc.aio")
+        print(f"check_imports: {len(modules)} modules, no import cycle, no private name taken from another "
+              "package; shim/relay uses no grpc.aio")
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Static checks, run by .ci/run before the tests: ruff, mypy --strict, the import contracts
 # (import-linter, [tool.importlinter] in pyproject.toml) and scripts/check_imports.py (no
-# import cycles; no grpc.aio in the relay). Every check runs; the exit status is non-zero when
+# import cycles, TYPE_CHECKING ones included; no private name from another package; no
+# grpc.aio in the relay). Every check runs; the exit status is non-zero when
 # any failed. The tools are the versions pinned in pyproject.toml's test extras: missing or
 # other versions are installed first (scripts/setup.sh installs them with `.[test]` too).
 # mypy checks against the installed dependencies: on a fresh machine run scripts/setup.sh first.
@@ -52,7 +53,7 @@ step "ruff" "$PY" -m ruff check shim tests bench scripts
 step "mypy" "$PY" -m mypy
 step "import contracts" "$PY" -c 'import sys; from importlinter.cli import lint_imports_command
 sys.argv = ["lint-imports", "--no-logo"]; lint_imports_command()'
-step "import cycles" "$PY" scripts/check_imports.py
+step "import cycles, private names" "$PY" scripts/check_imports.py
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "lint: failed: ${failed[*]}" >&2

@@ -27,6 +27,7 @@ import yaml
 
 from . import safeyaml
 from .cri.routing import check_allowed_services
+from .image_patterns import validate_pattern
 from .observability.logs import (
     DEFAULT_MAX_REPEATS,
     DEFAULT_REPEAT_WINDOW_SECONDS,
@@ -65,6 +66,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
+MAX_STATUS_ROWS = 120  # cluster.status_max_rows: 120 worst-case rows (1.7 KiB each) keep the object under 256 KiB
 Parse = Callable[[str, Any], Any]  # (dotted key, value from YAML) -> checked value; raises ConfigError
 
 
@@ -86,6 +88,13 @@ def section(cls: type) -> Any:
 
 def integer(minimum: int | None = 0) -> Parse:
     return lambda key, v: _int(key, v, minimum)
+
+
+def _int_in(key: str, v: Any, low: int, high: int) -> int:
+    n: int = _int(key, v, low)
+    if n > high:
+        raise ConfigError(key, f"must be <= {high}, got {shown(v)}")
+    return n
 
 
 def boolean() -> Parse:
@@ -137,10 +146,8 @@ def strings(*, none_is_empty: bool = False) -> Parse:
 
 
 def image_patterns(*, none_is_empty: bool = False) -> Parse:
-    """Image patterns, normalized as pins are (``images.pins.validate_pattern``)."""
+    """Image patterns (shim/image_patterns.py), each checked to have a normal form."""
     def parse(key: str, v: Any) -> tuple[str, ...]:
-        from .images.pins import validate_pattern  # local import: pins needs reference parsing only
-
         patterns = () if v is None and none_is_empty else _str_list(key, v)
         for i, pattern in enumerate(patterns):
             try:
@@ -269,7 +276,10 @@ class ClusterConfig:
     state_file: str = knob("/var/lib/cri-shim/cluster-sets.json", text())
     mco: bool = knob(True, boolean())  # also PinnedImageSet + MachineConfigPool (machineconfiguration.openshift.io)
     status_interval_seconds: float = knob(5.0, duration(at_least=1.0))  # at most one status write per node this often
+    # rows in NodeImageSetStatus; the other sets are aggregated (counts by state, the worst 20)
+    status_max_rows: int = knob(100, lambda k, v: _int_in(k, v, 0, MAX_STATUS_ROWS))
     event_interval_seconds: float = knob(300.0, duration())  # at most one Event per set and reason this often
+    event_burst: int = knob(25, integer(1))  # Events per node at once; then one per event_interval_seconds
     event_namespace: str = knob("default", text())  # where the Events go (the status object is cluster-scoped)
     watch_timeout_seconds: float = knob(300.0, duration(at_least=1.0))  # server-side timeout of one watch
     backoff_initial_seconds: float = knob(1.0, duration(at_least=0.1))  # after an API error, doubling with jitter

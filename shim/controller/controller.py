@@ -6,7 +6,8 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
 
 * an ImageSet event marks that set;
 * a Node added, deleted or relabelled marks the sets selecting it before or after;
-* a NodeImageSetStatus event marks the sets its rows name and those selecting its node;
+* a NodeImageSetStatus event marks the sets its rows (and ``worst`` entries) name and those
+  selecting its node;
 * a (re-)list marks every set;
 * a set with a node that turns stale if nothing changes gets one timer, at that due time.
 
@@ -44,7 +45,8 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
 
 
 def _rows(obj: Obj) -> set[str]:
-    return {str(r.get("name")) for r in ((obj or {}).get("status") or {}).get("sets") or []}
+    status = (obj or {}).get("status") or {}
+    return {str(r.get("name")) for r in [*(status.get("sets") or []), *(status.get("worst") or [])]}
 
 
 class Controller:
@@ -76,6 +78,7 @@ class Controller:
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
+        self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
         self.recomputes = 0
         self.writes = 0
         self.write_errors = 0
@@ -93,7 +96,15 @@ class Controller:
     def _selecting(self, labels: dict[str, str]) -> list[str]:
         return [n for n, s in self.sets.items.items() if truth.selects_node(s, labels)]
 
+    def _expected(self, node: str) -> str:
+        """What a node reporting sets in aggregate should digest (cached until a set or its labels change)."""
+        if node not in self._digests:
+            labels = truth.node_labels(self.nodes.items.get(node) or {})
+            self._digests[node] = truth.expected_digest(self.sets.items, labels)
+        return self._digests[node]
+
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
+        self._digests.clear()
         if kind == "LIST":
             self._mark_all()
             return
@@ -104,7 +115,9 @@ class Controller:
         self.mark(name)
 
     def _node_event(self, kind: str, old: Obj, new: Obj) -> None:
+        self._digests.pop(str(((new or old) or {}).get("metadata", {}).get("name")), None)
         if kind == "LIST":
+            self._digests.clear()
             self._mark_all()
             return
         before = truth.node_labels(old) if old is not None else None
@@ -165,8 +178,8 @@ class Controller:
         granted = {n: times.get(n, now) for n in decision.granted} if decision is not None else {}
         self._grant_times[name] = granted
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
-                          stale_after=self.stale_after, paced=decision is not None or bool(rollout_error),
-                          granted=granted, reports=reports)
+                          stale_after=self.stale_after, expected=self._expected,
+                          paced=decision is not None or bool(rollout_error), granted=granted, reports=reports)
         self.recomputes += 1
         self._schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
@@ -187,7 +200,7 @@ class Controller:
         self._written[name] = status
 
     def _grants(self, view: dict[str, Any], started: float,
-                now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReport] | None]:
+                now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReading] | None]:
         """A paced set's grants from the status last written (``view``), or why its rollout is
         invalid; and the nodes' reports read for it (None: not read)."""
         try:
@@ -198,7 +211,7 @@ class Controller:
             return None, "", None
         try:
             reports = truth.read_reports(view, self.nodes.items, self.statuses.items, changed_at=started,
-                                         stale_after=self.stale_after)
+                                         stale_after=self.stale_after, expected=self._expected)
         except SelectorError:
             return None, "", None  # the truth says why; no node is selected
         labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}

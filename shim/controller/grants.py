@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from ..cluster.objects import selects
 from .rollout import Rollout
-from .truth import NodeReport, Report
+from .truth import NodeReading, Report
 
 CANARY, ROLLING, HALTED, COMPLETE = "Canary", "Rolling", "Halted", "Complete"
 _IN_FLIGHT = (Report.PULLING, Report.FAILING)
@@ -75,7 +75,7 @@ class Decision:
     counts: dict[str, int] = field(default_factory=dict)  # reports by kind
 
 
-def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReport],
+def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
             previous: Previous) -> tuple[list[str], tuple[str, ...]]:
     """(the canary nodes now, the picked ones to keep in the status)."""
     if rollout.canary_selector is not None:
@@ -93,7 +93,7 @@ def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: M
     return kept, tuple(kept)
 
 
-def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReport],
+def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
            previous: Previous, *, resume: str = "", now: float) -> Decision:
     """``nodes``: the selected nodes' labels by name; ``reports``: theirs, by name (the same keys)."""
     counts = Counter(r.report.value for r in reports.values())

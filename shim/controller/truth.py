@@ -1,5 +1,5 @@
 """The truth about one ImageSet's rollout, from Nodes x the set's nodeSelector x each node's
-``NodeImageSetStatus`` (what shim/cluster/status.py writes). Pure: no I/O, times in wall-clock
+``NodeImageSetStatus`` (what shim/cluster/node_report.py writes). Pure: no I/O, times in wall-clock
 seconds (the API server's timestamps are wall clock).
 
 Every selected node is counted in exactly one of:
@@ -18,6 +18,12 @@ Every selected node is counted in exactly one of:
 A node at rest writes nothing, so a current node is never called stale: its report is the
 truth until it changes (a dead shim's images may still go; its Node going removes it).
 
+A node with more sets than ``cluster.status_max_rows`` reports the rest in aggregate
+(shim/cluster/aggregate.py): a set found in its ``worst`` list is read like a row; a set with
+neither a row nor a ``worst`` entry is current there when every omitted set is current and the
+node's ``omitted.imageSets`` digest equals the digest of the ImageSets selecting it as seen here
+(``expected``); otherwise it counts as behind (progressing, or stale if its shim stays silent).
+
 A paced set (``spec.rollout``, rollout.py) adds ``waiting``: a selected node not granted the
 generation (grants.py) that holds its previous version, by its own report (row ``reason:
 AwaitingGrant``) or because its shim has not reported the generation yet. A waiting node at
@@ -31,8 +37,10 @@ import datetime as dt
 import enum
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
+from ..cluster.aggregate import digest
 from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, SelectorError, check_selector, selects
 from ..pulls.failure import REASONS
 
@@ -95,6 +103,31 @@ def selects_node(image_set: Mapping[str, Any], labels: Mapping[str, str]) -> boo
         return False
 
 
+def expected_digest(sets: Mapping[str, Mapping[str, Any]], labels: Mapping[str, str]) -> str:
+    """The ``omitted.imageSets`` digest a node with these labels writes once it has seen every set."""
+    return digest((str(n), str((s.get("metadata") or {}).get("generation", ""))) for n, s in sets.items()
+                  if selects_node(s, labels))
+
+
+def _row(status: Mapping[str, Any], name: Any, expected: Callable[[], str]) -> Mapping[str, Any] | None:
+    """The node's row for the set: its own, its ``worst`` entry, or one implied by the aggregate."""
+    for r in status.get("sets") or []:
+        if r.get("name") == name:
+            return dict(r)
+    for r in status.get("worst") or []:
+        if r.get("name") == name:
+            return dict(r)
+    omitted = status.get("omitted")
+    if (isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
+            and omitted.get("imageSets") == expected()):
+        return {"name": name, "implied": True}
+    return None
+
+
+def _unknown(node: str) -> str:
+    return ""
+
+
 class Report(enum.Enum):
     """What a selected node's own report says about the set's generation, grants aside."""
     MISSING = "missing"  # no NodeImageSetStatus at all
@@ -106,59 +139,61 @@ class Report(enum.Enum):
 
 
 @dataclass(frozen=True)
-class NodeReport:
+class NodeReading:
     report: Report
     due: float | None = None  # WAITING, BEHIND: when it turns stale if its shim stays silent
     reasons: tuple[str, ...] = ()  # FAILING: typed reasons
     error: str = ""
 
 
-def _row(obj: Mapping[str, Any], name: Any) -> Mapping[str, Any] | None:
-    return next((r for r in (obj.get("status") or {}).get("sets") or [] if r.get("name") == name), None)
-
-
 def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
-                stale_after: float) -> NodeReport:
+                stale_after: float, expected: Callable[[], str] = partial(_unknown, "")) -> NodeReading:
     """One node's report for the set ``name`` at ``generation``."""
     if obj is None:
-        return NodeReport(Report.MISSING)
-    row = _row(obj, name)
+        return NodeReading(Report.MISSING)
+    row = _row(obj.get("status") or {}, name, expected)
+    if row is not None and row.get("implied"):
+        return NodeReading(Report.CURRENT)
     if row is not None and row.get("desiredGeneration") == generation:
         if row.get("currentGeneration") == generation:
-            return NodeReport(Report.CURRENT)
+            return NodeReading(Report.CURRENT)
         if row.get("reason") == AWAITING_GRANT:
-            return NodeReport(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after)
+            return NodeReading(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after)
         if row.get("failedReasons") or (row.get("images") or {}).get("failed") or row.get("reason"):
             reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
                              | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
-            return NodeReport(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
-        return NodeReport(Report.PULLING)
-    return NodeReport(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after)
+            return NodeReading(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
+        return NodeReading(Report.PULLING)
+    return NodeReading(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after)
 
 
 def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
-                 statuses: Mapping[str, Mapping[str, Any]], *, changed_at: float,
-                 stale_after: float) -> dict[str, NodeReport]:
-    """Every selected node's report, by node name. Raises SelectorError for a bad nodeSelector."""
+                 statuses: Mapping[str, Mapping[str, Any]], *, changed_at: float, stale_after: float,
+                 expected: Callable[[str], str] | None = None) -> dict[str, NodeReading]:
+    """Every selected node's report, by node name. Raises SelectorError for a bad nodeSelector.
+    ``expected(node)``: ``expected_digest`` for the node (the controller caches it)."""
     name = (image_set.get("metadata") or {}).get("name")
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     selector = (image_set.get("spec") or {}).get("nodeSelector")
     check_selector(selector)
-    return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after)
+    return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after,
+                           expected=partial(expected or _unknown, n))
             for n in sorted(nodes) if selects(selector, node_labels(nodes[n]), none_selects_all=True)}
 
 
 def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
             statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
-            stale_after: float, paced: bool = False, granted: Mapping[str, float] | None = None,
-            reports: Mapping[str, NodeReport] | None = None) -> Truth:
+            stale_after: float, expected: Callable[[str], str] | None = None, paced: bool = False,
+            granted: Mapping[str, float] | None = None, reports: Mapping[str, NodeReading] | None = None) -> Truth:
     """``changed_at``: when the set's current generation was first seen (wall clock).
+    ``expected(node)``: ``expected_digest`` for the node (the controller caches it).
     ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when;
     ``reports``: read_reports' answer for the same inputs, when the caller has it already."""
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     if reports is None:
         try:
-            reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after)
+            reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after,
+                                   expected=expected)
         except SelectorError as e:
             return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
     grants = granted or {}

@@ -73,6 +73,10 @@ def fields(buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
         i = j
 
 
+def varint_field(number: int, value: int) -> bytes:
+    return varint(number << 3 | VARINT) + varint(value)
+
+
 def len_field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | LEN) + varint(len(payload)) + payload
 

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from ..cri.call import Call
 from ..proto.runtime.v1 import api_pb2
-from .pinned import mark_images
+from .mark_pinned import mark_images
 from .service import ImageService, counting_upstream_errors, decode
 
 

@@ -14,19 +14,20 @@ from opentelemetry.trace import Span
 
 from ..cri import protowire as wire
 from ..cri.call import Call
+from ..cri.fields import IMAGE_SPEC, named
 from ..cri.methods import PULL_IMAGE
 from ..errors import RpcError, check_image_name, invalid_request
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.key import pull_key
 from ..pulls.slots import Priority
-from ..runtime_handlers.resolver import inject
-from .service import ImageService, decode
+from ..runtime_handlers.inject import inject
+from .service import ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pull")
 # Length-delimited fields (strings, messages, maps) the shim reads or appends to.
-_REQUEST_FIELDS = {1: "image", 2: "auth", 3: "sandbox_config"}
-_IMAGE_SPEC_FIELDS = {1: "image", 2: "annotations", 18: "user_specified_image", 19: "runtime_handler"}
+_REQUEST_FIELDS = named(api_pb2.PullImageRequest, "image", "auth", "sandbox_config")
+_IMAGE_SPEC_FIELDS = named(api_pb2.ImageSpec, "image", "annotations", "user_specified_image", "runtime_handler")
 
 
 def check_wire(request: bytes) -> None:
@@ -38,7 +39,7 @@ def check_wire(request: bytes) -> None:
             if number in _REQUEST_FIELDS and wtype != wire.LEN:
                 raise wire.WireError(f"field {number} ({_REQUEST_FIELDS[number]}) has wire type {wtype}, "
                                      "expected 2 (length-delimited)")
-            if number == 1:
+            if number == IMAGE_SPEC:
                 for n, w, _, _, _ in wire.fields(request[value_start:end]):
                     if n in _IMAGE_SPEC_FIELDS and w != wire.LEN:
                         raise wire.WireError(f"field image.{_IMAGE_SPEC_FIELDS[n]} ({n}) has wire type {w}, "
@@ -73,12 +74,9 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     async def run() -> bytes:  # runs once per flight, for the caller that started it
         if span.is_recording():  # the caller may have gone (deadline) while others still wait
             span.add_event("pull slot acquired")
-        with svc.tracing.client_span(PULL_IMAGE, span, call.metadata) as metadata:
-            try:
-                return await svc.upstream.unary(call.sent_as or PULL_IMAGE, request, metadata=metadata)
-            except RpcError as e:
-                svc.metrics.upstream_errors.labels("PullImage", e.code.name).inc()
-                raise
+        with (svc.tracing.client_span(PULL_IMAGE, span, call.metadata) as metadata,
+              counting_upstream_errors(svc, "PullImage")):
+            return await svc.upstream.unary(call.sent_as or PULL_IMAGE, request, metadata=metadata)
 
     try:
         outcome = await svc.scheduler.pull(key, run, priority=priority, uid=call.peer.uid,

@@ -39,12 +39,13 @@ from google.protobuf.message import DecodeError
 from .. import reference
 from ..cri import protowire as wire
 from ..cri.call import Call
+from ..cri.image_request import image_spec_fields
 from ..cri.methods import IMAGE_STATUS
 from ..errors import RpcError, check_image_name
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from ..runtime_handlers.resolver import IMAGE_FIELD, inject_image_handler
-from .pinned import pin_of
+from ..runtime_handlers.inject import inject_image_handler
+from .mark_pinned import pin_of
 from .service import ImageService, counting_upstream_errors, decode
 
 _log = logs.get("pins")
@@ -59,8 +60,7 @@ def status_request(remove_request: bytes, parsed: api_pb2.RemoveImageRequest) ->
     does not read, e.g. a deprecated group field.)
     """
     try:
-        return b"".join(remove_request[start:end] for number, wtype, start, _, end in wire.fields(remove_request)
-                        if number == IMAGE_FIELD and wtype == wire.LEN)
+        return image_spec_fields(remove_request)
     except wire.WireError:
         return api_pb2.ImageStatusRequest(image=parsed.image).SerializeToString()
 
@@ -96,7 +96,8 @@ def removal_request(request: bytes, req: api_pb2.RemoveImageRequest, image: api_
 
 
 async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
-    request = inject_image_handler(svc, request)  # a runtime_handlers rule's handler, for the lookup too
+    # a runtime_handlers rule's handler, for the lookup too
+    request = inject_image_handler(svc.handlers, svc.metrics, request)
     await svc.wait_declared_pins()
     pins = svc.pins
     if pins:

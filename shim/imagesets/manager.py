@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ..config import ImageSetsConfig
 from ..cri.upstream import Upstream
-from ..images.pins import PinSet
+from ..images.pin_set import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler
@@ -143,7 +143,7 @@ class ImageSets:
     def configure(self, cfg: ImageSetsConfig) -> None:
         """Reload with the same directory and state file (a new one means a new ImageSets)."""
         self.cfg = cfg
-        self.directory.max_file_bytes = cfg.max_file_bytes
+        self.directory.configure(cfg.max_file_bytes)
         self.reconciler.configure(dataclasses.replace(cfg, **self._overrides))
 
     def set_overrides(self, **overrides: Any) -> None:

@@ -55,7 +55,6 @@ the rules would no longer be visible in one place.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
 import time
@@ -71,7 +70,7 @@ from ..credentials.plugins import PluginProviders, ProviderConfigError
 from ..cri.methods import IMAGE_FS_INFO, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
-from ..images.pins import PinSet
+from ..images.pin_set import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..proto.runtime.v1 import api_pb2
@@ -83,7 +82,7 @@ from ..pulls.slots import Priority
 from ..reference import InvalidReference, normalize, split_domain
 from .due import DueQueue, RetryBudget
 from .loader import ImageSet
-from .snapshot import Counts, SetSnapshot, Snapshot
+from .snapshot import COUNTED, Counts, SetSnapshot, Snapshot, State
 
 _log = logs.get("imagesets")
 
@@ -91,7 +90,6 @@ RESYNC_SECONDS = 60.0  # re-read the runtime's images this often (GC, crictl rmi
 DISK_RECHECK_SECONDS = 30.0  # while short of space
 PROBE_MAX = 64  # up to this many newly declared images: ImageStatus each, not a full ListImages
 PROGRESS_STEPS = (25, 50, 75, 100)
-STATES = ("declared", "present", "pulling", "queued", "failed")
 
 PinSink = Callable[[list[tuple[str, str]]], None]
 HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
@@ -99,18 +97,6 @@ SetCredentials = Callable[[frozenset[str]], "list[tuple[str, Credential]]"]  # s
 ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
 PREFETCH_POD = api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(
     name="cri-shim-prefetch", uid="cri-shim-prefetch", namespace="cri-shim"))
-
-
-class State(enum.IntEnum):
-    UNKNOWN = 0  # declared since the last ListImages
-    PRESENT = 1
-    QUEUED = 2  # missing, waiting for a lane (or for disk space)
-    PULLING = 3  # handed to the scheduler
-    FAILED = 4  # waiting for its retry
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(eq=False, slots=True)
@@ -231,7 +217,7 @@ class Reconciler:
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = cfg
-        self._budget.per_second = cfg.retry_per_second
+        self._budget.configure(cfg.retry_per_second)
         self.credentials.configure(cfg.docker_config)
         self._load_plugins(cfg)
         self._wake.set()
@@ -789,16 +775,11 @@ class Reconciler:
 
     # ------------------------------------------------------------------ reporting
 
-    def _counts(self, book: _Book, declared: int) -> Counts:
-        c = book.counts
-        return Counts(declared=declared, present=c[State.PRESENT], pulling=c[State.PULLING],
-                      queued=c[State.QUEUED], failed=c[State.FAILED], unknown=c[State.UNKNOWN])
-
     def _report(self) -> None:
         """Gauges and progress lines of the sets whose counts changed since the last report."""
         gauge = self.metrics.image_set_images
         for name in self._gone:
-            for state in STATES:
+            for state in COUNTED:
                 gauge.remove(name, state)
         self._gone.clear()
         for name in self._dirty:
@@ -806,8 +787,8 @@ class Reconciler:
             if s is None:
                 continue
             book = self._books[name]
-            c = self._counts(book, len(s.refs)).as_dict()
-            for state in STATES:
+            c = Counts.of(len(s.refs), book.counts).as_dict()
+            for state in COUNTED:
                 gauge.labels(name, state).set(c[state])
             if book.counts[State.UNKNOWN]:
                 continue  # not listed yet: no progress to speak of
@@ -846,7 +827,7 @@ class Reconciler:
         out: dict[str, SetSnapshot] = {}
         for name in sorted(self.sets):
             s, book = self.sets[name], self._books[name]
-            c = self._counts(book, len(s.refs))
+            c = Counts.of(len(s.refs), book.counts)
             blocked = ""
             if c.queued and self.disk_blocked:
                 blocked = self.disk_blocked
@@ -858,9 +839,7 @@ class Reconciler:
                 failed_reasons=dict(book.reasons), last_error=f"{last.ref}: {last.error}" if last is not None else "",
                 blocked=blocked, pinned=self._pinned(s, book, pins), pulling=tuple(pulling.get(name, ())),
                 ignored=s.ignored, runtime_handlers=tuple(sorted({h for h in s.handlers if h})))
-        t = self._totals
-        totals = Counts(declared=len(self._images), present=t[State.PRESENT], pulling=t[State.PULLING],
-                        queued=t[State.QUEUED], failed=t[State.FAILED], unknown=t[State.UNKNOWN])
+        totals = Counts.of(len(self._images), self._totals)
         return Snapshot(sets=out, totals=totals, refused={n: why for n, (_, why) in sorted(self._refused.items())},
                         disk_blocked=self.disk_blocked, runtime_error=self.runtime_error, passes=self.passes)
 
@@ -892,8 +871,7 @@ class Reconciler:
             "refused": dict(snap.refused),
             "max_images": self.cfg.max_images,
             "declared_entries": self._declared,
-            "images": {"present": t.present, "pulling": t.pulling, "queued": t.queued, "failed": t.failed,
-                       "unknown": t.unknown},
+            "images": t.by_state(),
             "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
                         "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error, "reason": i.reason,
                         "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed],

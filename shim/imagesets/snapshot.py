@@ -7,10 +7,27 @@ read these; nothing outside imagesets/ reads the reconciler's own fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
 
-COUNTED = ("declared", "present", "pulling", "queued", "failed")
+
+class State(enum.IntEnum):
+    """Where one declared image stands. ``Counts`` has a field of each state's ``label``."""
+
+    PRESENT = 0
+    PULLING = 1  # handed to the scheduler
+    QUEUED = 2  # missing, waiting for a lane (or for disk space)
+    FAILED = 3  # waiting for its retry
+    UNKNOWN = 4  # declared since the last ListImages
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+COUNTED = ("declared", *(s.label for s in State if s is not State.UNKNOWN))
+"""What a set reports: the state labels of cri_shim_image_set_images, the counts of a status row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +37,23 @@ class Counts:
     pulling: int = 0
     queued: int = 0
     failed: int = 0
-    unknown: int = 0  # declared since the last ListImages
+    unknown: int = 0
+
+    @classmethod
+    def of(cls, declared: int, by_state: Sequence[int]) -> Counts:
+        """From counts indexed by State."""
+        return cls(declared, **{s.label: by_state[s] for s in State})
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in COUNTED}
+
+    def by_state(self) -> dict[str, int]:
+        """Images by state label, unknown included."""
+        return {s.label: getattr(self, s.label) for s in State}
+
+
+if tuple(f.name for f in fields(Counts)) != ("declared", *(s.label for s in State)):
+    raise AssertionError("Counts must have declared and one field per State, in State's order")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,234 +20,29 @@ annotations from ImageSpec) apply to them.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 from google.protobuf.message import DecodeError
 
-from .. import reference
-from ..config import ConfigError, HandlerRule, RuntimeHandlersConfig
-from ..cri import protowire as wire
+from ..config import RuntimeHandlersConfig
 from ..cri.methods import LIST_POD_SANDBOX
 from ..cri.upstream import Upstream
-from ..errors import Metadata, RpcError, check_image_name
-from ..images import pins
+from ..errors import Metadata, RpcError
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
+from .decision import Decision
+from .pods import Pod, PodCache
+from .rules import Rule, compile_rules, reference_names
 
 if TYPE_CHECKING:
     from ..cri.call import Call
-    from ..images.service import ImageService
-    from ..observability.metrics import Metrics
 
 _log = logs.get("handlers")
 
-IMAGE_FIELD = 1  # ImageStatusRequest.image, RemoveImageRequest.image, PullImageRequest.image
-RUNTIME_HANDLER_FIELD = 19  # ImageSpec.runtime_handler
 LOOKUP_TIMEOUT_SECONDS = 2.0
 NEGATIVE_TTL_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """A handler the shim chose. ``source`` is for people, ``kind`` is a metric label."""
-
-    handler: str
-    source: str  # "runtime_handlers.rules[0]", "pod <uid> learned from RunPodSandbox", ...
-    kind: str  # rule | pod | lookup
-
-
-# --------------------------------------------------------------------------- rules
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    index: int
-    handler: str
-    namespaces: frozenset[str]
-    exact_images: frozenset[str]
-    image_globs: tuple[str, ...]
-    labels: tuple[tuple[str, str], ...]
-    annotations: tuple[tuple[str, str], ...]
-
-    @property
-    def needs_pod(self) -> bool:
-        """Matches on something only a pod has (namespace, labels)."""
-        return bool(self.namespaces or self.labels)
-
-    @property
-    def source(self) -> str:
-        return f"runtime_handlers.rules[{self.index}]"
-
-    def matches(self, names: list[str], namespace: str | None, labels: Mapping[str, str] | None,
-                annotations: Iterable[Mapping[str, str]]) -> bool:
-        if self.needs_pod and namespace is None:
-            return False
-        if self.namespaces and namespace not in self.namespaces:
-            return False
-        if self.exact_images or self.image_globs:
-            if not any(n in self.exact_images or any(fnmatch.fnmatchcase(n, g) for g in self.image_globs)
-                       for n in names):
-                return False
-        if labels is None and self.labels:
-            return False
-        for k, v in self.labels:
-            if labels is None or labels.get(k) != v:
-                return False
-        for k, v in self.annotations:
-            if _first(annotations, k) != v:
-                return False
-        return True
-
-
-def _first(maps: Iterable[Mapping[str, str]], key: str) -> str | None:
-    """The value of ``key`` in the first map that has it."""
-    for m in maps:
-        if key in m:
-            return m[key]
-    return None
-
-
-def compile_rules(rules: Iterable[HandlerRule]) -> tuple[Rule, ...]:
-    """Normalize image patterns the way pins do. Raises ConfigError naming the bad pattern."""
-    out = []
-    for i, r in enumerate(rules):
-        exact: set[str] = set()
-        globs: list[str] = []
-        for j, p in enumerate(r.images):
-            try:
-                canon = pins.normalize_pattern(p)
-            except ValueError as e:
-                raise ConfigError(f"runtime_handlers.rules[{i}].images[{j}]", f"{e} (got {logs.shown(p)})") from None
-            if any(c in canon for c in "*?["):
-                globs.append(canon)
-            else:
-                exact.add(canon)
-        out.append(Rule(i, r.handler, frozenset(r.namespaces), frozenset(exact), tuple(globs),
-                        r.pod_labels, r.pod_annotations))
-    return tuple(out)
-
-
-def reference_names(image: str) -> list[str]:
-    """The normalized names a rule's image patterns are matched against.
-
-    ``nginx`` -> ``docker.io/library/nginx:latest``; ``repo:tag@digest`` also as
-    ``repo@digest`` and ``repo:tag``; an image ID as ``sha256:<hex>``. An unparseable
-    string is matched as it is.
-    """
-    if reference.is_image_id(image):
-        return [reference.normalize(image)]
-    try:
-        ref = reference.parse(image)
-    except reference.InvalidReference:
-        return [image]
-    names = [str(ref.with_default_tag())]
-    if ref.digest is not None:
-        names.append(f"{ref.name}@{ref.digest}")
-        if ref.tag is not None:
-            names.append(f"{ref.name}:{ref.tag}")
-    return names
-
-
-# --------------------------------------------------------------------------- pod cache
-
-
-@dataclass(slots=True)
-class Pod:
-    handler: str  # "" = the runtime's default handler: nothing to inject
-    learned: bool  # True: from RunPodSandbox; False: from ListPodSandbox
-    sandboxes: set[str] = field(default_factory=set)
-
-
-class PodCache:
-    """Pod UID -> handler, least recently used first out; sandbox id -> UID alongside
-    (RemovePodSandbox names only the sandbox). Unknown pods are remembered until a
-    deadline so a burst of pulls for them costs one lookup."""
-
-    def __init__(self, size: int, negative_ttl: float, clock: Callable[[], float]) -> None:
-        self.size = size
-        self.negative_ttl = negative_ttl
-        self._clock = clock
-        self._pods: OrderedDict[str, Pod] = OrderedDict()
-        self._uid_of: dict[str, str] = {}
-        self._unknown: OrderedDict[str, float] = OrderedDict()  # uid -> remembered until
-
-    def __len__(self) -> int:
-        return len(self._pods)
-
-    def __contains__(self, uid: object) -> bool:
-        return uid in self._pods
-
-    def get(self, uid: str) -> Pod | None:
-        pod = self._pods.get(uid)
-        if pod is not None:
-            self._pods.move_to_end(uid)
-        return pod
-
-    def put(self, uid: str, sandbox_id: str, handler: str, *, learned: bool, evict: bool = True) -> bool:
-        """Record a pod's sandbox. With ``evict=False`` a new pod is only added while there is room."""
-        pod = self._pods.get(uid)
-        if pod is None:
-            if not evict and len(self._pods) >= self.size:
-                return False
-            pod = self._pods[uid] = Pod(handler, learned)
-        elif learned or not pod.learned:
-            pod.handler, pod.learned = handler, learned or pod.learned
-        if sandbox_id:
-            pod.sandboxes.add(sandbox_id)
-            self._uid_of[sandbox_id] = uid
-        self._pods.move_to_end(uid)
-        self._unknown.pop(uid, None)
-        self._trim()
-        return True
-
-    def forget_sandbox(self, sandbox_id: str) -> str | None:
-        """Drop a removed sandbox; the pod goes once its last known sandbox has. Returns the UID."""
-        uid = self._uid_of.pop(sandbox_id, None)
-        if uid is None:
-            return None
-        pod = self._pods.get(uid)
-        if pod is not None:
-            pod.sandboxes.discard(sandbox_id)
-            if not pod.sandboxes:
-                del self._pods[uid]
-        return uid
-
-    def mark_unknown(self, uid: str) -> None:
-        if uid in self._pods:
-            return
-        self._unknown[uid] = self._clock() + self.negative_ttl
-        self._unknown.move_to_end(uid)
-        while len(self._unknown) > self.size:
-            self._unknown.popitem(last=False)
-
-    def known_unknown(self, uid: str) -> bool:
-        until = self._unknown.get(uid)
-        if until is None:
-            return False
-        if self._clock() >= until:
-            del self._unknown[uid]
-            return False
-        return True
-
-    def resize(self, size: int) -> None:
-        self.size = size
-        self._trim()
-        while len(self._unknown) > size:
-            self._unknown.popitem(last=False)
-
-    def _trim(self) -> None:
-        while len(self._pods) > self.size:
-            _, pod = self._pods.popitem(last=False)
-            for sid in pod.sandboxes:
-                self._uid_of.pop(sid, None)
-
-
-# --------------------------------------------------------------------------- resolver
 
 
 class HandlerResolver:
@@ -396,51 +191,3 @@ def _put_listed(cache: PodCache, uid: str, sandboxes: list[api_pb2.PodSandbox], 
         return
     for s in sandboxes:
         cache.put(uid, s.id, best.runtime_handler, learned=False)
-
-
-# --------------------------------------------------------------------------- ImageStatus / RemoveImage
-
-
-def image_spec(request: bytes) -> api_pb2.ImageSpec:
-    """The ImageSpec (field 1) of an ImageStatus/RemoveImage request, merged as protobuf does."""
-    payload = b"".join(request[vs:end] for number, wtype, _, vs, end in wire.fields(request)
-                       if number == IMAGE_FIELD and wtype == wire.LEN)
-    return api_pb2.ImageSpec.FromString(payload)
-
-
-def inject_image_handler(svc: ImageService, request: bytes,
-                         decoded_req: api_pb2.ImageStatusRequest | api_pb2.RemoveImageRequest | None = None) -> bytes:
-    """ImageStatus / RemoveImage request bytes with a rule's handler appended to ImageSpec.
-
-    Unchanged (the same bytes) when there is no resolver, the client set a handler, or
-    no rule applies. ``decoded_req`` is the request already decoded (anything with an
-    ``image`` ImageSpec), to save decoding it again.
-    """
-    resolver = svc.handlers
-    if resolver is None or not resolver.applies_to_images:
-        return request
-    try:
-        spec = decoded_req.image if decoded_req is not None else image_spec(request)
-    except (wire.WireError, DecodeError):
-        return request  # malformed: the runtime (or the pins check) answers it as it is
-    if spec.runtime_handler:
-        return request
-    check_image_name(spec.image, "ImageSpec.image")
-    decision = resolver.for_image(spec)
-    if decision is None:
-        return request
-    return inject(request, spec.image, decision, svc.metrics)
-
-
-def inject(request: bytes, image: str, decision: Decision, metrics: Metrics, level: int = logging.DEBUG) -> bytes:
-    """``request`` with ``decision.handler`` appended to its ImageSpec, counted
-    (cri_shim_runtime_handler_injected) and logged: the one place a handler is injected."""
-    metrics.handler_injected.labels(decision.kind).inc()
-    logs.log(_log, level, "runtime handler injected", image=image, handler=decision.handler, source=decision.source)
-    return with_runtime_handler(request, decision.handler)
-
-
-def with_runtime_handler(request: bytes, handler: str) -> bytes:
-    """An image request (PullImage, ImageStatus, RemoveImage) with ``handler`` appended to its
-    ImageSpec; every other byte as it was."""
-    return wire.append_to_submessage(request, IMAGE_FIELD, wire.string_field(RUNTIME_HANDLER_FIELD, handler))

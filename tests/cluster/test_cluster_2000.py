@@ -1,7 +1,12 @@
-"""A 2,000-image ImageSet from the API: all present at start (nothing pulled), then +10 images
-reach the registry soon after the API write (the figure is printed; the assertion has a margin
-for a loaded machine, the target is 1 s); status writes stay within
-cluster.status_interval_seconds."""
+"""A 2,000-image ImageSet from the API: all present at start (nothing pulled), then +10 appended
+by an API write are requested from the registry and pulled (only those), the status reaches
+generation 2, and status writes stay within cluster.status_interval_seconds.
+
+How soon the registry sees them is printed, not asserted: it is a speed figure, and speed
+targets are measured in bench/ (``bench/node_scale.py``: +10 to a large set until the first
+registry request; docs/performance.md), never asserted in a test that runs on a loaded CI
+machine. What this test asserts is what a user notices whatever the load: the new images are
+requested and present, nothing else is pulled, and the status says so."""
 
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from .test_cluster_sets import SHIM, current, delete, image_set, set_row, shim_c
 INTERVAL = 2  # cluster.status_interval_seconds in this test
 
 
-def test_2000_image_set_plus_10_within_a_second(control_plane, admin, fleet, proxy, shim_factory, tmp_path,  # noqa: F811
+def test_2000_image_set_plus_10_pulled_and_reported(control_plane, admin, fleet, proxy, shim_factory, tmp_path,  # noqa: F811
                                                short_tmp) -> None:
     admin.set_node_labels("node-a", {"t6": "yes"})
     admin.apply_custom(*SHIM, "imagesets", image_set("t6-big", fleet.refs, {"t6": "yes"}))
@@ -47,7 +52,7 @@ def test_2000_image_set_plus_10_within_a_second(control_plane, admin, fleet, pro
         assert seen and took is not None, shim.log_tail()
         print(f"\n+{EXTRA} at {PRESENT}: first at the registry {first:.3f} s after the API write, all requested "
               f"{all_requested:.3f} s, all present {time.monotonic() - t0:.3f} s")
-        assert all_requested <= 5.0  # target 1 s (README); the margin is for a machine shared with builds
+        assert set(proxy.stats().manifests_by_image) <= wanted  # the 2,000 present: none requested
         wait_for(lambda: current(admin, "node-a", "t6-big") and set_row(admin, "node-a", "t6-big")["images"]
                  ["present"] == PRESENT + EXTRA, 30, "status current at generation 2", interval=0.5)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from shim import config
 from shim.cluster.source import ClusterSource
-from shim.cluster.status import NodeStatus
+from shim.cluster.node_report import NodeReport
 from shim.observability.metrics import Metrics
 from tests.unit.test_cluster_source import fake_informer, node
 from tests.unit.test_imagesets import eventually, image_sets, reconciled, store  # noqa: F401  (fixture)
@@ -58,7 +58,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
         assert src.sets.reconciler.sets["web"].generation == "1" and set(src.held) == {"web"}
         assert store.pulls == []  # nothing of generation 2 pulled, the version in force kept (pinned)
         assert src.status()["awaiting_grant"] == {"web": {"generation": "2", "in_force_generation": "1"}}
-        doc = NodeStatus(src, h.sets, None, interval=1, event_interval=60, event_namespace="default",
+        doc = NodeReport(src, h.sets, None, interval=1, event_interval=60, event_namespace="default",
                          request_timeout=5).document()
         row = doc["status"]["sets"][0]
         assert (row["desiredGeneration"], row["currentGeneration"], row["reason"]) == ("2", "1", "AwaitingGrant")

@@ -9,15 +9,15 @@ import pytest
 
 from shim.controller import grants, report, rollout, truth
 from shim.controller.grants import Previous
-from shim.controller.truth import NodeReport, Report
+from shim.controller.truth import NodeReading, Report
 
 T0 = 1_800_000_000.0
-W, B, P, C, M = (NodeReport(Report.WAITING, T0 + 120), NodeReport(Report.BEHIND, T0 + 120), NodeReport(Report.PULLING),
-                 NodeReport(Report.CURRENT), NodeReport(Report.MISSING))
+W, B, P, C, M = (NodeReading(Report.WAITING, T0 + 120), NodeReading(Report.BEHIND, T0 + 120), NodeReading(Report.PULLING),
+                 NodeReading(Report.CURRENT), NodeReading(Report.MISSING))
 
 
-def failing(*reasons: str) -> NodeReport:
-    return NodeReport(Report.FAILING, None, reasons or ("notFound",), "NOT_FOUND")
+def failing(*reasons: str) -> NodeReading:
+    return NodeReading(Report.FAILING, None, reasons or ("notFound",), "NOT_FOUND")
 
 
 def spec(**r: Any) -> rollout.Rollout:
@@ -26,7 +26,7 @@ def spec(**r: Any) -> rollout.Rollout:
     return parsed
 
 
-def decide(r: rollout.Rollout, reports: dict[str, NodeReport], previous: Previous = Previous(),
+def decide(r: rollout.Rollout, reports: dict[str, NodeReading], previous: Previous = Previous(),
            labels: dict[str, dict[str, str]] | None = None, resume: str = "", now: float = T0) -> grants.Decision:
     return grants.decide(r, labels or {n: {} for n in reports}, reports, previous, resume=resume, now=now)
 

@@ -14,7 +14,10 @@ import pytest
 from shim import config as config_mod
 from shim.cri import protowire as wire
 from shim.config import ConfigError
-from shim.runtime_handlers.resolver import NEGATIVE_TTL_SECONDS, PodCache, inject_image_handler
+from shim.runtime_handlers.inject import inject_image_handler
+from shim.runtime_handlers.pods import PodCache
+from shim.runtime_handlers.resolver import NEGATIVE_TTL_SECONDS
+from shim.runtime_handlers.rules import compile_rules, reference_names
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -306,6 +309,15 @@ def test_bad_image_pattern_is_a_config_error_naming_the_key() -> None:
     assert e.value.key == "runtime_handlers.rules[0].images[1]"
 
 
+def test_rule_patterns_read_an_ipv6_registry_as_a_host_as_pins_do() -> None:
+    """``[fc00::1]:5000/`` is a host (shim/image_patterns.py), not a character class."""
+    cfg = config_mod.from_dict(rules({"handler": "kata", "images": ["[fc00::1]:5000/team/*", "[fc00::1]:5000/one:1"]}))
+    (rule,) = compile_rules(cfg.runtime_handlers.rules)
+    for image, matched in [("[fc00::1]:5000/team/app:1", True), ("[fc00::1]:5000/one:1", True),
+                           ("[fc00::1]:5000/one:2", False), ("f:5000/team/app:1", False)]:
+        assert rule.matches(reference_names(image), None, None, ()) is matched, image
+
+
 def test_pod_cache_is_bounded_lru_and_forgets_by_sandbox() -> None:
     now = [0.0]
     cache = PodCache(2, negative_ttl=5, clock=lambda: now[0])
@@ -337,7 +349,7 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
     async with serve(runtime, settings) as shim:
         svc = shim.app.images
         status = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1"), verbose=True).SerializeToString()
-        out = inject_image_handler(svc, status)
+        out = inject_image_handler(svc.handlers, svc.metrics, status)
         assert pb.ImageStatusRequest.FromString(out).image.runtime_handler == "by-image"
         spec = pb.ImageSpec(image="quay.io/gpu/x:1").SerializeToString()
         assert next(out[vs:e] for n, _, _, vs, e in wire.fields(out) if n == 1) == spec + wire.string_field(19, "by-image")
@@ -345,13 +357,13 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
 
         annotated = pb.RemoveImageRequest(image=pb.ImageSpec(image="nginx", annotations={"example.com/rc": "kata"}))
         raw = annotated.SerializeToString()
-        assert pb.RemoveImageRequest.FromString(inject_image_handler(svc, raw, annotated)).image.runtime_handler \
+        assert pb.RemoveImageRequest.FromString(inject_image_handler(svc.handlers, svc.metrics, raw, annotated)).image.runtime_handler \
             == "by-annotation"
 
         plain = pb.RemoveImageRequest(image=pb.ImageSpec(image="nginx")).SerializeToString()
-        assert inject_image_handler(svc, plain) == plain  # pod rules cannot match without a pod
+        assert inject_image_handler(svc.handlers, svc.metrics, plain) == plain  # pod rules cannot match without a pod
         explicit = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1", runtime_handler="runc"))
-        assert inject_image_handler(svc, explicit.SerializeToString()) == explicit.SerializeToString()
+        assert inject_image_handler(svc.handlers, svc.metrics, explicit.SerializeToString()) == explicit.SerializeToString()
 
 
 async def test_image_status_and_remove_image_reach_the_runtime_with_a_rule_handler(runtime: FakeRuntime) -> None:

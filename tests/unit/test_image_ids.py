@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from shim import reference
-from shim.images.pins import PinSet, image_names
+from shim.images.pin_set import PinSet, image_names
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import SVC, FakeImageStore, StoredImage
 from tests.support.inproc import running_shim

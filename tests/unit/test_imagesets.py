@@ -18,7 +18,7 @@ import pytest
 from shim.config import ImageSetsConfig
 from shim.imagesets import ImageSets
 from shim.observability.metrics import Metrics
-from shim.images.pins import PinSet
+from shim.images.pin_set import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
 from shim.cri.upstream import Upstream
 from tests.support.prefetch_store import FakeImages

@@ -80,7 +80,8 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
     async with image_sets(runtime, tmp_path, max_parallel=2, retry_initial_seconds=0.01, retry_max_seconds=0.02,
                           retry_per_second=0.001) as h:  # a burst of one retry, then one every 1,000 s
         await reconciled(h, "warm", 1)  # fast.local's retry was not held back by slow.local's
-        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local") == 4,
+        # 4 wait while the one retry with the token runs, 5 once it failed again (a busy machine may poll late)
+        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
                          what="slow.local's other retries to wait for a token")
         assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
         s = h.set_status("warm")
@@ -186,7 +187,7 @@ def test_max_images_is_a_documented_config_key(tmp_path: Path) -> None:
 async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime, tmp_path) -> None:
     from types import SimpleNamespace
 
-    from shim.cluster.status import NodeStatus
+    from shim.cluster.node_report import NodeReport
     store = FakeImages(runtime).install()
     store.fail("registry.local/gone:1", 1000)
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
@@ -195,7 +196,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
         await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
                          what="one failed image")
         source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, secret_errors=dict, informers={})
-        node = NodeStatus(source, h.sets, None,  # type: ignore[arg-type]
+        node = NodeReport(source, h.sets, None,  # type: ignore[arg-type]
                           interval=1.0, event_interval=1.0, event_namespace="default", request_timeout=1.0)
         status = node.document()["status"]
         [row] = status["sets"]

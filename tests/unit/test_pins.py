@@ -9,7 +9,8 @@ from hypothesis import given, strategies as st
 
 from shim import reference
 from shim.config import ConfigError, from_dict
-from shim.images.pins import PinSet, image_names, normalize_pattern
+from shim.image_patterns import normalize_pattern
+from shim.images.pin_set import PinSet, image_names
 
 D1 = "sha256:" + "a" * 64
 D2 = "sha256:" + "0123456789abcdef" * 4

@@ -14,14 +14,14 @@ import logging
 from google.protobuf.message import DecodeError
 
 from ..cri import protowire as wire
+from ..cri.fields import IMAGE_PINNED, RESPONSE_IMAGES, STATUS_IMAGE
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
-from .pins import PinSet
+from .pin_set import PinSet
 
 _log = logs.get("pins")
 
-IMAGES_FIELD = 1  # ListImagesResponse.images, StreamImagesResponse.images, ImageStatusResponse.image
-PINNED_TRUE = wire.varint(8 << 3 | wire.VARINT) + b"\x01"  # Image.pinned = true
+PINNED_TRUE = wire.varint_field(IMAGE_PINNED, 1)  # Image.pinned = true
 
 
 def pin_of(pins: PinSet, image: api_pb2.Image) -> str | None:
@@ -37,7 +37,7 @@ def mark_images(pins: PinSet, data: bytes,
     try:
         msg = cls.FromString(data)
         spans = [(start, value_start, end) for number, wtype, start, value_start, end in wire.fields(data)
-                 if number == IMAGES_FIELD and wtype == wire.LEN]
+                 if number == RESPONSE_IMAGES and wtype == wire.LEN]
     except (DecodeError, wire.WireError):
         logs.log(_log, logging.WARNING, "cannot parse runtime response; passed on unmarked",
                  message=cls.DESCRIPTOR.name)
@@ -50,7 +50,7 @@ def mark_images(pins: PinSet, data: bytes,
         if image.pinned or pin_of(pins, image) is None:
             continue
         out.append(data[pos:start])
-        out.append(wire.len_field(IMAGES_FIELD, data[value_start:end] + PINNED_TRUE))
+        out.append(wire.len_field(RESPONSE_IMAGES, data[value_start:end] + PINNED_TRUE))
         pos = end
     if not out:
         return data
@@ -70,4 +70,4 @@ def mark_status(pins: PinSet, data: bytes) -> bytes:
         return data
     if not msg.HasField("image") or msg.image.pinned or pin_of(pins, msg.image) is None:
         return data
-    return wire.append_to_submessage(data, IMAGES_FIELD, PINNED_TRUE)
+    return wire.append_to_submessage(data, STATUS_IMAGE, PINNED_TRUE)

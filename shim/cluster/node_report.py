@@ -4,8 +4,15 @@ by that node's shim with server-side apply (field manager ``cri-shim``).
 Writes are coalesced: the document is rebuilt at most every ``cluster.status_interval_seconds``
 and sent only when it differs from the last one written, so a node at rest writes nothing and a
 busy node at most one request per interval. A failed write is retried at the next interval
-(the status catches up once the API server is back). Failures also become Warning Events on the
-status object, at most one per set and reason every ``cluster.event_interval_seconds``.
+(the status catches up once the API server is back). The document is built once per interval at
+most (costing the number of sets, never of images), not per image event. Failures also become
+Warning Events on the status object, at most one per set and reason every
+``cluster.event_interval_seconds``, and bounded per node as kubelet's are (events.py).
+
+Rows go to at most ``cluster.status_max_rows`` sets, problem sets first; every set is counted in
+``setStates`` and the worst sets without a row are listed in ``worst`` (aggregate.py). ``sets``
+and ``worst`` are atomic lists in the CRD, so managedFields holds one entry for each, not one per
+row and field.
 
 Per set: desired generation (what is declared), current generation (the last one whose images
 were all present, and pinned when the set pins), last failed generation with its error, image
@@ -38,6 +45,8 @@ from ..observability import logs
 from ..pulls.failure import REASONS
 from ..pulls.poller import ProgressPoller
 from ..reference import pull_name
+from . import aggregate
+from .events import EventRecorder, timestamp
 from .informer import describe
 from .objects import AWAITING_GRANT, FIELD_MANAGER, INVALID_SET, NODE_STATUS, Refused
 from .source import ClusterSource
@@ -50,19 +59,17 @@ SET_REASONS = (INVALID_SET, SECRET_UNAVAILABLE)  # why a set's declared version 
 _EVENT_REASON = {INVALID_SET: "ImageSetInvalid", SECRET_UNAVAILABLE: "ImageSetPullSecretUnavailable"}
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def _generation(value: str) -> int:
     """A generation as written in a row ("" or not a number: 0)."""
     return int(value) if value.isdigit() else 0
 
 
-class NodeStatus:
+class NodeReport:
+    """Writes this node's NodeImageSetStatus (server-side apply, coalesced) and its Warning Events."""
+
     def __init__(self, source: ClusterSource, sets: ImageSets, poller: ProgressPoller | None, *,
                  interval: float, event_interval: float, event_namespace: str, request_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_rows: int = 100, event_burst: int = 25, clock: Callable[[], float] = time.monotonic) -> None:
         self.source = source
         self.sets = sets
         self.poller = poller
@@ -70,16 +77,20 @@ class NodeStatus:
         self.event_interval = event_interval
         self.event_namespace = event_namespace
         self.request_timeout = request_timeout
+        self.max_rows = max_rows
         self._clock = clock
+        self.recorder = EventRecorder(source.node_name, event_namespace, burst=event_burst, interval=event_interval,
+                                      request_timeout=request_timeout, clock=clock)
         self.current: dict[str, str] = {}  # set -> last generation found complete
         self.failed: dict[str, tuple[str, str]] = {}  # set -> (generation, error) of the last failure
         self._conditions: dict[str, dict[str, str]] = {}
         self.last_written: dict[str, Any] | None = None
+        self.rows_written: list[dict[str, Any]] = []  # every set's row in the last document written
+        self._rows: list[dict[str, Any]] = []  # ... in the last document built
         self.writes = 0
         self.write_errors = 0
         self.error = ""
         self.uid = ""
-        self.events_sent = 0
         self._event_at: dict[tuple[str, str], float] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -111,13 +122,13 @@ class NodeStatus:
                 self.failed[name] = (gen, refused[name].error if name in refused else "")
         for name, v in snap.sets.items():
             c = v.counts.as_dict()
-            reasons: Counter[str] = Counter(v.failed_reasons)
+            reasons = v.failed_reasons
             done = total = 0
             for spelled in v.pulling:
                 d, t = by_pull.get(pull_name(spelled), (0, 0))
                 done, total = done + d, total + t
             if c["queued"] and snap.disk_blocked:
-                reasons["noSpace"] += c["queued"]
+                reasons = {**reasons, "noSpace": reasons.get("noSpace", 0) + c["queued"]}
             if v.complete:
                 self.current[name] = v.generation
             err = v.last_error or (snap.disk_blocked if c["queued"] and snap.disk_blocked else "")
@@ -140,14 +151,16 @@ class NodeStatus:
             if name in snap.refused:
                 row["error"] = snap.refused[name][:1024]
             if reasons:
-                row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons[r]}
+                row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons.get(r)}
             if total:
                 row["bytesDone"], row["bytesTotal"] = done, total
             if problem is not None:
                 self._mark(row, *problem, problems)
             rows.append(row)
-            totals.update(c)
-            reasons_all.update(reasons)
+            for k, n in c.items():
+                totals[k] += n
+            for k, n in reasons.items():
+                reasons_all[k] += n
         for name, why in snap.refused.items():  # beyond image_sets.max_images
             errors.append(f"{name}: {why}")
         for name, r in refused.items():  # refused with no version in force: a row all the same
@@ -167,7 +180,9 @@ class NodeStatus:
         n_current = sum(1 for r in rows if r.get("currentGeneration") == r["desiredGeneration"])
         summary = {"sets": len(rows), "current": n_current, **{k: totals[k] for k in
                                                                ("declared", "present", "pulling", "queued", "failed")}}
-        status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": rows, "summary": summary,
+        kept, aggregated = aggregate.bound(rows, self.max_rows)
+        self._rows = rows
+        status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": kept, "summary": summary, **aggregated,
                                   "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current)}
         return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
                 "metadata": {"name": self.source.node_name, **self._owner()}, "status": status}
@@ -244,7 +259,7 @@ class NodeStatus:
         out = []
         for typ, (st, reason, message) in want.items():
             old = self._conditions.get(typ)
-            since = old["lastTransitionTime"] if old is not None and old["status"] == st else _now()
+            since = old["lastTransitionTime"] if old is not None and old["status"] == st else timestamp()
             cond = {"type": typ, "status": st, "reason": reason, "message": message, "lastTransitionTime": since}
             self._conditions[typ] = cond
             out.append(cond)
@@ -273,17 +288,22 @@ class NodeStatus:
         if self.error:
             logs.log(_log, logging.INFO, "image set status written again")
         self.error = ""
-        self.uid = (resp.get("metadata") or {}).get("uid", "") if isinstance(resp, dict) else ""
-        self.last_written = doc
+        self.written(doc, (resp.get("metadata") or {}).get("uid", "") if isinstance(resp, dict) else "")
         self.writes += 1
         return True
 
+    def written(self, doc: dict[str, Any], uid: str) -> None:
+        """``doc`` (the last one built) is what the API server holds now, as object ``uid``."""
+        self.last_written, self.rows_written = doc, self._rows
+        self.uid = self.recorder.uid = uid
+
     async def events(self, core: CoreV1Api) -> None:
-        """A Warning Event per set and failure reason, at most one every event_interval."""
+        """A Warning Event per set and failure reason, at most one every event_interval, through the
+        node's recorder (events.py: a token bucket per node, similar Events aggregated)."""
         if not self.uid or self.last_written is None:
             return
         now = self._clock()
-        for row in self.last_written["status"]["sets"]:
+        for row in self.rows_written:
             due: list[tuple[str, str, str]] = []  # (key reason, Event reason, message)
             if row.get("reason") in _EVENT_REASON:
                 gen = (f"generation {row['desiredGeneration']} refused; generation {row['currentGeneration']} stays "
@@ -300,23 +320,7 @@ class NodeStatus:
                 if now - self._event_at.get(key, -1e18) < self.event_interval:
                     continue
                 self._event_at[key] = now
-                ts = _now()
-                body = {
-                    "metadata": {"generateName": f"{self.source.node_name}.", "namespace": self.event_namespace},
-                    "involvedObject": {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
-                                       "name": self.source.node_name, "uid": self.uid},
-                    "reason": event_reason, "type": "Warning", "message": message[:1024],
-                    "source": {"component": FIELD_MANAGER, "host": self.source.node_name},
-                    "reportingComponent": FIELD_MANAGER, "reportingInstance": self.source.node_name,
-                    "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
-                }
-                try:
-                    await core.create_namespaced_event(
-                        self.event_namespace, body,  # type: ignore[arg-type]  # .pyi: a CoreV1Event; a dict works
-                        _request_timeout=self.request_timeout)
-                    self.events_sent += 1
-                except Exception as e:
-                    logs.log(_log, logging.DEBUG, "cannot create an Event", error=describe(e))
+                await self.recorder.record(core, "Warning", event_reason, message)
         for key in [k for k in self._event_at if not self.sets.in_force(k[0]) and k[0] not in self.source.refused]:
             del self._event_at[key]
 
@@ -365,6 +369,7 @@ class NodeStatus:
             self._task = None
 
     def status(self) -> dict[str, Any]:
-        return {"writes": self.writes, "write_errors": self.write_errors, "events": self.events_sent,
+        return {"writes": self.writes, "write_errors": self.write_errors, "events": self.recorder.created,
+                "event_requests": self.recorder.status(),
                 **({"error": self.error} if self.error else {}),
                 **({"summary": self.last_written["status"]["summary"]} if self.last_written else {})}

@@ -1,82 +1,21 @@
-"""Pinned-image patterns and matching.
+"""Pins: which images a set of image patterns protects.
 
-A pattern is one of:
-- an image reference, normalized (``nginx`` = ``docker.io/library/nginx:latest``);
-- a digest reference, ``repo@sha256:...`` (``repo:tag@sha256:...`` pins the digest);
-- an image ID, ``sha256:<64 hex>`` or the bare 64 hex (the same pin; containerd
-  reports IDs with ``sha256:``, CRI-O without);
-- a glob over normalized references: ``registry.k8s.io/pause:*``, ``quay.io/org/*``
-  (fnmatch rules: ``*`` also crosses ``/``; docker.io defaults apply to the
-  repository part, so ``pause:*`` means ``docker.io/library/pause:*``).
-
-An image matches when any of its names (ID, repo tags, repo digests) matches a
-pattern. Exact patterns are a set lookup; globs are one combined regex; each runtime
-name's answer is cached per PinSet, so marking a ListImages of 20,000 images stays cheap.
+The patterns (``pins.images``, and the images of image sets that pin) follow the grammar
+of shim/image_patterns.py. An image matches when any of its names (ID, repo tags, repo
+digests) matches a pattern. Exact patterns are a set lookup; globs are one combined regex;
+each runtime name's answer is cached per PinSet, so marking a ListImages of 20,000 images
+stays cheap.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, cast
 
 from .. import reference
-from ..observability.logs import shown
+from ..image_patterns import globs_regex, is_glob, normalize_pattern
 from ..reference import InvalidReference
-
-_GLOB_CHARS = frozenset("*?[")
-_SHORT_ID = re.compile(r"sha256:[0-9a-f]{1,63}", re.ASCII)
-_IPV6_HOST = re.compile(r"\[[0-9a-fA-F:]+\](?::[0-9]+)?/")  # [fc00::1]:5000/ is a host, not a [class]
-
-
-def _split_ipv6_host(p: str) -> tuple[str, str]:
-    m = _IPV6_HOST.match(p)
-    return (p[:m.end()], p[m.end():]) if m else ("", p)
-
-
-def _is_glob(p: str) -> bool:
-    return any(c in _GLOB_CHARS for c in _split_ipv6_host(p)[1])
-
-
-def _glob_regex(g: str) -> str:
-    """A canonical glob as a regex: fnmatch rules (``*`` crosses ``/``), an IPv6 host taken literally."""
-    host, rest = _split_ipv6_host(g)
-    return re.escape(host) + fnmatch.translate(rest)
-
-
-def _normalize_glob(p: str) -> str:
-    """Apply docker.io defaults and the lower-case host to a glob, as reference.normalize does."""
-    domain, remainder = reference.split_domain(p)
-    return f"{domain}/{remainder}"
-
-
-def normalize_pattern(p: str) -> str:
-    """The canonical form a pattern is matched in; raises ValueError if it can't be one."""
-    p = p.strip()
-    if not p:
-        raise ValueError("empty pin pattern")
-    if _is_glob(p):
-        if "@" in p:
-            raise ValueError("a glob cannot contain a digest")
-        return _normalize_glob(p)
-    if reference.is_image_id(p):
-        return reference.normalize(p)
-    if _SHORT_ID.fullmatch(p):  # would parse as the tag of docker.io/library/sha256: never what was meant
-        raise ValueError(f"{shown(p)} is a shortened image ID; an ID pin needs all 64 hex digits "
-                         "(with or without 'sha256:')")
-    try:
-        ref = reference.parse(p)
-    except InvalidReference as e:
-        raise ValueError(str(e)) from None
-    if ref.digest is not None:
-        return f"{ref.name}@{ref.digest}"
-    return str(ref.with_default_tag())
-
-
-def validate_pattern(p: str) -> None:
-    normalize_pattern(p)
-
 
 # Names that ``reference.normalize`` returns unchanged (or rejects): a first component
 # normalization keeps as the host (lower case, not index.docker.io; docker.io only with a path
@@ -132,7 +71,7 @@ class PinSet:
         source: dict[str, str] = {}
         for p in patterns:
             canon = normalize_pattern(p)
-            if _is_glob(canon):
+            if is_glob(canon):
                 globs.append(canon)
             else:
                 exact.add(canon)
@@ -144,8 +83,7 @@ class PinSet:
                 continue
             exact.add(canon)
             source.setdefault(canon, f"image set {set_name!r}")  # 253 characters at most (loader)
-        # One alternation, each glob its own outer group: the group that matched names the glob.
-        regex = re.compile("|".join(f"(?P<pin{i}>{_glob_regex(g)})" for i, g in enumerate(globs))) if globs else None
+        regex = globs_regex(globs, "pin")  # the outer group that matched names the glob: pin<i>
         return cls(frozenset(exact), tuple(globs), source, regex)
 
     def __bool__(self) -> bool:
