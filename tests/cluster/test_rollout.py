@@ -168,7 +168,8 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
         granted_at = wait_for(next_grant, 40, "a grant after the kill", interval=0.05)
         took = granted_at - killed
         print(f"\nleader killed mid-rollout; next grant after {took:.1f} s (lease 15 s, retry 2 s)")
-        assert took <= 15 + 2 + 2, took
+        # the standby waits out the lease (15 s), tries every 2 s (jittered up to 1.2x), then one batch and a write
+        assert took <= 15 + 2 * 1.2 + 3, took
         assert "became leader" in standby.log_text()
         wait_for(lambda: counts(admin, "r3-web")[:2] == (6, 6), 90, "6 of 6 current")
         most, at = max_overlap(fleet.intervals())
