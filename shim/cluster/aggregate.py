@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Iterable, Mapping
 
-from .objects import INVALID_SET
+from .objects import AWAITING_GRANT, INVALID_SET
 
 WORST = 20  # problem sets without a row listed in ``worst``
 WORST_ERROR = 256  # characters of each ``worst`` entry's error
@@ -46,6 +46,8 @@ def state_of(row: Mapping[str, Any]) -> str:
     if row.get("failedReasons") or (row.get("images") or {}).get("failed") or (
             row.get("error") and not reason):
         return "failing"
+    if reason == AWAITING_GRANT:  # a paced generation not granted yet: not a problem, not current
+        return "progressing"
     if reason:
         return "pullSecretUnavailable"
     if row.get("currentGeneration") == row.get("desiredGeneration"):

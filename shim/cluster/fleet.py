@@ -1,7 +1,8 @@
 """`cri-shim fleet status`: per ImageSet, the truth `cri-shim controller` wrote to its status
 (selected, current, progressing, failing, stale, missing nodes; failing nodes with their reason;
-the rollout's time). Read-only: one list of the ImageSets. A set whose status is absent or
-behind its generation says so: no controller is running, or it has not caught up."""
+the rollout's time; a paced set's phase, waiting nodes and grants in flight). Read-only: one
+list of the ImageSets. A set whose status is absent or behind its generation says so: no
+controller is running, or it has not caught up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def summarize(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             row["note"] = "no status: is `cri-shim controller` running?"
         elif st.get("observedGeneration") != gen:
             row["note"] = f"status is for generation {st.get('observedGeneration')}; the controller has not caught up"
-        for k in ("failedReasons", "failingNodes", "staleNodes", "missingNodes", "rolloutSeconds"):
+        for k in ("waiting", "rollout", "failedReasons", "failingNodes", "staleNodes", "missingNodes",
+                  "rolloutSeconds"):
             if k in st:
                 row[k] = st[k]
         row["conditions"] = {c["type"]: {"status": c.get("status"), "reason": c.get("reason", "")}
@@ -65,6 +67,11 @@ def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
               + f"  {degraded.get('reason', '-') if degraded.get('status') == 'True' else '-'}")
         if "note" in s:
             print(f"  {s['note']}")
+        if "rollout" in s:  # a paced set
+            ro, halted = s["rollout"], s["conditions"].get("Halted", {})
+            why = f" ({halted.get('reason')})" if halted.get("status") == "True" else ""
+            print(f"  rollout: {ro.get('phase')}{why}, {s.get('waiting', 0)} waiting for a grant, "
+                  f"{ro.get('inFlight', 0)} of {ro.get('maxConcurrentNodes')} in flight")
         for f in s.get("failingNodes", []):
             print(f"  {f['node']}: {f.get('reasons', '')}: {f.get('error', '')[:160]}")
         for key, what in (("staleNodes", "stale"), ("missingNodes", "missing")):

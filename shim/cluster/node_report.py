@@ -26,7 +26,8 @@ keeps its row with the generation still in force as ``currentGeneration``, the r
 the image and the rule; ``Degraded`` is True with reason ``InvalidSet``. A pull Secret a set
 names that cannot be read: ``reason: PullSecretUnavailable`` (the set stays in force). Both
 become Warning Events (``ImageSetInvalid``, ``ImageSetPullSecretUnavailable``), rate-limited
-like the others.
+like the others. A paced set's generation waiting for its grant: ``desiredGeneration`` the
+waiting one, ``reason: AwaitingGrant`` (not a failure).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..reference import pull_name
 from . import aggregate
 from .events import EventRecorder, timestamp
 from .informer import describe
-from .objects import FIELD_MANAGER, INVALID_SET, NODE_STATUS, Refused
+from .objects import AWAITING_GRANT, FIELD_MANAGER, INVALID_SET, NODE_STATUS, Refused
 from .source import ClusterSource
 
 _log = logs.get("cluster")
@@ -168,6 +169,7 @@ class NodeReport:
                        "images": {k: 0 for k in ("declared", "present", "pulling", "queued", "failed")}}
                 self._mark(row, INVALID_SET, r.generation, r.error, problems)
                 rows.append(row)
+        self._awaiting(rows)
         rows.sort(key=lambda r: r["name"])
         for name in list(self.current):
             if name not in snap.sets:
@@ -184,6 +186,22 @@ class NodeReport:
                                   "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current)}
         return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
                 "metadata": {"name": self.source.node_name, **self._owner()}, "status": status}
+
+    def _awaiting(self, rows: list[dict[str, Any]]) -> None:
+        """A paced set's generation waiting for its grant: declared (desiredGeneration) with
+        ``reason: AwaitingGrant``; the version in force (if any) stays currentGeneration, its counts
+        the images'. Not a failure: no Degraded, no Event."""
+        by_name = {r["name"]: r for r in rows}
+        for name, sel in self.source.held.items():
+            row = by_name.get(name)
+            if row is None:
+                row = {"name": name, "kind": sel.set.kind, "source": "cluster",
+                       "images": {k: 0 for k in ("declared", "present", "pulling", "queued", "failed")}}
+                rows.append(row)
+            elif row.get("reason"):
+                continue  # the version in force has a problem of its own: that is what to say
+            row["desiredGeneration"] = sel.set.generation
+            row["reason"] = AWAITING_GRANT
 
     def _owner(self) -> dict[str, Any]:
         """An owner reference to this node's Node once its uid is known: the object goes with the Node."""

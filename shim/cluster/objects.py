@@ -45,7 +45,7 @@ PINNED_IMAGE_SETS = (Kind("machineconfiguration.openshift.io", "v1", "pinnedimag
 MACHINE_CONFIG_POOL = Kind("machineconfiguration.openshift.io", "v1", "machineconfigpools", "MachineConfigPool")
 FIELD_MANAGER = "cri-shim"
 DOCKER_CONFIG_JSON = "kubernetes.io/dockerconfigjson"
-CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides")
+CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides", "rollout")
 MAX_PULL_SECRETS = 16  # per ImageSet: the CRD's imagePullSecrets maxItems, checked here too (a CRD can be older)
 
 
@@ -123,6 +123,7 @@ class Selected:
 
 
 INVALID_SET = "InvalidSet"  # the reason a set's newest version is refused (status row, Degraded condition)
+AWAITING_GRANT = "AwaitingGrant"  # a paced set's generation is declared, the previous version held (grant.py)
 
 
 @dataclass(frozen=True)

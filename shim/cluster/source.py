@@ -34,7 +34,7 @@ from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
 from ..observability.metrics import Metrics
-from . import objects, state
+from . import grant, objects, state
 from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
@@ -74,6 +74,7 @@ class ClusterSource:
         self.errors: dict[str, str] = {}  # by object (cluster:Kind/name, MachineConfigPool name, node)
         self.refused: dict[str, objects.Refused] = {}  # by set name: its newest version cannot be applied
         self.last_refused: dict[str, str] = {}  # by set name: the generation refused last, while the set is declared
+        self.held: dict[str, Selected] = {}  # by set name: a paced set's generation waiting for its grant
         self.state_error = ""  # why the state file cannot be read or written; "" once a save succeeded
         self.identity_error = ""  # the kubeconfig is another node's kubelet (client.identity_problem)
         self.state_write_failures = 0  # the start check and every save that failed
@@ -129,7 +130,7 @@ class ClusterSource:
         self._own_raw = {o["metadata"]["name"]: o for o in own}
         self._pinned_raw = {o["metadata"]["name"]: o for o in pinned}
         self.labels = labels
-        self._select(labels, list(self._own_raw.values()), None)
+        self._select(labels, list(self._own_raw.values()), None, gate=False)  # every one was in force
         self.loaded_from_state = True
         logs.log(_log, logging.INFO, "cluster image sets loaded from the state file", file=self.cfg.state_file,
                  sets=len(self.selected))
@@ -162,8 +163,9 @@ class ClusterSource:
     # ------------------------------------------------------------------ selection
 
     def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
-                mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None) -> bool:
+                mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, *, gate: bool = True) -> bool:
         """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed.
+        ``gate``: hold a paced set's generation until granted (not for the state file's sets, all in force).
 
         A set whose newest version is refused (an invalid image name, an unreadable field) keeps
         its last valid version in force, and the state file keeps that version's object: an
@@ -173,8 +175,11 @@ class ClusterSource:
         refused: dict[str, objects.Refused] = {}
         own_raw: dict[str, dict[str, Any]] = {}
         by_own = {o["metadata"]["name"]: o for o in own}
+        held: dict[str, Selected] = {}
         for name, obj in by_own.items():
             if name in selected:
+                if gate and grant.paced(obj) and self._hold(name, obj, previous, old_own, selected, own_raw, held):
+                    continue
                 own_raw[name] = _slim(obj)
             elif (err := errors.get(objects.source_of(obj))) is not None:
                 kept = self._keep(previous, name, "ImageSet", old_own, selected, own_raw)
@@ -219,6 +224,15 @@ class ClusterSource:
         for name in self.refused.keys() - refused.keys():
             logs.log(_log, logging.INFO, "cluster image set no longer refused", set=name)
         self.errors, self.refused = errors, refused
+        for name in held.keys() - self.held.keys():
+            logs.log(_log, logging.INFO, "paced image set generation waits for its grant; the version in force stays",
+                     set=name, generation=held[name].set.generation,
+                     in_force=selected[name].set.generation if name in selected else "none")
+        for name in self.held.keys() - held.keys():
+            if name in selected:
+                logs.log(_log, logging.INFO, "paced image set generation granted", set=name,
+                         generation=selected[name].set.generation)
+        self.held = held
         self.last_refused.update((n, r.generation) for n, r in refused.items())
         for name in self.last_refused.keys() - refused.keys() - selected.keys():  # no longer declared here
             del self.last_refused[name]
@@ -227,10 +241,29 @@ class ClusterSource:
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
-        self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()})
+        self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
+                             held_pins=[(ref, n) for n, s in held.items() if s.set.pin for ref in s.set.refs])
         self.sets.set_overrides(**self._overrides())
         self._report()
         return changed
+
+    def _hold(self, name: str, obj: dict[str, Any], previous: dict[str, Selected], old_raw: dict[str, dict[str, Any]],
+              selected: dict[str, Selected], raw: dict[str, dict[str, Any]], held: dict[str, Selected]) -> bool:
+        """A paced set's generation without a grant: keep the version in force (if any) and hold the
+        new one (pins only). False when it applies: granted, in force already, or nothing to pull."""
+        new, old = selected[name], previous.get(name)
+        own_old = old is not None and old.set.kind == "ImageSet" and name in old_raw
+        if grant.granted(obj, self.node_name) or (old is not None and own_old
+                                                   and (old.set.generation == new.set.generation
+                                                        or not grant.adds_images(new.set, old.set))):
+            return False
+        held[name] = new
+        if own_old and old is not None:
+            selected[name] = old
+            raw[name] = old_raw[name]
+        else:
+            del selected[name]
+        return True
 
     @staticmethod
     def _keep(previous: dict[str, Selected], name: str, kind: str, old_raw: dict[str, dict[str, Any]],
@@ -501,6 +534,11 @@ class ClusterSource:
             out["refused_sets"] = {n: {"kind": r.kind, "refused_generation": r.generation, "error": r.error,
                                        "in_force_generation": r.kept or "none"}
                                    for n, r in sorted(self.refused.items())}
+        if self.held:
+            out["awaiting_grant"] = {n: {"generation": s.set.generation,
+                                         "in_force_generation": self.selected[n].set.generation
+                                         if n in self.selected else "none"}
+                                     for n, s in sorted(self.held.items())}
         if self.state_error:
             out["state_error"] = self.state_error
         if self.identity_error:

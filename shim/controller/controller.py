@@ -12,6 +12,10 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
 * an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
 * a set with a node that turns stale if nothing changes gets one timer, at that due time.
 
+A paced set (``spec.rollout``) gets its grants here too (grants.py, a pure function of the
+nodes' reports and the status last written), written with its status: a node's report of
+the generation frees its grant, and the next batch grants the next nodes.
+
 Marked sets are recomputed in batches (at most one batch per ``batch_interval``, 0.5 s): one
 rollout wave of a thousand nodes costs a few recomputes per set, not a thousand. A status is
 applied only when it differs from the one last written.
@@ -28,10 +32,10 @@ from typing import Any
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 
 from ..cluster.informer import Informer, Obj, describe
-from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind
+from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind, SelectorError
 from ..cluster.reachability import Reachability, readyz
 from ..observability import logs
-from . import report, truth
+from . import grants, report, rollout, truth
 from .leader import LeaderElector
 from .pull_secrets import PullSecretRoles
 
@@ -76,6 +80,7 @@ class Controller:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
+        self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
         self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
         self.recomputes = 0
         self.writes = 0
@@ -147,6 +152,7 @@ class Controller:
             timer.cancel()
         self._written.pop(name, None)
         self._started.pop(name, None)
+        self._grant_times.pop(name, None)
         self._dirty.discard(name)
 
     # ------------------------------------------------------------------ acting (leader only)
@@ -173,11 +179,16 @@ class Controller:
         seen = self._started.get(name)
         started = seen[1] if seen is not None and seen[0] == gen else report.rollout_start(view, now)
         self._started[name] = (gen, started)
+        decision, rollout_error, reports = self._grants(view, started, now)
+        times = self._grant_times.get(name, {})
+        granted = {n: times.get(n, now) for n in decision.granted} if decision is not None else {}
+        self._grant_times[name] = granted
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
-                          stale_after=self.stale_after, expected=self._expected)
+                          stale_after=self.stale_after, expected=self._expected,
+                          paced=decision is not None or bool(rollout_error), granted=granted, reports=reports)
         self.recomputes += 1
         self._schedule(name, t.next_due)
-        status = report.status_of(view, t, started=started, now=now)
+        status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
         if report.unchanged(view, status) or not self.elector.leading:
             return
         try:
@@ -193,6 +204,26 @@ class Controller:
             return
         self.writes += 1
         self._written[name] = status
+
+    def _grants(self, view: dict[str, Any], started: float,
+                now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReading] | None]:
+        """A paced set's grants from the status last written (``view``), or why its rollout is
+        invalid; and the nodes' reports read for it (None: not read)."""
+        try:
+            ro = rollout.parse(view.get("spec") or {})
+        except rollout.RolloutError as e:
+            return None, str(e), None
+        if ro is None:
+            return None, "", None
+        try:
+            reports = truth.read_reports(view, self.nodes.items, self.statuses.items, changed_at=started,
+                                         stale_after=self.stale_after, expected=self._expected)
+        except SelectorError:
+            return None, "", None  # the truth says why; no node is selected
+        labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}
+        gen = view["metadata"].get("generation")
+        return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen),
+                             resume=rollout.resume_token(view), now=now), "", reports
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""

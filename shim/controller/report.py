@@ -8,6 +8,11 @@ conditions.
 * ``Available``: every selected node current. ``Progressing``: nodes still pulling or not yet
   caught up. ``Degraded``: a node failed (reason by type: ``AuthFailed``, ``NotFound``, ...),
   or is stale or missing (``NodesStale``, ``NodesMissing``). Slow progress never sets it.
+* A paced set (``spec.rollout``): ``waiting`` (nodes waiting for a grant), ``rollout`` (grants.py's
+  decision: ``generation``, ``phase`` Canary / Rolling / Halted / Complete, ``maxConcurrentNodes``
+  as a count, ``inFlight``, ``granted``, ``canaryNodes``, ``halted`` with ``haltReason``,
+  ``toleratedFailures``, ``resumedWith``) and the condition ``Halted`` (True with the failing
+  nodes' typed reason). An invalid ``spec.rollout``: Halted True, ``InvalidRollout``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..cluster.objects import IMAGE_SET
+from .grants import Decision
 from .truth import Truth, format_time, parse_time
 
 FIELD_MANAGER = "cri-shim-controller"
@@ -32,6 +38,19 @@ def rollout_start(image_set: Mapping[str, Any], now: float) -> float:
     return now
 
 
+def _halted(d: Decision | None, rollout_error: str) -> tuple[str, str, str] | None:
+    if rollout_error:
+        return ("True", "InvalidRollout", f"{rollout_error}; no node is granted this generation")
+    if d is None:
+        return None
+    if not d.halted:
+        return ("False", "NotHalted", f"{d.failing} node(s) failing, {d.tolerated} tolerated")
+    nodes = ", ".join(d.halt_nodes[:5])
+    return ("True", _REASON.get(d.halt_reason, d.halt_reason or "FailureThreshold"),
+            f"{d.failing} node(s) failing ({nodes or 'none now'}) reached failureThreshold; no new grant until "
+            "the set is edited or resumed (annotation cri-shim.io/resume-rollout set to a new value)")
+
+
 def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
     of = f"{t.current} of {t.selected} selected nodes current"
     if t.selector_error:
@@ -39,8 +58,9 @@ def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
         return {"Available": ("False", "InvalidSelector", t.selector_error),
                 "Progressing": ("False", "InvalidSelector", t.selector_error), "Degraded": bad}
     available = ("True", "AllNodesCurrent", of) if t.all_current else ("False", "NodesNotCurrent", of)
-    progressing = (("True", "NodesPulling", f"{t.progressing} node(s) pulling or catching up; {of}")
-                   if t.progressing else ("False", "Idle", of))
+    waits = f"; {t.waiting} waiting for a grant" if t.waiting else ""
+    progressing = (("True", "NodesPulling", f"{t.progressing} node(s) pulling or catching up{waits}; {of}")
+                   if t.progressing else ("False", "Idle", of + waits))
     if t.failing:
         top = max(t.failed_reasons.items(), key=lambda kv: (kv[1], kv[0]))[0] if t.failed_reasons else "other"
         names = ", ".join(f"{f['node']} ({f['reasons']})" for f in t.failing_nodes[:5])
@@ -56,8 +76,24 @@ def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
     return {"Available": available, "Progressing": progressing, "Degraded": degraded}
 
 
-def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: float) -> dict[str, Any]:
-    """The status to apply; times carried over from the present status where nothing changed."""
+def rollout_of(generation: Any, d: Decision) -> dict[str, Any]:
+    out: dict[str, Any] = {"generation": generation, "phase": d.phase, "maxConcurrentNodes": d.limit,
+                           "inFlight": d.in_flight, "granted": list(d.granted), "halted": d.halted}
+    if d.canary_nodes:
+        out["canaryNodes"] = list(d.canary_nodes)
+    if d.halted and d.halt_reason:
+        out["haltReason"] = d.halt_reason
+    if d.tolerated:
+        out["toleratedFailures"] = d.tolerated
+    if d.resumed_with:
+        out["resumedWith"] = d.resumed_with
+    return out
+
+
+def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: float,
+              decision: Decision | None = None, rollout_error: str = "") -> dict[str, Any]:
+    """The status to apply; times carried over from the present status where nothing changed.
+    ``decision``: a paced set's grants (grants.py); ``rollout_error``: its spec.rollout is invalid."""
     meta, old = image_set.get("metadata") or {}, image_set.get("status") or {}
     same_gen = old.get("observedGeneration") == meta.get("generation")
     status: dict[str, Any] = {
@@ -66,6 +102,10 @@ def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: fl
         "stale": t.stale, "missing": t.missing,
         "rolloutStartTime": format_time(started),
     }
+    if decision is not None or rollout_error:
+        status["waiting"] = t.waiting
+    if decision is not None:
+        status["rollout"] = rollout_of(meta.get("generation"), decision)
     if t.failed_reasons:
         status["failedReasons"] = dict(t.failed_reasons)
     if t.failing_nodes:
@@ -82,7 +122,11 @@ def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: fl
         status["rolloutSeconds"] = max(0, round(done_at - started))
     old_conds = {c.get("type"): c for c in old.get("conditions") or []}
     conds = []
-    for typ, (st, reason, message) in _conditions(t).items():
+    want = _conditions(t)
+    halted = _halted(decision, rollout_error)
+    if halted is not None:
+        want["Halted"] = halted
+    for typ, (st, reason, message) in want.items():
         prev = old_conds.get(typ)
         since = prev.get("lastTransitionTime") if prev is not None and prev.get("status") == st else None
         conds.append({"type": typ, "status": st, "reason": reason, "message": message[:2048],

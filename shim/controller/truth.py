@@ -23,18 +23,25 @@ A node with more sets than ``cluster.status_max_rows`` reports the rest in aggre
 neither a row nor a ``worst`` entry is current there when every omitted set is current and the
 node's ``omitted.imageSets`` digest equals the digest of the ImageSets selecting it as seen here
 (``expected``); otherwise it counts as behind (progressing, or stale if its shim stays silent).
+
+A paced set (``spec.rollout``, rollout.py) adds ``waiting``: a selected node not granted the
+generation (grants.py) that holds its previous version, by its own report (row ``reason:
+AwaitingGrant``) or because its shim has not reported the generation yet. A waiting node at
+rest writes nothing, so a waiting row never turns stale; a node that never said it waits does,
+after ``stale_after``. A granted node's age starts at the grant at the latest.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Mapping
 
 from ..cluster.aggregate import digest
-from ..cluster.objects import FIELD_MANAGER, SelectorError, check_selector, selects
+from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, SelectorError, check_selector, selects
 from ..pulls.failure import REASONS
 
 MAX_LISTED = 20  # failing / stale / missing nodes named in the status, each
@@ -77,6 +84,7 @@ class Truth:
     missing_nodes: list[str]
     next_due: float | None  # when a node now progressing turns stale (wall clock), if nothing changes
     selector_error: str = ""
+    waiting: int = 0  # paced sets: selected nodes waiting for a grant
 
     @property
     def all_current(self) -> bool:
@@ -120,57 +128,103 @@ def _unknown(node: str) -> str:
     return ""
 
 
-def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
-            statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
-            stale_after: float, expected: Callable[[str], str] | None = None) -> Truth:
-    """``changed_at``: when the set's current generation was first seen (wall clock).
+class Report(enum.Enum):
+    """What a selected node's own report says about the set's generation, grants aside."""
+    MISSING = "missing"  # no NodeImageSetStatus at all
+    CURRENT = "current"  # desired = current = the generation
+    FAILING = "failing"  # at the generation, an image failed or the version is refused
+    PULLING = "pulling"  # at the generation, not yet complete
+    WAITING = "waiting"  # the generation declared, the previous version held until a grant
+    BEHIND = "behind"  # no row at the generation: its shim has not applied (or seen) it
+
+
+@dataclass(frozen=True)
+class NodeReading:
+    report: Report
+    due: float | None = None  # WAITING, BEHIND: when it turns stale if its shim stays silent
+    reasons: tuple[str, ...] = ()  # FAILING: typed reasons
+    error: str = ""
+
+
+def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
+                stale_after: float, expected: Callable[[], str] = partial(_unknown, "")) -> NodeReading:
+    """One node's report for the set ``name`` at ``generation``."""
+    if obj is None:
+        return NodeReading(Report.MISSING)
+    row = _row(obj.get("status") or {}, name, expected)
+    if row is not None and row.get("implied"):
+        return NodeReading(Report.CURRENT)
+    if row is not None and row.get("desiredGeneration") == generation:
+        if row.get("currentGeneration") == generation:
+            return NodeReading(Report.CURRENT)
+        if row.get("reason") == AWAITING_GRANT:
+            return NodeReading(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after)
+        if row.get("failedReasons") or (row.get("images") or {}).get("failed") or row.get("reason"):
+            reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
+                             | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
+            return NodeReading(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
+        return NodeReading(Report.PULLING)
+    return NodeReading(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after)
+
+
+def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
+                 statuses: Mapping[str, Mapping[str, Any]], *, changed_at: float, stale_after: float,
+                 expected: Callable[[str], str] | None = None) -> dict[str, NodeReading]:
+    """Every selected node's report, by node name. Raises SelectorError for a bad nodeSelector.
     ``expected(node)``: ``expected_digest`` for the node (the controller caches it)."""
     name = (image_set.get("metadata") or {}).get("name")
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     selector = (image_set.get("spec") or {}).get("nodeSelector")
+    check_selector(selector)
+    return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after,
+                           expected=partial(expected or _unknown, n))
+            for n in sorted(nodes) if selects(selector, node_labels(nodes[n]), none_selects_all=True)}
+
+
+def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
+            statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
+            stale_after: float, expected: Callable[[str], str] | None = None, paced: bool = False,
+            granted: Mapping[str, float] | None = None, reports: Mapping[str, NodeReading] | None = None) -> Truth:
+    """``changed_at``: when the set's current generation was first seen (wall clock).
+    ``expected(node)``: ``expected_digest`` for the node (the controller caches it).
+    ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when;
+    ``reports``: read_reports' answer for the same inputs, when the caller has it already."""
+    generation = str((image_set.get("metadata") or {}).get("generation", ""))
+    if reports is None:
+        try:
+            reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after,
+                                   expected=expected)
+        except SelectorError as e:
+            return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
+    grants = granted or {}
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
     failing: list[dict[str, str]] = []
     stale: list[str] = []
     missing: list[str] = []
     next_due: float | None = None
-    try:
-        check_selector(selector)
-        chosen = [n for n, node in nodes.items() if selects(selector, node_labels(node), none_selects_all=True)]
-    except SelectorError as e:
-        return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
-    for node in sorted(chosen):
-        obj = statuses.get(node)
-        if obj is None:
-            counts["missing"] += 1
+    for node, r in reports.items():
+        if r.report is Report.MISSING:
             missing.append(node)
+        elif r.report is Report.FAILING:
+            reasons.update(r.reasons)
+            failing.append({"node": node, "reasons": ",".join(r.reasons), "error": r.error})
+        if r.report in (Report.MISSING, Report.CURRENT, Report.FAILING, Report.PULLING):
+            counts[{Report.PULLING: "progressing"}.get(r.report, r.report.value)] += 1
             continue
-        row = _row(obj.get("status") or {}, name, partial(expected or _unknown, node))
-        if row is not None and row.get("implied"):
-            counts["current"] += 1
+        held = paced and node not in grants
+        if held and r.report is Report.WAITING:
+            counts["waiting"] += 1  # said so itself: at rest until granted, never stale
             continue
-        at_gen = row is not None and row.get("desiredGeneration") == generation
-        if at_gen and row is not None and row.get("currentGeneration") == generation:
-            counts["current"] += 1
+        assert r.due is not None
+        due = max(r.due, grants[node] + stale_after) if node in grants else r.due
+        if now >= due:
+            counts["stale"] += 1
+            stale.append(node)
             continue
-        if at_gen and row is not None and (row.get("failedReasons") or (row.get("images") or {}).get("failed")
-                                           or row.get("reason")):
-            counts["failing"] += 1
-            node_reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
-                                  | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
-            reasons.update(node_reasons)
-            failing.append({"node": node, "reasons": ",".join(node_reasons), "error": str(row.get("error", ""))[:256]})
-            continue
-        if not at_gen:  # behind: is its shim silent?
-            wrote = report_time(obj) or changed_at
-            due = max(wrote, changed_at) + stale_after
-            if now >= due:
-                counts["stale"] += 1
-                stale.append(node)
-                continue
-            next_due = due if next_due is None else min(next_due, due)
-        counts["progressing"] += 1
-    return Truth(generation, len(chosen), counts["current"], counts["progressing"], counts["failing"],
+        next_due = due if next_due is None else min(next_due, due)
+        counts["waiting" if held else "progressing"] += 1
+    return Truth(generation, len(reports), counts["current"], counts["progressing"], counts["failing"],
                  counts["stale"], counts["missing"],
                  {r: reasons[r] for r in (*REASONS, *sorted(set(reasons) - set(REASONS))) if reasons[r]},
-                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due)
+                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due, waiting=counts["waiting"])

@@ -44,6 +44,8 @@ class ImageSets:
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
         self._on_pins = on_pins
         self._held_pins: list[tuple[str, str]] | None = None  # pins decided before the directory's first read
+        self._declared_pins: list[tuple[str, str]] = []  # the reconciler's, from the sets in force
+        self._waiting_pins: dict[str, list[tuple[str, str]]] = {}  # source -> pins of sets held (not pulled)
         self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=self._pins_out, pins=pins,
                                      **reconciler_options)
         self._use_inotify = use_inotify
@@ -116,10 +118,13 @@ class ImageSets:
         self.state_error = error
         self.metrics.image_sets_state_file_error.set(1 if error else 0)
 
-    def _pins_out(self, pins: list[tuple[str, str]]) -> None:
+    def _pins_out(self, declared: list[tuple[str, str]]) -> None:
         """The declared pins reach the image service only once the directory (when there is one)
         has been read: until then the pins in force stay and removals wait (pins_wait_seconds),
-        even when another source (the cluster's state file) has declared its sets already."""
+        even when another source (the cluster's state file) has declared its sets already.
+        Pins of sets a source holds (a paced generation without its grant) are added."""
+        self._declared_pins = declared
+        pins = declared + [p for held in self._waiting_pins.values() for p in held]
         if self.cfg.dir and self.scans == 0:
             self._held_pins = pins
             return
@@ -147,10 +152,20 @@ class ImageSets:
             self._overrides = overrides
             self.reconciler.configure(dataclasses.replace(self.cfg, **overrides))
 
-    def set_source(self, name: str, sets: dict[str, ImageSet]) -> None:
-        """Another source's sets changed: re-diff the union."""
+    def set_source(self, name: str, sets: dict[str, ImageSet], *,
+                   held_pins: list[tuple[str, str]] | None = None) -> None:
+        """Another source's sets changed: re-diff the union. ``held_pins``: (image, set) pinned
+        without being declared (never pulled): a paced set's images while it waits for its grant."""
         self.sources[name] = dict(sets)
-        self._apply()
+        held = held_pins or []
+        changed = held != self._waiting_pins.get(name, [])
+        if held:
+            self._waiting_pins[name] = held
+        else:
+            self._waiting_pins.pop(name, None)
+        self._apply()  # first: a set granted now is declared before its held pins go
+        if changed and self.reconciler.pins_declared:
+            self._pins_out(self._declared_pins)
 
     def _apply(self) -> None:
         merged = dict(self._dir_sets)
@@ -195,7 +210,7 @@ class ImageSets:
             self._dir_sets = result.sets
             self._apply()
         if first and self._held_pins is not None:
-            self._pins_out(self._held_pins)
+            self._pins_out(self._declared_pins)
         self._scanned.set()
         if self.cfg.state_file and (result.accepted_changed or self._unsaved or (first and self.state_error)):
             await self._save()

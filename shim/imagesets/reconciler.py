@@ -433,6 +433,11 @@ class Reconciler:
         self._need_list = True
         self._wake.set()
 
+    @property
+    def pins_declared(self) -> bool:
+        """Whether the pins of the sets in force have been handed out once."""
+        return self._declared_pins is not None
+
     def _update_pins(self) -> None:
         pins = [(ref, s.name) for s in self.sets.values() if s.pin for ref in s.refs]
         if pins != self._declared_pins:

@@ -23,7 +23,7 @@ from tests.support.controller import STALE_AFTER
 from tests.support.kube import DEPLOY, Admin
 from tests.support.procs import kill
 
-COLUMNS = ["Name", "Selected", "Current", "Progressing", "Failing", "Stale", "Age"]
+COLUMNS = ["Name", "Selected", "Current", "Progressing", "Waiting", "Failing", "Stale", "Rollout", "Age"]
 
 
 def set_status(admin: Admin, name: str) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def test_set_truth_missing_stale_deleted_and_columns(control_plane, admin, contr
         names = [c["name"] for c in t["columnDefinitions"] if c.get("priority", 0) == 0]
         assert names == COLUMNS, names
         row = next(r["cells"] for r in t["rows"] if r["cells"][0] == "c1-warm")
-        assert row[1:6] == [3, 2, 0, 0, 0], row
+        assert row[1:8] == [3, 2, 0, None, 0, 0, None], row  # not paced: no Waiting, no Rollout
 
         # the set moves to generation 2; n1 catches up, n2's shim stops at 1 and says nothing
         changed = time.time()  # before the change: the controller sees it later
@@ -132,14 +132,19 @@ def test_set_truth_missing_stale_deleted_and_columns(control_plane, admin, contr
         writes = ctl.log_text().count("cannot write")
         assert writes == 0, ctl.log_text()
     finally:
-        delete(admin, *SHIM, "imagesets", "c1-warm")
-        for n in nodes:
-            try:
-                admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-            delete(admin, *SHIM, "nodeimagesetstatuses", n)
+        cleanup(admin, "c1-warm", nodes)
+
+
+def cleanup(admin: Admin, name: str, nodes: tuple[str, ...] | list[str]) -> None:
+    """Delete the set, the Nodes and their status objects."""
+    delete(admin, *SHIM, "imagesets", name)
+    for n in nodes:
+        try:
+            admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        delete(admin, *SHIM, "nodeimagesetstatuses", n)
 
 
 def _holder(admin: Admin) -> str:

@@ -108,8 +108,9 @@ class FakeSets:
         self.overrides: dict[str, Any] = {}
         self.retries = 0
 
-    def set_source(self, name: str, sets: dict[str, Any]) -> None:
+    def set_source(self, name: str, sets: dict[str, Any], *, held_pins: list[tuple[str, str]] | None = None) -> None:
         self.sources[name] = sets
+        self.held_pins = held_pins or []
 
     def set_overrides(self, **o: Any) -> None:
         self.overrides = o

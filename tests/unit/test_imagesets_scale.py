@@ -195,7 +195,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
     async with image_sets(runtime, tmp_path, max_images=3, retry_initial_seconds=5.0) as h:
         await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
                          what="one failed image")
-        source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, secret_errors=dict, informers={})
+        source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, held={}, secret_errors=dict, informers={})
         node = NodeReport(source, h.sets, None,  # type: ignore[arg-type]
                           interval=1.0, event_interval=1.0, event_namespace="default", request_timeout=1.0)
         status = node.document()["status"]

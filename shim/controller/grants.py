@@ -1,0 +1,140 @@
+"""Which nodes may pull a paced set's generation now: a pure function of the set's rollout
+(rollout.py), the selected nodes, their reports (truth.read_report) and the rollout as last
+written. No I/O, no clock but ``now``.
+
+A node is *in flight* from its grant until it is current: granted and not yet reporting the
+generation (the ``granted`` list), or reporting it and not current (pulling, or failing: a
+failing node retries, so it keeps its slot). Grants are given while fewer than
+``maxConcurrentNodes`` are in flight: at most that many nodes pull the generation at once.
+
+* Who: nodes waiting (their report says so, or they are behind and their shim is not silent),
+  by name; canary nodes first, and only they until each of them is current.
+* Canary ``count``: that many nodes with a report, picked by name once per generation and kept
+  (``canaryNodes``), so a node added later does not move the canary. Canary ``nodeSelector``:
+  the selected nodes it matches (a node without any report is left out: it cannot turn current).
+* Halt: ``failureThreshold`` failing nodes (beyond those tolerated at the last resume). A halt
+  gives no new grant until the set is edited (a new generation: a new rollout) or resumed (the
+  resume annotation set to a new value: the nodes failing then are tolerated). Nodes granted
+  before the halt go on; nodes not granted keep the previous generation.
+* The list holds a node only until it reports the generation: at most ``maxConcurrentNodes``
+  names (plus any canary), never the whole fleet. That is what each node's ImageSet watch
+  carries (docs/image-sets.md "Paced rollout").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..cluster.objects import selects
+from .rollout import Rollout
+from .truth import NodeReading, Report
+
+CANARY, ROLLING, HALTED, COMPLETE = "Canary", "Rolling", "Halted", "Complete"
+_IN_FLIGHT = (Report.PULLING, Report.FAILING)
+_UNSTARTED = (Report.WAITING, Report.BEHIND)
+
+
+@dataclass(frozen=True)
+class Previous:
+    """``status.rollout`` as last written, when it is for the same generation."""
+    granted: tuple[str, ...] = ()
+    canary_nodes: tuple[str, ...] = ()
+    halted: bool = False
+    halt_reason: str = ""
+    tolerated: int = 0
+    resumed_with: str = ""
+
+    @classmethod
+    def read(cls, status: Mapping[str, Any], generation: Any) -> Previous:
+        """From an ImageSet's status; empty when it is for another generation (the resume
+        token acted on is kept across generations: an old token never resumes a new halt)."""
+        r = status.get("rollout") or {}
+        token = str(r.get("resumedWith") or "")
+        if r.get("generation") != generation:
+            return cls(resumed_with=token)
+        return cls(tuple(r.get("granted") or ()), tuple(r.get("canaryNodes") or ()), bool(r.get("halted")),
+                   str(r.get("haltReason") or ""), int(r.get("toleratedFailures") or 0), token)
+
+
+@dataclass(frozen=True)
+class Decision:
+    phase: str
+    limit: int  # maxConcurrentNodes as a count of the selected nodes
+    in_flight: int  # after the new grants
+    granted: tuple[str, ...]  # granted, not yet reporting the generation (new ones included)
+    new_grants: tuple[str, ...]
+    canary_nodes: tuple[str, ...]  # canary count: the nodes picked; nodeSelector: ()
+    halted: bool
+    halt_reason: str  # the failing nodes' most common typed reason when halted
+    halt_nodes: tuple[str, ...] = ()  # failing nodes when halted, by name (up to 20)
+    tolerated: int = 0
+    resumed_with: str = ""
+    failing: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # reports by kind
+
+
+def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
+            previous: Previous) -> tuple[list[str], tuple[str, ...]]:
+    """(the canary nodes now, the picked ones to keep in the status)."""
+    if rollout.canary_selector is not None:
+        return ([n for n in sorted(nodes) if reports[n].report is not Report.MISSING
+                 and selects(rollout.canary_selector, nodes[n], none_selects_all=False)], ())
+    if not rollout.canary_count:
+        return [], ()
+    kept = [n for n in previous.canary_nodes if n in reports and reports[n].report is not Report.MISSING]
+    for n in sorted(reports):
+        if len(kept) >= rollout.canary_count:
+            break
+        if n not in kept and reports[n].report is not Report.MISSING:
+            kept.append(n)
+    kept = sorted(kept[:rollout.canary_count])
+    return kept, tuple(kept)
+
+
+def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
+           previous: Previous, *, resume: str = "", now: float) -> Decision:
+    """``nodes``: the selected nodes' labels by name; ``reports``: theirs, by name (the same keys)."""
+    counts = Counter(r.report.value for r in reports.values())
+    failing = sorted(n for n, r in reports.items() if r.report is Report.FAILING)
+    halted, tolerated, resumed_with = previous.halted, previous.tolerated, previous.resumed_with
+    if resume and resume != resumed_with:
+        resumed_with = resume
+        if halted:  # the nodes failing now are tolerated; more than the threshold beyond them halt again
+            halted, tolerated = False, len(failing)
+    if not halted and len(failing) >= tolerated + rollout.failure_threshold:
+        halted = True
+    reason = previous.halt_reason if previous.halted and halted else ""
+    if halted and failing:
+        top = Counter(x for n in failing for x in reports[n].reasons).most_common()
+        reason = min(top, key=lambda kv: (-kv[1], kv[0]))[0] if top else "other"
+
+    granted = [n for n in previous.granted if n in reports and reports[n].report in _UNSTARTED]
+    in_flight = len(granted) + sum(1 for r in reports.values() if r.report in _IN_FLIGHT)
+    limit = rollout.limit(len(reports))
+    canary, picked = _canary(rollout, nodes, reports, previous)
+    canary_pending = [n for n in canary if reports[n].report is not Report.CURRENT]
+    new: list[str] = []
+    if not halted and in_flight < limit:
+        pool = canary_pending if canary_pending else sorted(reports)
+        taken = set(granted)
+        for n in pool:
+            if len(new) >= limit - in_flight:
+                break
+            r = reports[n]
+            if n in taken or r.report not in _UNSTARTED:
+                continue
+            if r.report is Report.BEHIND and r.due is not None and now >= r.due:
+                continue  # its shim is silent: a grant would hold a slot nobody uses
+            new.append(n)
+    if halted:
+        phase = HALTED
+    elif counts[Report.CURRENT.value] == len(reports):
+        phase = COMPLETE
+    elif canary_pending:
+        phase = CANARY
+    else:
+        phase = ROLLING
+    return Decision(phase, limit, in_flight + len(new), tuple(granted + new), tuple(new), picked, halted, reason,
+                    tuple(failing[:20]) if halted else (), tolerated, resumed_with, len(failing), dict(counts))

@@ -1,0 +1,209 @@
+"""Paced rollouts (spec.rollout) against a real kube-apiserver: `cri-shim controller` processes
+grant nodes the generation in the set's status; simulated shims (tests/support/sim_fleet.py,
+deciding with the shim's own rule) fetch the images from the registry, each through its own
+counting proxy, so what every node fetches, and when, is counted at the registry side. In the
+concurrency test one node is a real shim in front of containerd (its fetches are the session
+proxy's records)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
+from tests.cluster.test_controller import _holder, cleanup, conds, counts, set_status, table
+from tests.support.kube import Admin
+from tests.support.procs import kill
+from tests.support.sim_fleet import SimFleet, merge
+
+PULL_BYTES = 384 << 10  # per image; each proxy sends blobs at THROTTLE: about a second per node
+THROTTLE = 384 << 10
+
+
+def paced_set(name: str, refs: list[str], label: str, **rollout: Any) -> dict[str, Any]:
+    return {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": name},
+            "spec": {"nodeSelector": {"matchLabels": {label: "x"}}, "pin": True,
+                     "images": [{"name": r} for r in refs], "rollout": rollout}}
+
+
+def rollout_status(admin: Admin, name: str) -> dict[str, Any]:
+    return set_status(admin, name).get("rollout") or {}
+
+
+def max_overlap(spans: dict[str, list[tuple[float, float]]]) -> tuple[int, float]:
+    """The most nodes fetching at one instant, and that instant."""
+    events = sorted([(s, 1) for v in spans.values() for s, _ in v] + [(e, -1) for v in spans.values() for _, e in v],
+                    key=lambda ev: (ev[0], ev[1]))  # an end before a start at the same instant
+    most, at, now = 0, 0.0, 0
+    for t, d in events:
+        now += d
+        if now > most:
+            most, at = now, t
+    return most, at
+
+
+def test_canary_with_a_missing_image_halts_and_no_other_node_pulls(control_plane, admin, controllers, registry,
+                                                                   make_image) -> None:
+    nodes = [f"r1-n{i}" for i in range(1, 6)]
+    for n in nodes:
+        admin.create_node(n, {"r1-pool": "x"})
+    present = make_image()
+    missing = f"{registry.host}/r1/not-pushed-yet:v1"
+    admin.apply_custom(*SHIM, "imagesets", paced_set("r1-web", [present.ref, missing], "r1-pool",
+                                                     maxConcurrentNodes=2, canary={"count": 1}))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r1-web", nodes,
+                     retry_seconds=0.5).start()
+    try:
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        controllers("r1-a")
+        wait_for(lambda: conds(admin, "r1-web").get("Halted") == "True/NotFound", 30, "Halted, reason NotFound")
+        ro = rollout_status(admin, "r1-web")
+        assert ro["phase"] == "Halted" and ro["canaryNodes"] == ["r1-n1"] and ro["haltReason"] == "notFound"
+        halted = next(c for c in set_status(admin, "r1-web")["conditions"] if c["type"] == "Halted")
+        assert "r1-n1" in halted["message"] and "resume" in halted["message"]
+        time.sleep(3)  # a few more controller batches: still nobody else
+        st = set_status(admin, "r1-web")
+        assert (st["selected"], st["failing"], st["waiting"], st["current"]) == (5, 1, 4, 0), st
+        assert fleet.requests("r1-n1") >= 2  # the canary fetched (and retries the missing image)
+        assert {n: fleet.requests(n) for n in nodes[1:]} == {n: 0 for n in nodes[1:]}  # no other node fetched
+        row = next(r["cells"] for r in table(control_plane)["rows"] if r["cells"][0] == "r1-web")
+        print(f"\nkubectl get imagesets (halted): {row}")
+        assert row[1:8] == [5, 0, 0, 4, 1, 0, "Halted"], row
+
+        # the image is pushed: the canary turns current, the halt stays until an operator resumes
+        make_image(name="r1/not-pushed-yet", tag="v1")
+        wait_for(lambda: counts(admin, "r1-web")[1] == 1, 30, "the canary current")
+        time.sleep(2)
+        assert rollout_status(admin, "r1-web")["phase"] == "Halted" and fleet.requests("r1-n2") == 0
+        admin.custom("patch", *SHIM, "imagesets", "r1-web", {"metadata": {"annotations": {
+            "cri-shim.io/resume-rollout": "after-push"}}}, _content_type="application/merge-patch+json")
+        wait_for(lambda: conds(admin, "r1-web").get("Available") == "True/AllNodesCurrent", 60, "every node current")
+        ro = rollout_status(admin, "r1-web")
+        assert ro["phase"] == "Complete" and ro["resumedWith"] == "after-push" and ro["granted"] == []
+        assert conds(admin, "r1-web")["Halted"] == "False/NotHalted"
+        most, _ = max_overlap({n: s for n, s in fleet.intervals().items() if n != "r1-n1"})
+        assert most <= 2, most
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r1-web", nodes)
+
+
+def test_max_concurrent_nodes_2_over_10_nodes(control_plane, admin, controllers, registry, proxy, make_image,
+                                              shim_factory, tmp_path) -> None:
+    """9 simulated nodes and node-a, a real shim in front of containerd (pulling through the session proxy)."""
+    sims = [f"r2-n{i:02}" for i in range(1, 10)]
+    for n in sims:
+        admin.create_node(n, {"r2-pool": "x"})
+    admin.set_node_labels("node-a", {"r2-pool": "x"})
+    images = [make_image(filler_bytes=PULL_BYTES) for _ in range(2)]
+    proxy.set_throttle(THROTTLE)
+    shim = shim_factory(shim_config(control_plane, tmp_path, "node-a"), log_level="info")
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r2-web", sims,
+                     throttle_bps=THROTTLE).start()
+    try:
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r2-web", [i.ref for i in images], "r2-pool",
+                                                         maxConcurrentNodes=2))
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in [*sims, "node-a"]), 30,
+                 "every node reports")
+        time.sleep(2)  # nobody fetches before the controller runs: no grant
+        assert proxy.stats().manifest_requests == 0 and all(fleet.requests(n) == 0 for n in sims)
+        st = set_status(admin, "r2-web")
+        assert st.get("rollout") is None  # no controller yet
+        started = time.monotonic()
+        controllers("r2-a")
+        samples: list[tuple[int, int, int]] = []
+
+        def done() -> bool:
+            c = counts(admin, "r2-web")
+            ro = rollout_status(admin, "r2-web")
+            samples.append((c[1], c[2], len(ro.get("granted", []))))
+            return c[:2] == (10, 10)
+        wait_for(done, 120, "10 of 10 current", interval=0.2)
+        took = time.monotonic() - started
+        spans = fleet.intervals()
+        spans["node-a"] = merge([(r.start, r.end) for r in proxy.records()])
+        assert all(spans[n] for n in spans), spans  # every node fetched, counted at the registry side
+        most, at = max_overlap(spans)
+        print(f"\n10 nodes, maxConcurrentNodes 2: all current after {took:.1f} s; at most {most} nodes fetching "
+              f"at once (registry side); progressing/granted samples: {sorted(set(s[1:] for s in samples))}")
+        assert most <= 2, (most, at, spans)
+        assert most == 2  # and it does use both slots
+        ro = rollout_status(admin, "r2-web")
+        assert ro["phase"] == "Complete" and ro["maxConcurrentNodes"] == 2 and ro["inFlight"] == 0
+        assert max(s[1] for s in samples) <= 2  # never more than 2 progressing in the set's status either
+        assert all(pinned(shim).get(i.image_id) for i in images)  # the real node: pulled once granted, pinned
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        admin.set_node_labels("node-a", {"r2-pool": None})
+        cleanup(admin, "r2-web", sims)
+
+
+def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin, controllers, registry,
+                                                            make_image) -> None:
+    nodes = [f"r3-n{i}" for i in range(1, 7)]
+    for n in nodes:
+        admin.create_node(n, {"r3-pool": "x"})
+    image = make_image(filler_bytes=PULL_BYTES * 2)
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r3-web", nodes,
+                     throttle_bps=THROTTLE).start()
+    try:
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r3-web", [image.ref], "r3-pool", maxConcurrentNodes=1))
+        a, b = controllers("r3-a"), controllers("r3-b")
+        wait_for(lambda: counts(admin, "r3-web")[1] >= 2, 60, "2 nodes current")
+        leader, standby = (a, b) if _holder(admin) == "r3-a" else (b, a)
+        kill(leader.proc)  # SIGKILL: no release, the standby waits out the lease
+        killed = time.monotonic()
+        old_grants = set(rollout_status(admin, "r3-web")["granted"])  # the killed leader's last word
+
+        def next_grant() -> float | None:  # a node starting that the killed leader had not granted
+            return next((t for n in nodes if n not in old_grants for _, t in fleet.nodes[n].started if t > killed),
+                        None)
+        # the node in flight at the kill finishes on its own; the next grant needs the new leader
+        granted_at = wait_for(next_grant, 40, "a grant after the kill", interval=0.05)
+        took = granted_at - killed
+        print(f"\nleader killed mid-rollout; next grant after {took:.1f} s (lease 15 s, retry 2 s)")
+        # the standby waits out the lease (15 s), tries every 2 s (jittered up to 1.2x), then one batch and a write
+        assert took <= 15 + 2 * 1.2 + 3, took
+        assert "became leader" in standby.log_text()
+        wait_for(lambda: counts(admin, "r3-web")[:2] == (6, 6), 90, "6 of 6 current")
+        most, at = max_overlap(fleet.intervals())
+        assert most == 1, (most, at)  # one at a time, across the takeover too
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r3-web", nodes)
+
+
+def test_the_api_server_refuses_a_bad_rollout_with_a_readable_message(control_plane, admin) -> None:
+    """The CRD's CEL rules on spec.rollout (dry run: nothing is stored)."""
+    def apply(**rollout: Any) -> str:
+        body = paced_set("r4-web", ["registry.example/app:v1"], "r4-pool", **rollout)
+        try:
+            admin.custom("patch", *SHIM, "imagesets", "r4-web", body, field_manager="test", force=True,
+                         dry_run="All", _content_type="application/apply-patch+yaml")
+        except ApiException as e:
+            assert e.status == 422, e
+            return str(json.loads(e.body)["message"])
+        return ""
+    for ok in ({"maxConcurrentNodes": 2}, {"maxConcurrentNodes": "10%"}, {"maxConcurrentNodes": "100%"},
+               {"maxConcurrentNodes": 1, "canary": {"count": 1}, "failureThreshold": 3},
+               {"maxConcurrentNodes": 1, "canary": {"nodeSelector": {"matchLabels": {"canary": "yes"}}}}):
+        assert apply(**ok) == "", ok
+    for bad, says in (({"maxConcurrentNodes": 0}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "0%"}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "150%"}, "a count >= 1 or a percentage"),
+                      ({"maxConcurrentNodes": "ten"}, "a count >= 1 or a percentage"),
+                      ({"failureThreshold": 1}, "maxConcurrentNodes: Required value"),
+                      ({"maxConcurrentNodes": 1, "canary": {}}, "exactly one of count or nodeSelector"),
+                      ({"maxConcurrentNodes": 1, "canary": {"count": 1, "nodeSelector": {}}},
+                       "exactly one of count or nodeSelector"),
+                      ({"maxConcurrentNodes": 1, "failureThreshold": 0}, "failureThreshold")):
+        message = apply(**bad)
+        assert says in message, (bad, message)
+    print(f"\n422 from the API server: {message}")

@@ -1,0 +1,170 @@
+"""A paced rollout's grants (shim/controller/grants.py, rollout.py): selected nodes + their reports
++ spec.rollout + the rollout last written -> who may pull now, and whether it is halted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shim.controller import grants, report, rollout, truth
+from shim.controller.grants import Previous
+from shim.controller.truth import NodeReading, Report
+
+T0 = 1_800_000_000.0
+W, B, P, C, M = (NodeReading(Report.WAITING, T0 + 120), NodeReading(Report.BEHIND, T0 + 120), NodeReading(Report.PULLING),
+                 NodeReading(Report.CURRENT), NodeReading(Report.MISSING))
+
+
+def failing(*reasons: str) -> NodeReading:
+    return NodeReading(Report.FAILING, None, reasons or ("notFound",), "NOT_FOUND")
+
+
+def spec(**r: Any) -> rollout.Rollout:
+    parsed = rollout.parse({"rollout": r})
+    assert parsed is not None
+    return parsed
+
+
+def decide(r: rollout.Rollout, reports: dict[str, NodeReading], previous: Previous = Previous(),
+           labels: dict[str, dict[str, str]] | None = None, resume: str = "", now: float = T0) -> grants.Decision:
+    return grants.decide(r, labels or {n: {} for n in reports}, reports, previous, resume=resume, now=now)
+
+
+def test_at_most_max_concurrent_nodes_in_flight_and_grants_free_as_nodes_turn_current() -> None:
+    r = spec(maxConcurrentNodes=2)
+    nodes = [f"n{i:02}" for i in range(10)]
+    reports = {n: W for n in nodes}
+    d = decide(r, reports)
+    assert d.new_grants == ("n00", "n01") and d.in_flight == 2 and d.phase == grants.ROLLING
+    prev = Previous(granted=d.granted)
+    # nothing reported yet: the same two, no more
+    assert decide(r, reports, prev).granted == ("n00", "n01") and not decide(r, reports, prev).new_grants
+    # n00 reports the generation (pulling): it leaves the list, still in flight; n01 current: its slot frees
+    reports.update(n00=P, n01=C)
+    d = decide(r, reports, prev)
+    assert d.granted == ("n02",) and d.in_flight == 2
+    # a simulated run to the end: never more than 2 in flight
+    prev, step = Previous(granted=d.granted), 0
+    while any(v.report is not Report.CURRENT for v in reports.values()):
+        for n, v in reports.items():  # every in-flight node moves one step: granted -> pulling -> current
+            if v is P:
+                reports[n] = C
+            elif n in prev.granted:
+                reports[n] = P
+        d = decide(r, reports, prev)
+        assert d.in_flight <= 2, (step, d)
+        assert sum(1 for v in reports.values() if v is P) + len(d.granted) <= 2
+        prev, step = Previous(granted=d.granted), step + 1
+    assert d.phase == grants.COMPLETE and step <= 11
+
+
+@pytest.mark.parametrize("value,selected,limit", [(3, 10, 3), ("10%", 1000, 100), ("10%", 5, 1), ("25%", 10, 3),
+                                                  ("100%", 7, 7)])
+def test_max_concurrent_count_or_percentage_rounded_up(value: Any, selected: int, limit: int) -> None:
+    assert spec(maxConcurrentNodes=value).limit(selected) == limit
+
+
+@pytest.mark.parametrize("bad", [{"maxConcurrentNodes": 0}, {"maxConcurrentNodes": "0%"}, {"maxConcurrentNodes": "x"},
+                                 {"maxConcurrentNodes": "101%"}, {}, {"maxConcurrentNodes": 1, "failureThreshold": 0},
+                                 {"maxConcurrentNodes": 1, "canary": {"count": 1, "nodeSelector": {}}},
+                                 {"maxConcurrentNodes": 1, "canary": {}}])
+def test_invalid_rollout_names_the_field(bad: dict[str, Any]) -> None:
+    with pytest.raises(rollout.RolloutError, match=r"spec\.rollout\."):
+        rollout.parse({"rollout": bad})
+
+
+def test_no_rollout_is_not_paced() -> None:
+    assert rollout.parse({"images": []}) is None
+
+
+def test_canary_count_first_and_alone_until_current_and_kept_for_the_generation() -> None:
+    r = spec(maxConcurrentNodes=5, canary={"count": 1})
+    reports = {"a": M, "b": W, "c": W, "d": W}  # a has no shim: not a canary
+    d = decide(r, reports)
+    assert (d.phase, d.new_grants, d.canary_nodes) == (grants.CANARY, ("b",), ("b",))
+    reports["b"] = P
+    d = decide(r, reports, Previous(granted=d.granted, canary_nodes=d.canary_nodes))
+    assert d.new_grants == () and d.phase == grants.CANARY
+    # a node named before b appears: the canary stays b
+    reports["a0"] = W
+    d = decide(r, reports, Previous(canary_nodes=d.canary_nodes))
+    assert d.canary_nodes == ("b",) and d.new_grants == ()
+    reports["b"] = C
+    d = decide(r, reports, Previous(canary_nodes=d.canary_nodes))
+    assert d.phase == grants.ROLLING and d.new_grants == ("a0", "c", "d")
+
+
+def test_canary_by_node_selector() -> None:
+    r = spec(maxConcurrentNodes=10, canary={"nodeSelector": {"matchLabels": {"canary": "yes"}}})
+    labels = {"a": {}, "b": {"canary": "yes"}, "c": {"canary": "yes"}, "d": {}}
+    d = decide(r, {n: W for n in labels}, labels=labels)
+    assert d.new_grants == ("b", "c") and d.canary_nodes == ()
+
+
+def test_canary_failing_halts_with_its_reason_and_nobody_else_is_granted() -> None:
+    r = spec(maxConcurrentNodes=5, canary={"count": 1})
+    d = decide(r, {"a": failing("notFound"), "b": W, "c": W}, Previous(canary_nodes=("a",)))
+    assert d.halted and d.phase == grants.HALTED and d.halt_reason == "notFound" and d.new_grants == ()
+    st = report.status_of({"metadata": {"generation": 2}}, _truth(), started=T0, now=T0, decision=d)
+    halted = next(c for c in st["conditions"] if c["type"] == "Halted")
+    assert (halted["status"], halted["reason"]) == ("True", "NotFound") and "a" in halted["message"]
+    assert st["rollout"]["phase"] == "Halted" and st["rollout"]["granted"] == []
+
+
+def _truth() -> truth.Truth:
+    return truth.Truth("2", 3, 0, 0, 1, 0, 0, {"notFound": 1}, [], [], [], None, waiting=2)
+
+
+def test_halt_is_kept_until_resumed_and_granted_nodes_go_on() -> None:
+    r = spec(maxConcurrentNodes=3, failureThreshold=2)
+    reports = {"a": failing(), "b": W, "c": W, "d": W, "e": W}
+    d = decide(r, reports, Previous(granted=("b",)))
+    assert not d.halted and d.new_grants == ("c",)  # one failing: below the threshold (a holds a slot: it retries)
+    reports.update(c=failing("auth"))
+    d = decide(r, reports, Previous(granted=("b",)))
+    assert d.halted and d.granted == ("b",) and d.new_grants == ()  # b was granted before: it goes on
+    prev = Previous(granted=d.granted, halted=True, halt_reason=d.halt_reason)
+    reports.update(a=C, c=C)  # the failures clear: still halted until an operator resumes
+    d = decide(r, reports, prev)
+    assert d.halted and d.new_grants == ()
+    d = decide(r, reports, prev, resume="1")
+    assert not d.halted and d.resumed_with == "1" and d.new_grants == ("d", "e")
+    # the same token does not resume a later halt; a new one does, tolerating the nodes failing then
+    reports.update(d=failing(), e=failing())
+    d = decide(r, reports, Previous(halted=False, resumed_with="1"), resume="1")
+    assert d.halted
+    d = decide(r, reports, Previous(halted=True, resumed_with="1"), resume="2")
+    assert not d.halted and d.tolerated == 2
+
+
+def test_a_silent_behind_node_is_not_granted_and_missing_nodes_never_are() -> None:
+    r = spec(maxConcurrentNodes=3)
+    d = decide(r, {"a": B, "b": M, "c": W}, now=T0 + 121)  # a: behind and silent past its due time
+    assert d.new_grants == ("c",)
+
+
+def test_previous_is_for_its_generation_only() -> None:
+    st = {"rollout": {"generation": 1, "granted": ["a"], "halted": True, "resumedWith": "t"}}
+    assert Previous.read(st, 2) == Previous(resumed_with="t")
+    assert Previous.read(st, 1).granted == ("a",) and Previous.read(st, 1).halted
+
+
+def test_truth_counts_waiting_nodes_and_a_granted_node_ages_from_its_grant() -> None:
+    image_set = {"metadata": {"name": "s", "generation": 2}, "spec": {"rollout": {"maxConcurrentNodes": 1}}}
+
+    def nis(name: str, wrote: float, **row: Any) -> dict[str, Any]:
+        return {"metadata": {"name": name, "managedFields": [{"manager": "cri-shim", "time": truth.format_time(wrote)}]},
+                "status": {"sets": [{"name": "s", **row}]}}
+    nodes = {n: {"metadata": {"name": n}} for n in "abc"}
+    statuses = {"a": nis("a", T0 - 900, desiredGeneration="2", currentGeneration="1", reason="AwaitingGrant"),
+                "b": nis("b", T0 - 900, desiredGeneration="1", currentGeneration="1"),
+                "c": nis("c", T0 - 900, desiredGeneration="2", currentGeneration="1", reason="AwaitingGrant")}
+    t = truth.compute(image_set, nodes, statuses, now=T0 + 10, changed_at=T0, stale_after=120, paced=True,
+                      granted={"c": T0 + 5})
+    # a waits (said so); b has not said anything since the change: waiting, stale only once silent 120 s;
+    # c granted 5 s ago: progressing
+    assert (t.waiting, t.progressing, t.stale) == (2, 1, 0) and t.next_due == T0 + 120
+    t = truth.compute(image_set, nodes, statuses, now=T0 + 126, changed_at=T0, stale_after=120, paced=True,
+                      granted={"c": T0 + 5})
+    assert (t.waiting, t.progressing, t.stale, t.stale_nodes) == (1, 0, 2, ["b", "c"])
