@@ -5,7 +5,7 @@
 Each simulated node is the shim's own cluster code in one process: a ClusterSource (list +
 watch of its Node and of the ImageSets, with bookmarks; with ``--mco on`` also ``cluster.mco:
 true``, on this cluster without MCO) feeding a real ImageSets manager and Reconciler, and the
-real NodeStatus writer (server-side apply, coalesced). Only the runtime is simulated: it reports
+real NodeImageSetStatus writer (NodeReport) (server-side apply, coalesced). Only the runtime is simulated: it reports
 every declared image present, so a set is current as soon as it is read.
 
 Every request the API server receives is counted from its audit log (``--audit-policy-file``,
@@ -48,7 +48,7 @@ from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
 from shim.observability import logs  # noqa: E402
 from shim.cluster.source import ClusterSource  # noqa: E402
-from shim.cluster.status import NodeStatus  # noqa: E402
+from shim.cluster.node_report import NodeReport  # noqa: E402
 from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
 from shim.imagesets.manager import ImageSets  # noqa: E402
 from shim.cri.methods import LIST_IMAGES  # noqa: E402
@@ -162,7 +162,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
         src = ClusterSource(ccfg, sets, metrics)
         await sets.start()
         await src.start()
-        st = NodeStatus(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
+        st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
                         event_namespace="default", request_timeout=30)
         st.start()
         nodes.append((name, sets, src, st))

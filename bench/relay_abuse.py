@@ -42,7 +42,7 @@ if __name__ == "__main__" and not __package__:  # python bench/NAME.py: see benc
 
     _bootstrap.run_as_module(__file__)
 
-from shim.relay import h2  # noqa: E402
+from shim.relay import http2  # noqa: E402
 from tests.support.fake_runtime import FakeRuntime  # noqa: E402
 from tests.support.shim import start_shim  # noqa: E402
 
@@ -105,9 +105,9 @@ async def honest_version(endpoint: str) -> str:
 
 async def ping_flood(path: str, pid: int, n: int) -> dict:
     reader, writer = await asyncio.open_unix_connection(path)
-    ping = h2.frame(h2.PING, 0, 0, b"12345678")
+    ping = http2.frame(http2.PING, 0, 0, b"12345678")
     batch = ping * 10000
-    chunks = [h2.PREFACE + h2.settings_frame({})] + [batch] * (n // 10000)
+    chunks = [http2.PREFACE + http2.settings_frame({})] + [batch] * (n // 10000)
     async with Peak(pid) as p:
         sent, how = await send_all(writer, chunks, 5.0)
         await asyncio.sleep(1.0)
@@ -118,8 +118,8 @@ async def ping_flood(path: str, pid: int, n: int) -> dict:
 
 async def header_flood(path: str, pid: int, mib: int) -> dict:
     reader, writer = await asyncio.open_unix_connection(path)
-    head = h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.HEADERS, 0, 1, b"\x82\x86\x84")
-    cont = h2.frame(h2.CONTINUATION, 0, 1, b"\x00" * 16384)
+    head = http2.PREFACE + http2.settings_frame({}) + http2.frame(http2.HEADERS, 0, 1, b"\x82\x86\x84")
+    cont = http2.frame(http2.CONTINUATION, 0, 1, b"\x00" * 16384)
     chunks = [head] + [cont * 64] * (mib * 1024 // 1024)
     async with Peak(pid) as p:
         sent, how = await send_all(writer, chunks, 5.0)
@@ -139,8 +139,8 @@ async def many_connections(path: str, pid: int, n: int) -> dict:
                 reader, writer = await asyncio.open_unix_connection(path)
             except OSError:
                 break
-            block = h2.frame(h2.HEADERS, 0, 1, b"\x82\x86\x84") + h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 16000) * 3
-            writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.PING, 0, 0, b"12345678") * 20000)
+            block = http2.frame(http2.HEADERS, 0, 1, b"\x82\x86\x84") + http2.frame(http2.CONTINUATION, 0, 1, b"\0" * 16000) * 3
+            writer.write(http2.PREFACE + http2.settings_frame({}) + http2.frame(http2.PING, 0, 0, b"12345678") * 20000)
             writer.write(block)  # PINGs first: a block left open makes any later frame an error
             conns.append(writer)
         await asyncio.sleep(2.0)
@@ -172,9 +172,9 @@ async def raw_unary(path: str, method: str, message: bytes, extra: dict[bytes, b
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
                (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers"),
                *extra.items()]
-    writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 30})
-                 + h2.window_update(0, 1 << 30) + h2.headers_frames(1, h2.encode_headers(headers), False, 16384))
-    conn_window = stream_window = h2.DEFAULT_WINDOW
+    writer.write(http2.PREFACE + http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 30})
+                 + http2.window_update(0, 1 << 30) + http2.headers_frames(1, http2.encode_headers(headers), False, 16384))
+    conn_window = stream_window = http2.DEFAULT_WINDOW
     sent, buf = 0, b""
     end = time.monotonic() + 30
     status = "no answer"
@@ -183,7 +183,7 @@ async def raw_unary(path: str, method: str, message: bytes, extra: dict[bytes, b
             while sent < len(message) and min(conn_window, stream_window) > 0:
                 n = min(16384, conn_window, stream_window, len(message) - sent)
                 last = sent + n >= len(message)
-                writer.write(h2.frame(h2.DATA, h2.END_STREAM if last else 0, 1, message[sent:sent + n]))
+                writer.write(http2.frame(http2.DATA, http2.END_STREAM if last else 0, 1, message[sent:sent + n]))
                 sent += n
                 conn_window -= n
                 stream_window -= n
@@ -195,22 +195,22 @@ async def raw_unary(path: str, method: str, message: bytes, extra: dict[bytes, b
                 n = int.from_bytes(buf[:3], "big")
                 ftype, flags, sid, payload = buf[3], buf[4], int.from_bytes(buf[5:9], "big"), buf[9:9 + n]
                 buf = buf[9 + n:]
-                if ftype == h2.SETTINGS and not flags & h2.ACK:
-                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                    window = h2.settings_payload(payload).get(h2.SETTINGS_INITIAL_WINDOW_SIZE)
+                if ftype == http2.SETTINGS and not flags & http2.ACK:
+                    writer.write(http2.frame(http2.SETTINGS, http2.ACK, 0))
+                    window = http2.settings_payload(payload).get(http2.SETTINGS_INITIAL_WINDOW_SIZE)
                     if window is not None:
-                        stream_window += window - h2.DEFAULT_WINDOW
-                elif ftype == h2.WINDOW_UPDATE:
+                        stream_window += window - http2.DEFAULT_WINDOW
+                elif ftype == http2.WINDOW_UPDATE:
                     inc = int.from_bytes(payload[:4], "big")
                     if sid == 0:
                         conn_window += inc
                     else:
                         stream_window += inc
-                elif ftype == h2.HEADERS and b"grpc-status" in payload:
+                elif ftype == http2.HEADERS and b"grpc-status" in payload:
                     return payload[payload.index(b"grpc-status"):][:120].decode("latin-1", "replace")
-                elif ftype == h2.GOAWAY:
+                elif ftype == http2.GOAWAY:
                     status = f"GOAWAY {int.from_bytes(payload[4:8], 'big')} {payload[8:][:80]!r}"
-                elif ftype == h2.RST_STREAM:
+                elif ftype == http2.RST_STREAM:
                     return f"RST_STREAM {int.from_bytes(payload[:4], 'big')}"
     except (asyncio.TimeoutError, ConnectionError):
         pass

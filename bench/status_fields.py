@@ -5,7 +5,7 @@ name or as an atomic list, against a real etcd + kube-apiserver.
 
 For each list type the CRD from deploy/cluster/crds.yaml is replaced with that list type (and no
 maxItems), then a document of N current rows is applied twice by server-side apply (field manager
-``cri-shim``, as shim/cluster/status.py does) and the stored object is read back. The CRD
+``cri-shim``, as shim/cluster/node_report.py does) and the stored object is read back. The CRD
 ships atomic lists: docs/image-sets.md#a-status-object-bounded-whatever-the-number-of-sets.
 Needs scripts/setup.d/55-apiserver.sh.
 """

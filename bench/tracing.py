@@ -154,7 +154,7 @@ def run_micro(args: argparse.Namespace) -> None:
 MICRO = """
 import time, grpc
 from shim.observability.tracing import Tracing
-from shim.grpc_engine import forward_metadata
+from shim.grpc_engine.proxy import forward_metadata
 n = N_CALLS
 md = (("user-agent", "kubelet"), ("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"), ("tracestate", "k=v"))
 unsampled = (("user-agent", "kubelet"), ("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-00"))

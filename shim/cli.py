@@ -150,7 +150,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .process.status_view import print_status
+    from .process.status_render import print_status
 
     admin_socket = args.admin_socket
     if admin_socket is None:
@@ -167,7 +167,7 @@ def _status(args: argparse.Namespace) -> int:
         # job control starts `cmd &` (Python then leaves SIGINT ignored: the watch never ended).
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            from .process.status_view import watch_status
+            from .process.status_render import watch_status
 
             return watch_status(admin_socket, interval=max(0.1, args.interval), as_json=args.json)
         except KeyboardInterrupt:  # Ctrl-C ends a watch, also before its first view

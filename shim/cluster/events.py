@@ -13,7 +13,7 @@ bounds its own (client-go's ``EventCorrelator``):
   existing one's ``count`` and ``lastTimestamp`` are patched (created anew if it is gone, e.g.
   after the API server's event TTL). At most ``REMEMBERED`` sent Events are remembered (LRU).
 
-Besides, status.py sends at most one Event per set and reason every ``event_interval_seconds``.
+Besides, node_report.py sends at most one Event per set and reason every ``event_interval_seconds``.
 So a node makes at most ``event_burst`` Event requests at once and one per
 ``event_interval_seconds`` after that, whatever the number of sets.
 """

@@ -36,7 +36,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..observability import logs
 from .reachability import Reachability, retry_after
-from .reachability import backoff as backoff  # re-exported: tests, status.py
+from .reachability import backoff as backoff  # re-exported: tests, node_report.py
 from .reachability import describe as describe
 
 _log = logs.get("cluster")

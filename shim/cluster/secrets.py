@@ -58,6 +58,10 @@ class PullSecrets:
         self._first_gets: set[asyncio.Task[None]] = set()  # the GET right after a watch was refused
         self.by_set: dict[str, tuple[SecretRef, ...]] = {}
 
+    def name_sets(self, by_set: dict[str, tuple[SecretRef, ...]]) -> None:
+        """The pull secrets each applied set names now (``sync`` watches them)."""
+        self.by_set = by_set
+
     def _named(self) -> set[SecretRef]:
         return {r for refs in self.by_set.values() for r in refs}
 

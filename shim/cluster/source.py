@@ -29,6 +29,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 from kubernetes_asyncio.config import new_client_from_config
 
 from ..config import ClusterConfig
+from ..credentials import Credential
 from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
@@ -93,6 +94,10 @@ class ClusterSource:
         self.mco_checks = 0  # discovery answers
         self.mco_error = ""
         self._mco_tasks: dict[str, asyncio.Task[None]] = {}
+
+    def credentials_for(self, set_names: frozenset[str]) -> list[tuple[str, Credential]]:
+        """The entries of the pull secrets the applied sets ``set_names`` name (once started)."""
+        return self.secrets.for_sets(set_names) if self.secrets is not None else []
 
     # ------------------------------------------------------------------ state file
 
@@ -219,7 +224,7 @@ class ClusterSource:
         changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
         self.selected = selected
         if self.secrets is not None:
-            self.secrets.by_set = {n: s.secrets for n, s in selected.items() if s.secrets}
+            self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
         self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()})
         self.sets.set_overrides(**self._overrides())
         self._report()
@@ -314,8 +319,7 @@ class ClusterSource:
                                    request_timeout=self.cfg.request_timeout_seconds,
                                    watcher=partial(self._secret_watch, core),
                                    on_change=self.sets.retry_failed)
-        self.secrets.by_set = {n: s.secrets for n, s in self.selected.items() if s.secrets}
-        self.sets.reconciler.set_credentials = self.secrets.for_sets
+        self.secrets.name_sets({n: s.secrets for n, s in self.selected.items() if s.secrets})
 
         self.informers = {
             "node": Informer(api, "nodes", core.list_node, kind=("v1", "Node"),

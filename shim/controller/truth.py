@@ -1,5 +1,5 @@
 """The truth about one ImageSet's rollout, from Nodes x the set's nodeSelector x each node's
-``NodeImageSetStatus`` (what shim/cluster/status.py writes). Pure: no I/O, times in wall-clock
+``NodeImageSetStatus`` (what shim/cluster/node_report.py writes). Pure: no I/O, times in wall-clock
 seconds (the API server's timestamps are wall clock).
 
 Every selected node is counted in exactly one of:

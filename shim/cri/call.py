@@ -1,6 +1,6 @@
 """The call model both engines share: one intercepted call, its deadline, its handler, its observation.
 
-An engine (the relay, shim/relay/; or grpc.aio, shim/grpc_engine.py) routes a ``:path`` once
+An engine (the relay, shim/relay/; or grpc.aio, shim/grpc_engine/) routes a ``:path`` once
 (shim/cri/routing.py), and for a method the shim answers builds a :class:`Call` and runs the
 handler inside :meth:`Observation.observe`. A handler knows nothing of the engine:
 

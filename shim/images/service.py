@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -26,45 +26,58 @@ _log = logs.get("pins")
 
 @dataclass
 class ImageService:
+    """Built complete by the process (process/app.py); ``configure`` applies a reload, and
+    ``set_declared_pins`` the pins of declared image sets."""
+
     upstream: Upstream
     scheduler: PullScheduler
     metrics: Metrics
-    pins: PinSet = field(default_factory=lambda: PinSet.build(()))
-    pins_enforce: bool = True
-    dedup_per_namespace: bool = False
     handlers: HandlerResolver | None = None  # runtime_handlers (KEP-4216), when configured
     tracing: Tracing = field(default_factory=Tracing.off)
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
-    declared_pins: tuple[tuple[str, str], ...] = ()  # (image ref, image-set name)
-    on_pins_changed: Callable[[], None] | None = None  # App: re-evaluate the interception table
-    # set while declared_pins are those of the configured image_sets.dir (or image sets are off)
-    declared_read: asyncio.Event = field(default_factory=asyncio.Event)
+    pins_enforce: bool = True  # pins.mode
+    dedup_per_namespace: bool = False  # pulls.dedup_per_namespace
     pins_wait_seconds: float = 10.0  # image_sets.pins_wait_seconds
+    pins: PinSet = field(init=False)  # the patterns and the declared pins, in force
+    declared_pins: tuple[tuple[str, str], ...] = field(default=(), init=False)  # (image ref, image-set name)
+    # set while declared_pins are those of the configured image_sets.dir (or image sets are off)
+    declared_read: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def __post_init__(self) -> None:
+        """Raises ValueError on a bad pattern in ``pin_patterns``."""
+        self.pin_patterns = tuple(self.pin_patterns)
+        self.pins = PinSet.build(self.pin_patterns)
         self.declared_read.set()
+        if self.pin_patterns or not self.pins_enforce:
+            self._log_pins()
 
-    def set_pins(self, patterns: Iterable[str], *, enforce: bool) -> None:
-        """Apply pins.images and pins.mode. Raises ValueError (nothing changed) on a bad pattern."""
-        patterns = tuple(patterns)
-        self.pins = PinSet.build(patterns, self.declared_pins)
-        if (patterns, enforce) != (self.pin_patterns, self.pins_enforce):
-            logs.log(_log, logging.INFO, "pins in force", patterns=len(patterns), declared=len(self.declared_pins),
-                     mode="enforce" if enforce else "mark-only")
-        self.pin_patterns = patterns
-        self.pins_enforce = enforce
+    def configure(self, pin_patterns: Iterable[str], *, pins_enforce: bool, dedup_per_namespace: bool,
+                  pins_wait_seconds: float) -> None:
+        """Apply a reload (pins.images, pins.mode, pulls.dedup_per_namespace,
+        image_sets.pins_wait_seconds). Raises ValueError (nothing changed) on a bad pattern."""
+        patterns = tuple(pin_patterns)
+        pins = PinSet.build(patterns, self.declared_pins)
+        changed = (patterns, pins_enforce) != (self.pin_patterns, self.pins_enforce)
+        self.pins, self.pin_patterns, self.pins_enforce = pins, patterns, pins_enforce
+        self.dedup_per_namespace, self.pins_wait_seconds = dedup_per_namespace, pins_wait_seconds
+        if changed:
+            self._log_pins()
+
+    def _log_pins(self) -> None:
+        logs.log(_log, logging.INFO, "pins in force", patterns=len(self.pin_patterns),
+                 declared=len(self.declared_pins), mode="enforce" if self.pins_enforce else "mark-only")
 
     def set_declared_pins(self, declared: Iterable[tuple[str, str]]) -> None:
         """The images of declared image sets that pin: (image ref, set name). Replaces the previous list.
 
-        A ref that is not a valid reference is skipped (the image-set loader reports it).
+        A ref that is not a valid reference is skipped (the image-set loader reports it). The
+        process's interception table depends on the pins: App.declare_pins calls this and
+        re-evaluates it, in one call.
         """
         declared = tuple(declared)
         self.pins = PinSet.build(self.pin_patterns, declared)
         self.declared_pins = declared
         self.declared_read.set()
-        if self.on_pins_changed is not None:
-            self.on_pins_changed()
 
     def expect_declared_pins(self) -> None:
         """An image-set directory is about to be read: removals wait for it (the pins in force stay)."""

@@ -73,6 +73,10 @@ class RetryBudget(Generic[T]):
         self.per_second = per_second
         self._buckets: dict[str, _Bucket[T]] = {}
 
+    def configure(self, per_second: float) -> None:
+        """A reload (image_sets.retry_per_second): buckets refill at the new rate from now on."""
+        self.per_second = per_second
+
     def _refill(self, b: _Bucket[T], now: float) -> None:
         burst = max(self.per_second, 1.0)
         b.tokens = min(burst, b.tokens + (now - b.at) * self.per_second)

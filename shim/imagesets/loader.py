@@ -64,7 +64,7 @@ class ImageSet:
     handlers: tuple[str, ...] = ()  # runtime handler per image, parallel to refs ("" = none declared)
 
 
-def canonical(ref: str) -> str:
+def normalize_ref(ref: str) -> str:
     """Normalized form used for presence and pins; raises ValueError if invalid or a glob."""
     if any(c in ref for c in "*?["):
         raise ValueError("globs are not allowed in an image set")
@@ -104,7 +104,7 @@ def _images(where: str, items: Any, default_handler: str = "", *,
         if not isinstance(name, str) or not name.strip():
             raise SetFileError(f"{key}: expected an image reference string, got {shown(name)}")
         try:
-            ref = canonical(name.strip())
+            ref = normalize_ref(name.strip())
         except ValueError as e:
             raise SetFileError(f"{key}: {e}") from None
         handler = default_handler
@@ -232,6 +232,10 @@ class SetDirectory:
         self._restored: dict[str, str] = {}  # path -> its last valid text, from the state file (first scan only)
         self._restored_from = ""
         self._dup_errors: dict[str, str] = {}
+
+    def configure(self, max_file_bytes: int) -> None:
+        """A reload (image_sets.max_file_bytes): the next scan reads files within the new cap."""
+        self.max_file_bytes = max_file_bytes
 
     def restore(self, files: dict[str, str], where: str) -> None:
         """The last valid text of each file, saved before a restart (``where``: the state file).

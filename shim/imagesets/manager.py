@@ -138,7 +138,7 @@ class ImageSets:
     def configure(self, cfg: ImageSetsConfig) -> None:
         """Reload with the same directory and state file (a new one means a new ImageSets)."""
         self.cfg = cfg
-        self.directory.max_file_bytes = cfg.max_file_bytes
+        self.directory.configure(cfg.max_file_bytes)
         self.reconciler.configure(dataclasses.replace(cfg, **self._overrides))
 
     def set_overrides(self, **overrides: Any) -> None:

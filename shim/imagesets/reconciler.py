@@ -217,7 +217,7 @@ class Reconciler:
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = cfg
-        self._budget.per_second = cfg.retry_per_second
+        self._budget.configure(cfg.retry_per_second)
         self.credentials.configure(cfg.docker_config)
         self._load_plugins(cfg)
         self._wake.set()

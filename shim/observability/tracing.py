@@ -120,10 +120,10 @@ class TracingConfigError(ValueError):
 class Tracing:
     """Spans for intercepted calls; all methods assume ``enabled`` unless noted."""
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
+    def __init__(self, provider: TracerProvider | None = None, description: dict[str, str] | None = None) -> None:
         self.provider = provider
         self.enabled = provider is not None
-        self.description: dict[str, str] = {}  # exporter, protocol, endpoint: for logs and status
+        self.description: dict[str, str] = dict(description or {})  # exporter, protocol, endpoint: logs, status
         self._tracer = provider.get_tracer("cri-shim", shim_version()) if provider is not None else None
         self._propagator = TraceContextTextMapPropagator()
         # The parentbased_* samplers (the default) record nothing under an unsampled parent.
@@ -155,8 +155,7 @@ class Tracing:
         provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
-        tracing = cls(provider)
-        tracing.description = description
+        tracing = cls(provider, description)
         logs.log(_log, logging.INFO, "tracing on", **description,
                  sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
         return tracing

@@ -1,7 +1,7 @@
 """The admin socket (``server.admin_socket``): the server, on the shim's loop, and its client.
 
 The server speaks just enough HTTP/1.1 on a unix socket (mode 0600: root only, like the CRI
-socket's data it reveals): ``GET /status`` returns the status document (process/status.py) as
+socket's data it reveals): ``GET /status`` returns the status document (process/status_document.py) as
 JSON, then the connection closes. A request head is read for at most ``_READ_TIMEOUT``
 seconds and ``_MAX_REQUEST_HEAD`` bytes. The client (``fetch_status``) is what `cri-shim
 status` uses; its errors say what an operator should check.

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
+from .. import config as config_mod
 from ..config import Config, ConfigError
 from ..cri.call import Handler, Observation
 from ..cri.methods import (
@@ -28,17 +29,19 @@ from ..observability.tracing import Tracing
 from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
+from ..relay.listener import Relay
 from ..runtime_handlers.resolver import HandlerResolver
 from ..runtime_handlers.rules import compile_rules
 from ..runtime_handlers.sandboxes import remove_pod_sandbox, run_pod_sandbox
 from .admin import AdminServer
-from .status import StatusSource, collect
+from .status_document import StatusSource, collect
 
 if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory at rest"): the
     # Kubernetes client only with cluster.kubeconfig (seconds, about 45 MiB), image sets (and the
     # credential readers) only with image_sets.dir or cluster.kubeconfig
+    from ..cluster.node_report import NodeReport
     from ..cluster.source import ClusterSource
-    from ..cluster.status import NodeStatus
+    from ..credentials import Credential
     from ..imagesets import ImageSets
 
 
@@ -46,39 +49,51 @@ class App:
     """Every component of a running shim, created once per process."""
 
     def __init__(self, cfg: Config, tracing: Tracing | None = None) -> None:
+        """Every part is built complete from ``cfg``. Raises ConfigError on a value only a part can check."""
         self.cfg = cfg
         self.started_at = time.monotonic()
         self.tracing = tracing if tracing is not None else Tracing.from_env()
-        # `cri-shim status` sections beyond the built-in ones: name -> () -> JSON-able dict, no credentials.
-        self.status_sources: dict[str, StatusSource] = {}
         self.admin: AdminServer | None = None
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)
-        self.scheduler = PullScheduler(cfg.pulls.max_parallel, cfg.image_sets.max_parallel,
-                                       dedup=cfg.pulls.dedup, untrusted_share=cfg.pulls.untrusted_share,
-                                       max_parallel_per_uid=cfg.pulls.max_parallel_per_uid, observers=[self.metrics])
-        self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, cfg.pulls)
-        self.scheduler.observers.append(self.progress)
-        self.lease = SlotLease(self.scheduler, self.progress.unjudged, cfg.pulls.no_progress_timeout_seconds)
-        self.scheduler.observers.append(self.lease)
-        self.images = ImageService(self.upstream, self.scheduler, self.metrics, tracing=self.tracing)
-        self.handlers = self.images.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
+        p = cfg.pulls
+        self.scheduler = PullScheduler(p.max_parallel, cfg.image_sets.max_parallel, dedup=p.dedup,
+                                       untrusted_share=p.untrusted_share, max_parallel_per_uid=p.max_parallel_per_uid,
+                                       observers=[self.metrics])
+        # the progress poller and the slot lease follow the scheduler's events from their construction on
+        self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, p)
+        self.lease = SlotLease(self.scheduler, self.progress.unjudged, p.no_progress_timeout_seconds)
+        self.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
+        try:
+            self.images = ImageService(self.upstream, self.scheduler, self.metrics, handlers=self.handlers,
+                                       tracing=self.tracing, pin_patterns=tuple(cfg.pins.images),
+                                       pins_enforce=cfg.pins.mode == "enforce",
+                                       dedup_per_namespace=p.dedup_per_namespace,
+                                       pins_wait_seconds=cfg.image_sets.pins_wait_seconds)
+        except ValueError as e:
+            raise ConfigError("pins.images", str(e)) from None
         self.image_sets: ImageSets | None = None
         self.cluster: ClusterSource | None = None
-        self.node_status: NodeStatus | None = None
-        self.status_sources["image_sets"] = self.image_sets_status
-        self.status_sources["cluster"] = self.cluster_status
-        self._configure(cfg)
+        self.node_report: NodeReport | None = None
         # The interception table, looked up once per call by either engine (as the runtime routes it).
         self.router: Router[Handler] = Router(self.table(), cfg.server.allowed_services)
         self.observation = Observation(self.metrics.observe_call, self.tracing)
-        self.images.on_pins_changed = lambda: self.router.set_table(self.table())
+        # The engine that serves CRI clients (server.engine): built here, started by process/server.py.
+        self.relay = (Relay(config_mod.socket_path(cfg.upstream), self.upstream, self.router, cfg.server,
+                            observe=self.observation.observe) if cfg.server.engine == "relay" else None)
+        # `cri-shim status` sections beyond the built-in ones: name -> () -> JSON-able dict, no credentials.
+        self.status_sources: dict[str, StatusSource] = {"image_sets": self.image_sets_status,
+                                                        "cluster": self.cluster_status}
+        if self.relay is not None:
+            self.status_sources["relay"] = self.relay.status
 
     def _configure(self, cfg: Config) -> None:
         """Apply the reloadable parts of ``cfg``. Raises ConfigError before changing anything."""
         handler_rules = compile_rules(cfg.runtime_handlers.rules)
         try:
-            self.images.set_pins(cfg.pins.images, enforce=cfg.pins.mode == "enforce")
+            self.images.configure(cfg.pins.images, pins_enforce=cfg.pins.mode == "enforce",
+                                  dedup_per_namespace=cfg.pulls.dedup_per_namespace,
+                                  pins_wait_seconds=cfg.image_sets.pins_wait_seconds)
         except ValueError as e:
             raise ConfigError("pins.images", str(e)) from None
         self.handlers.configure(cfg.runtime_handlers, handler_rules)
@@ -86,10 +101,14 @@ class App:
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup,
                                  untrusted_share=cfg.pulls.untrusted_share,
                                  max_parallel_per_uid=cfg.pulls.max_parallel_per_uid)
-        self.images.dedup_per_namespace = cfg.pulls.dedup_per_namespace
-        self.images.pins_wait_seconds = cfg.image_sets.pins_wait_seconds
         self.progress.configure(cfg.pulls)
         self.lease.configure(cfg.pulls.no_progress_timeout_seconds)
+
+    def declare_pins(self, declared: Iterable[tuple[str, str]]) -> None:
+        """The pins of the declared image sets changed (image ref, set name): the image service
+        and the interception table (which intercepts image listing only while something pins) take them."""
+        self.images.set_declared_pins(declared)
+        self.router.set_table(self.table())
 
     def table(self) -> dict[str, Handler]:
         """Interception table: full method name -> handler. Everything else passes through."""
@@ -133,39 +152,43 @@ class App:
             self.image_sets = None
             await current.stop()  # its declared pins stay in force until the new sets are read
             if not wanted:
-                self.images.set_declared_pins([])
+                self.declare_pins([])
         if wanted:
             from ..imagesets import ImageSets
 
             if cfg.image_sets.dir:  # the directory's first read sets the pins and opens the gate; the
                 self.images.expect_declared_pins()  # cluster's state file is read before serving (below)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
-                                        on_pins=self.images.set_declared_pins, pins=lambda: self.images.pins,
-                                        handler_for=self.handlers.for_prefetch)
+                                        on_pins=self.declare_pins, pins=lambda: self.images.pins,
+                                        handler_for=self.handlers.for_prefetch, set_credentials=self._set_credentials)
             self.image_sets.load_state()
             await self._start_cluster(cfg)
             await self.image_sets.start()
 
+    def _set_credentials(self, set_names: frozenset[str]) -> list[tuple[str, Credential]]:
+        """Image-set prefetch: the pull secrets of cluster sets (a set's own, before the node's)."""
+        return self.cluster.credentials_for(set_names) if self.cluster is not None else []
+
     async def _start_cluster(self, cfg: Config) -> None:
         if not cfg.cluster.kubeconfig or self.image_sets is None:
             return
+        from ..cluster.node_report import NodeReport
         from ..cluster.source import ClusterSource
-        from ..cluster.status import NodeStatus
 
         c = cfg.cluster
         self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
-        self.node_status = NodeStatus(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
+        self.node_report = NodeReport(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
                                       request_timeout=c.request_timeout_seconds, max_rows=c.status_max_rows,
                                       event_burst=c.event_burst)
-        self.node_status.start()
+        self.node_report.start()
 
     async def _stop_cluster(self) -> None:
-        if self.node_status is not None:
-            await self.node_status.stop()
-            self.node_status = None
+        if self.node_report is not None:
+            await self.node_report.stop()
+            self.node_report = None
         if self.cluster is not None:
             await self.cluster.stop()
             self.cluster = None
@@ -181,7 +204,7 @@ class App:
         if self.cluster is None:
             return {"enabled": False}
         return {"enabled": True, **self.cluster.status(),
-                **({"status_object": self.node_status.status()} if self.node_status is not None else {})}
+                **({"status_object": self.node_report.status()} if self.node_report is not None else {})}
 
     async def start(self) -> None:
         self.upstream.start_watch()

@@ -129,14 +129,12 @@ class ShimServer:
         bound = staging_path(self.path)
         try:
             with _umask(0o777 & ~self.cfg.server.socket_mode):
-                if self.cfg.server.engine == "relay":
-                    self.relay = Relay(config_mod.socket_path(self.cfg.upstream), app.upstream, app.router,
-                                       self.cfg.server, observe=app.observation.observe)
+                if app.relay is not None:
+                    self.relay = app.relay
                     await self.relay.start(bound)
-                    app.status_sources["relay"] = self.relay.status
                 else:
                     self.server = grpc.aio.server(options=server_options(self.cfg))
-                    from ..grpc_engine import (
+                    from ..grpc_engine.proxy import (
                         Proxy,  # the fallback engine, only when chosen
                     )
 

@@ -44,6 +44,9 @@ class SlotLease(PullEvents):
     timeout: float  # pulls.no_progress_timeout_seconds; 0: off
     _timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)  # flight seq -> its lease's end
 
+    def __post_init__(self) -> None:
+        self.scheduler.subscribe(self)
+
     def configure(self, timeout: float) -> None:
         """A new timeout applies to leases from now on; 0 ends every lease timer."""
         was, self.timeout = self.timeout, timeout

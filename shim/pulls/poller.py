@@ -125,6 +125,7 @@ class ProgressPoller(PullEvents):
 
     def __post_init__(self) -> None:
         self.client = ContentClient(self.upstream, lambda m: self.metrics.progress_calls.labels(m).inc())
+        self.scheduler.subscribe(self)
 
     # ------------------------------------------------------------------ configuration
 

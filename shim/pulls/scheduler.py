@@ -139,6 +139,12 @@ class PullScheduler:
 
     # ------------------------------------------------------------------ public
 
+    def subscribe(self, observer: PullEvents) -> None:
+        """``observer`` is told every event from now on, after those given at construction.
+        For an observer that acts on this scheduler (the progress poller, the slot lease):
+        it subscribes itself when it is built."""
+        self.observers.append(observer)
+
     @property
     def max_parallel(self) -> int:
         return self.slots.max_parallel

@@ -2,7 +2,7 @@
 
 The files, in an order where each imports only files above it:
 
-- ``h2.py``: wire vocabulary (frame types, flags, error codes, frame builders).
+- ``http2.py``: wire vocabulary (frame types, flags, error codes, frame builders).
 - ``hpack_decoder.py``: HPACK decoding, bounded, mirroring the client's table.
 - ``bucket.py``: a token bucket. ``grpcwire.py``: gRPC framing of the shim's own answers.
 - ``frames.py``: the frame buffer and the frame-layer rules for client frames.
@@ -19,5 +19,5 @@ The files, in an order where each imports only files above it:
 - ``connection.py``: the asyncio adapter of one client connection (and its runtime one).
 - ``listener.py``: the listening socket and what its connections share.
 
-The relay never imports shim/grpc_engine.py; routing and the call model are shim/cri/.
+The relay never imports shim/grpc_engine/; routing and the call model are shim/cri/.
 """

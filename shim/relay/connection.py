@@ -41,7 +41,7 @@ from ..cri.call import Deadline, Handler
 from ..cri.peer import Peer
 from ..errors import RpcError
 from ..observability import logs
-from . import events, grpcwire, h2
+from . import events, grpcwire, http2
 from .admission import peer_of
 from .core import Phase, RelayCore
 from .host import FD_ERRNOS, Host, Send
@@ -58,7 +58,10 @@ CLOSE_LINGER_SECONDS = 1.0
 CLOSE_LINGER_BYTES = 64 * 1024
 
 
-class _Upstream(asyncio.Protocol):
+class _RuntimeProtocol(asyncio.Protocol):
+    """The relay's raw socket to the runtime, one per client connection (the handlers' own
+    calls go over the grpc channel of shim/cri/upstream.py instead)."""
+
     def __init__(self, conn: ClientConnection) -> None:
         self.conn = conn
 
@@ -141,7 +144,7 @@ class ClientConnection(asyncio.Protocol):
     async def _connect(self) -> None:
         try:
             transport, _ = await asyncio.wait_for(
-                self.loop.create_unix_connection(lambda: _Upstream(self), self.host.upstream_path), 2.0)
+                self.loop.create_unix_connection(lambda: _RuntimeProtocol(self), self.host.upstream_path), 2.0)
         except (TimeoutError, OSError) as e:
             if self._closed:
                 return
@@ -461,7 +464,7 @@ class ClientConnection(asyncio.Protocol):
                     stalled_since = now if stalled_since is None else stalled_since
                     if now - stalled_since >= stall:  # the client opens no window: end the call
                         self.host.stream_stalled(method=s.path, seconds=stall, key="server.stream_stall_seconds")
-                        calls.reset(s, h2.CANCEL)
+                        calls.reset(s, http2.CANCEL)
                         self._pump()
                         raise asyncio.CancelledError()
                     with contextlib.suppress(asyncio.TimeoutError):

@@ -72,7 +72,7 @@ from ..cri.call import Handler
 from ..cri.routing import Intercept, Refusal
 from ..observability import logs
 from . import frames as frames_mod
-from . import grpcwire, h2, memory
+from . import grpcwire, http2, memory
 from .bucket import TokenBucket
 from .events import (
     Cancelled,
@@ -84,7 +84,9 @@ from .events import (
 )
 from .flow import ClientWindow, Refunds
 from .frames import FrameBuffer, frame_name
-from .h2 import (  # frame types and flags by name: one global lookup each on the per-frame path
+from .headers import HeaderBlock, malformed
+from .hpack_decoder import Decoder, HeaderListTooLarge
+from .http2 import (  # frame types and flags by name: one global lookup each on the per-frame path
     ACK,
     CONTINUATION,
     DATA,
@@ -100,8 +102,6 @@ from .h2 import (  # frame types and flags by name: one global lookup each on th
     WINDOW_UPDATE,
     H2Error,
 )
-from .headers import HeaderBlock, malformed
-from .hpack_decoder import Decoder, HeaderListTooLarge
 from .intercepted import Intercepted
 from .limits import Limits
 from .output import ClientOutput
@@ -202,15 +202,15 @@ class RelayCore:
     def start_relay(self) -> None:
         """The runtime connection is up: relay what the client sent so far."""
         self.phase = Phase.RELAY
-        self.to_runtime.append(h2.PREFACE)
+        self.to_runtime.append(http2.PREFACE)
         self._resume()
 
     def start_local(self, message: str) -> None:
         """No runtime: be the server, answering every call UNAVAILABLE with ``message``."""
         self.phase = Phase.LOCAL
         self.message = message
-        self._emit(h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 0,
-                                      h2.SETTINGS_MAX_HEADER_LIST_SIZE: self.limits.server.max_header_list_bytes}))
+        self._emit(http2.settings_frame({http2.SETTINGS_HEADER_TABLE_SIZE: 0,
+                                      http2.SETTINGS_MAX_HEADER_LIST_SIZE: self.limits.server.max_header_list_bytes}))
         self.settings.client_tables.append(0)
         self._resume()
 
@@ -226,7 +226,7 @@ class RelayCore:
             return
         self.going_away = True
         self.goaway_sid = self.streams.last_sid
-        self._emit(h2.goaway(self.streams.last_sid, h2.NO_ERROR, debug))
+        self._emit(http2.goaway(self.streams.last_sid, http2.NO_ERROR, debug))
 
     def runtime_lost(self) -> bool:
         """The runtime closed its connection. True: close the client connection now.
@@ -239,7 +239,7 @@ class RelayCore:
             return True
         streams = self.streams
         if not streams.local or self.window.held or self.output.runtime_block_open:
-            self._close(h2.NO_ERROR, "runtime connection closed", log=False)
+            self._close(http2.NO_ERROR, "runtime connection closed", log=False)
             return True
         self.phase = Phase.LOCAL
         self.message = "cri-shim: the runtime closed the connection"
@@ -247,15 +247,15 @@ class RelayCore:
         for sid in sorted(streams.relayed):
             trailers_only = streams.relayed[sid] is State.RELAYED  # no response headers went out
             streams.relayed_event(sid, On.RUNTIME_LOST)
-            block = h2.encode_headers(grpcwire.trailers(grpc.StatusCode.UNAVAILABLE, self.message,
+            block = http2.encode_headers(grpcwire.trailers(grpc.StatusCode.UNAVAILABLE, self.message,
                                                         trailers_only=trailers_only))
-            self._emit(h2.headers_frames(sid, block, True, self.settings.client_max_frame))
+            self._emit(http2.headers_frames(sid, block, True, self.settings.client_max_frame))
         return False
 
     def _close(self, code: int, reason: str, log: bool = True) -> None:
         if self.phase is Phase.CLOSED:
             return
-        self.output.frames.append(h2.goaway(self.streams.last_sid, code, reason.encode()[:200]))
+        self.output.frames.append(http2.goaway(self.streams.last_sid, code, reason.encode()[:200]))
         self.phase = Phase.CLOSED
         local = self.streams.local
         for sid, s in local.items():
@@ -275,13 +275,13 @@ class RelayCore:
         buf = pending + data if pending else data
         if self.phase is _PREFACE:
             if len(buf) < 24:
-                if h2.PREFACE.startswith(buf):
+                if http2.PREFACE.startswith(buf):
                     self._from_client.pending = buf
                     return
-                self._close(h2.PROTOCOL_ERROR, "not an HTTP/2 client preface")
+                self._close(http2.PROTOCOL_ERROR, "not an HTTP/2 client preface")
                 return
-            if buf[:24] != h2.PREFACE:
-                self._close(h2.PROTOCOL_ERROR, "not an HTTP/2 client preface")
+            if buf[:24] != http2.PREFACE:
+                self._close(http2.PROTOCOL_ERROR, "not an HTTP/2 client preface")
                 return
             self.phase = Phase.WAITING
             self.events.append(PrefaceReceived())
@@ -295,7 +295,7 @@ class RelayCore:
             self._close(e.code, str(e))
             return
         except Exception as e:  # noqa: BLE001  (malformed input we did not foresee: this connection only)
-            self._close(h2.PROTOCOL_ERROR, f"malformed frame: {e!r}")
+            self._close(http2.PROTOCOL_ERROR, f"malformed frame: {e!r}")
             return
         self._from_client.pending = buf[i:]  # FrameBuffer.keep, inline
         if self.refunds.conn or self.streams.local:
@@ -319,7 +319,7 @@ class RelayCore:
             length = head >> 8
             if length > max_frame_in:
                 raise H2Error(f"{frame_name(buf[i + 3])} frame of {length} bytes, above MAX_FRAME_SIZE "
-                              f"{max_frame_in}", h2.FRAME_SIZE_ERROR)
+                              f"{max_frame_in}", http2.FRAME_SIZE_ERROR)
             end = i + 9 + length
             if end > n:
                 break
@@ -368,7 +368,7 @@ class RelayCore:
                     if relay:
                         out.append(raw)
                 elif self.pings.answer_here(relay):
-                    self._emit(h2.PING_ACK_HEADER + raw[9:])  # frames.check: a PING's payload is 8 bytes
+                    self._emit(http2.PING_ACK_HEADER + raw[9:])  # frames.check: a PING's payload is 8 bytes
                 else:
                     out.append(raw)
             elif ftype == PRIORITY:
@@ -403,8 +403,8 @@ class RelayCore:
         if not self._refusals.take():
             raise H2Error(f"too many streams over SETTINGS_MAX_CONCURRENT_STREAMS {max_streams} "
                           f"(server.max_concurrent_streams): more than {REFUSED_STREAMS_BURST} at once or "
-                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
-        self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
+                          f"{REFUSED_STREAMS_PER_SECOND:g} a second", http2.ENHANCE_YOUR_CALM)
+        self._refuse(sid, frames, inserted, http2.REFUSED_STREAM)
         self.events.append(StreamRefused(max_streams))
 
     def _client_window_update(self, sid: int, raw: bytes, relay: bool) -> None:
@@ -416,7 +416,7 @@ class RelayCore:
             window = self.window
             runtimes = window.update(inc)
             if relay and runtimes:
-                self.to_runtime.append(raw if runtimes == inc else h2.window_update(0, runtimes))
+                self.to_runtime.append(raw if runtimes == inc else http2.window_update(0, runtimes))
             if window.held:
                 out = self.output.frames
                 for held in window.release():
@@ -430,11 +430,11 @@ class RelayCore:
         s = local.get(sid)
         if s is not None:
             if inc == 0:
-                self.calls.reset(s, h2.PROTOCOL_ERROR)
+                self.calls.reset(s, http2.PROTOCOL_ERROR)
                 return
             s.send_window += inc
-            if s.send_window > h2.MAX_WINDOW:
-                self.calls.reset(s, h2.FLOW_CONTROL_ERROR)
+            if s.send_window > http2.MAX_WINDOW:
+                self.calls.reset(s, http2.FLOW_CONTROL_ERROR)
                 return
             self.events.append(WindowOpened())
         elif sid in self.streams.closed:
@@ -464,7 +464,7 @@ class RelayCore:
             self.settings.unacked.append(values)
             self.to_runtime.append(raw)
         else:
-            self._emit(h2.frame(SETTINGS, ACK, 0))
+            self._emit(http2.frame(SETTINGS, ACK, 0))
 
     def _apply_client_settings(self, values: dict[int, int], increases: bool) -> None:
         delta = self.settings.apply_client(values, increases)
@@ -472,8 +472,8 @@ class RelayCore:
         if delta is not None:
             for s in local.values():
                 s.send_window += delta
-                if s.send_window > h2.MAX_WINDOW:
-                    raise H2Error("a stream window above 2^31-1", h2.FLOW_CONTROL_ERROR)
+                if s.send_window > http2.MAX_WINDOW:
+                    raise H2Error("a stream window above 2^31-1", http2.FLOW_CONTROL_ERROR)
             if local:
                 self.events.append(WindowOpened())
 
@@ -490,11 +490,11 @@ class RelayCore:
         try:
             path_b, before = decoder.path_of(block)
         except HeaderListTooLarge as e:
-            self._refuse(sid, frames, e.inserted, h2.FRAME_SIZE_ERROR)
+            self._refuse(sid, frames, e.inserted, http2.FRAME_SIZE_ERROR)
             return
         inserted = before is not None  # the block changed the client's HPACK table
         if self.going_away and sid > self.goaway_sid:
-            self._refuse(sid, frames, inserted, h2.REFUSED_STREAM)
+            self._refuse(sid, frames, inserted, http2.REFUSED_STREAM)
             return
         path = path_b.decode("latin-1") if path_b is not None else None
         if not relay:
@@ -515,10 +515,10 @@ class RelayCore:
         try:
             _, headers, _ = decoder.decode(block, full=True)
         except HeaderListTooLarge:
-            self._refuse(sid, frames, inserted, h2.FRAME_SIZE_ERROR)
+            self._refuse(sid, frames, inserted, http2.FRAME_SIZE_ERROR)
             return
         if malformed(headers):  # RFC 9113 8.1.1: a malformed request is a stream error
-            self._refuse(sid, frames, inserted, h2.PROTOCOL_ERROR)
+            self._refuse(sid, frames, inserted, http2.PROTOCOL_ERROR)
             return
         if isinstance(route, Refusal):  # a service the shim does not serve (shim/cri/routing.py)
             self._answer_only(sid, frames, inserted, route.code, route.message, flags)
@@ -555,20 +555,20 @@ class RelayCore:
         if s is not None or sid in streams.closed:
             if inserted and relay:
                 raise H2Error(f"header block on stream {sid}, which the shim answered, changed the HPACK "
-                              "table; the runtime never saw that stream", h2.COMPRESSION_ERROR)
+                              "table; the runtime never saw that stream", http2.COMPRESSION_ERROR)
             if s is None:
                 self._late_frame(sid)
             elif s.client_ended:
-                self.calls.reset(s, h2.STREAM_CLOSED)
+                self.calls.reset(s, http2.STREAM_CLOSED)
             elif not flags & END_STREAM or malformed(fields, trailers=True):
-                self.calls.reset(s, h2.PROTOCOL_ERROR)  # trailers end the stream, without pseudo-headers
+                self.calls.reset(s, http2.PROTOCOL_ERROR)  # trailers end the stream, without pseudo-headers
             else:
                 self.calls.request_complete(s)
             return
         if relay:
             self.to_runtime.extend(frames)
         elif sid not in streams.relayed:
-            raise H2Error(f"HEADERS on closed stream {sid}", h2.STREAM_CLOSED)
+            raise H2Error(f"HEADERS on closed stream {sid}", http2.STREAM_CLOSED)
 
     def _cancel_upstream(self, sid: int, frames: list[bytes]) -> None:
         """Give the runtime a header block it must decode, on a stream that ends at once."""
@@ -577,14 +577,14 @@ class RelayCore:
             first = first[:4] + bytes((first[4] & ~END_STREAM,)) + first[5:]
         self.to_runtime.append(first)
         self.to_runtime.extend(frames[1:])
-        self.to_runtime.append(h2.rst_stream(sid, h2.CANCEL))
+        self.to_runtime.append(http2.rst_stream(sid, http2.CANCEL))
         self.streams.drop_runtime.add(sid)
 
     def _refuse(self, sid: int, frames: list[bytes], inserted: bool, code: int) -> None:
         if inserted and self.phase is Phase.RELAY:
             self._cancel_upstream(sid, frames)
         self.streams.remember(sid, State.ANSWERED)
-        self._emit(h2.rst_stream(sid, code))
+        self._emit(http2.rst_stream(sid, code))
 
     def _answer_only(self, sid: int, frames: list[bytes], inserted: bool, code: grpc.StatusCode, message: str,
                      flags: int) -> None:
@@ -592,17 +592,17 @@ class RelayCore:
         if inserted and self.phase is Phase.RELAY:
             self._cancel_upstream(sid, frames)
         self.streams.remember(sid, State.CLOSED if flags & END_STREAM else State.ANSWERED)
-        block = h2.encode_headers(grpcwire.trailers(code, message, trailers_only=True))
+        block = http2.encode_headers(grpcwire.trailers(code, message, trailers_only=True))
         self.pings.client_got_data = True
-        self._emit(h2.headers_frames(sid, block, True, self.settings.client_max_frame))
+        self._emit(http2.headers_frames(sid, block, True, self.settings.client_max_frame))
         if not flags & END_STREAM:  # the client may still be sending: it can stop
-            self._emit(h2.rst_stream(sid, h2.NO_ERROR))
+            self._emit(http2.rst_stream(sid, http2.NO_ERROR))
 
     def _late_frame(self, sid: int) -> None:
         """DATA or HEADERS for a stream the shim closed: fine if the client had not ended it
         (it had not seen our answer yet); after its own END_STREAM, STREAM_CLOSED."""
         if self.streams.closed.get(sid) is State.CLOSED:
-            self._emit(h2.rst_stream(sid, h2.STREAM_CLOSED))
+            self._emit(http2.rst_stream(sid, http2.STREAM_CLOSED))
 
     # ------------------------------------------------------------------ intercepted streams
 
@@ -647,12 +647,12 @@ class RelayCore:
                 if ftype == RST_STREAM:
                     drop.discard(sid)
                 if ftype == DATA and length:  # the client never sees it: the runtime gets its window back
-                    self.to_runtime.append(h2.window_update(0, length))
+                    self.to_runtime.append(http2.window_update(0, length))
                 continue
             if ftype == PING and not flags & ACK and length == 8 and not sid and not self.runtime_slow:
                 # The shim answers the runtime's PINGs (grpc-go's BDP probes, one per call,
                 # and keepalives): the client would only echo them back.
-                self.to_runtime.append(h2.PING_ACK_HEADER + raw[9:])
+                self.to_runtime.append(http2.PING_ACK_HEADER + raw[9:])
                 continue
             if ftype == SETTINGS:
                 if not flags & ACK:

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from . import h2
-from .h2 import H2Error
+from . import http2
+from .http2 import H2Error
 from .streams import LocalStream
 
 
@@ -26,7 +26,7 @@ class ClientWindow:
     __slots__ = ("held", "held_bytes", "owed", "window")
 
     def __init__(self) -> None:
-        self.window = h2.DEFAULT_WINDOW  # what may still be sent to the client (connection level)
+        self.window = http2.DEFAULT_WINDOW  # what may still be sent to the client (connection level)
         self.owed = 0  # bytes of the shim's own DATA the client has not yet refunded
         self.held: deque[bytes] = deque()  # runtime frames waiting for the client's window
         self.held_bytes = 0
@@ -38,8 +38,8 @@ class ClientWindow:
     def update(self, inc: int) -> int:
         """The client's connection WINDOW_UPDATE; returns the part that is the runtime's."""
         self.window += inc
-        if self.window > h2.MAX_WINDOW:
-            raise H2Error("connection window above 2^31-1", h2.FLOW_CONTROL_ERROR)
+        if self.window > http2.MAX_WINDOW:
+            raise H2Error("connection window above 2^31-1", http2.FLOW_CONTROL_ERROR)
         repay = min(inc, self.owed)
         self.owed -= repay
         return inc - repay
@@ -55,7 +55,7 @@ class ClientWindow:
         held = self.held
         while held:
             raw = held[0]
-            if raw[3] == h2.DATA:
+            if raw[3] == http2.DATA:
                 length = len(raw) - 9
                 if length > self.window:
                     break
@@ -76,12 +76,12 @@ class Refunds:
         """WINDOW_UPDATEs for the DATA the shim consumed since the last call."""
         out = []
         if self.conn:
-            out.append(h2.window_update(0, self.conn))
+            out.append(http2.window_update(0, self.conn))
             self.conn = 0
         for s in local:
             if s.unrefunded:
                 if not s.client_ended:
-                    out.append(h2.window_update(s.sid, s.unrefunded))
+                    out.append(http2.window_update(s.sid, s.unrefunded))
                     s.recv_window += s.unrefunded
                 s.unrefunded = 0
         return b"".join(out)

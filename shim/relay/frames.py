@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import struct
 
-from . import h2
-from .h2 import H2Error
+from . import http2
+from .http2 import H2Error
 
 # A frame's 9-byte header at an offset: (length << 8 | type, flags, R bit | stream id).
 HEADER = struct.Struct(">IBI").unpack_from
 
 _FRAME_NAMES = ("DATA", "HEADERS", "PRIORITY", "RST_STREAM", "SETTINGS", "PUSH_PROMISE", "PING", "GOAWAY",
                 "WINDOW_UPDATE", "CONTINUATION")
-_FIXED_LENGTH = {h2.PING: 8, h2.RST_STREAM: 4, h2.WINDOW_UPDATE: 4, h2.PRIORITY: 5}
-_NOT_ON_STREAM_0 = frozenset((h2.DATA, h2.RST_STREAM, h2.PRIORITY))
-_ONLY_ON_STREAM_0 = frozenset((h2.SETTINGS, h2.PING, h2.GOAWAY))
+_FIXED_LENGTH = {http2.PING: 8, http2.RST_STREAM: 4, http2.WINDOW_UPDATE: 4, http2.PRIORITY: 5}
+_NOT_ON_STREAM_0 = frozenset((http2.DATA, http2.RST_STREAM, http2.PRIORITY))
+_ONLY_ON_STREAM_0 = frozenset((http2.SETTINGS, http2.PING, http2.GOAWAY))
 
 
 def frame_name(ftype: int) -> str:
@@ -53,25 +53,25 @@ class FrameBuffer:
 def check(ftype: int, flags: int, sid: int, length: int, raw: bytes) -> None:
     """Raise H2Error if a client frame (not HEADERS or CONTINUATION) breaks the frame layer."""
     if ftype in _ONLY_ON_STREAM_0:
-        if ftype == h2.PING and length != 8:  # PING: its length is checked first
-            raise H2Error(f"PING frame of {length} bytes", h2.FRAME_SIZE_ERROR)
+        if ftype == http2.PING and length != 8:  # PING: its length is checked first
+            raise H2Error(f"PING frame of {length} bytes", http2.FRAME_SIZE_ERROR)
         if sid:
             raise H2Error(f"{frame_name(ftype)} on stream {sid}")
-        if ftype == h2.SETTINGS:
-            if flags & h2.ACK:
+        if ftype == http2.SETTINGS:
+            if flags & http2.ACK:
                 if length:
-                    raise H2Error(f"SETTINGS ACK with {length} bytes", h2.FRAME_SIZE_ERROR)
+                    raise H2Error(f"SETTINGS ACK with {length} bytes", http2.FRAME_SIZE_ERROR)
             elif length % 6:
-                raise H2Error(f"SETTINGS frame of {length} bytes", h2.FRAME_SIZE_ERROR)
-        elif ftype == h2.GOAWAY and length < 8:
-            raise H2Error(f"GOAWAY frame of {length} bytes", h2.FRAME_SIZE_ERROR)
+                raise H2Error(f"SETTINGS frame of {length} bytes", http2.FRAME_SIZE_ERROR)
+        elif ftype == http2.GOAWAY and length < 8:
+            raise H2Error(f"GOAWAY frame of {length} bytes", http2.FRAME_SIZE_ERROR)
         return
     fixed = _FIXED_LENGTH.get(ftype)
     if fixed is not None and length != fixed:
-        raise H2Error(f"{frame_name(ftype)} frame of {length} bytes", h2.FRAME_SIZE_ERROR)
+        raise H2Error(f"{frame_name(ftype)} frame of {length} bytes", http2.FRAME_SIZE_ERROR)
     if sid == 0 and ftype in _NOT_ON_STREAM_0:
         raise H2Error(f"{frame_name(ftype)} on stream 0")
-    if ftype == h2.DATA and flags & h2.PADDED and (length == 0 or raw[9] >= length):
+    if ftype == http2.DATA and flags & http2.PADDED and (length == 0 or raw[9] >= length):
         raise H2Error("DATA frame padding exceeds its length")
-    if ftype == h2.PUSH_PROMISE:
+    if ftype == http2.PUSH_PROMISE:
         raise H2Error("PUSH_PROMISE from a client")

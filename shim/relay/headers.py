@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from . import h2
+from . import http2
 from .frames import frame_name
-from .h2 import H2Error
+from .http2 import H2Error
 
 _REQUEST_PSEUDO = frozenset((b":method", b":scheme", b":authority", b":path"))
 _REQUIRED_PSEUDO = (b":method", b":scheme", b":path")
@@ -42,9 +42,9 @@ class HeaderBlock:
         """A HEADERS or CONTINUATION frame (``raw``, header included); the block once it is complete."""
         if sid == 0:
             raise H2Error(f"{frame_name(ftype)} on stream 0")
-        if ftype == h2.HEADERS:
+        if ftype == http2.HEADERS:
             self.sid, self.flags = sid, flags
-            fragment = h2.header_block_fragment(ftype, flags, raw[9:])
+            fragment = http2.header_block_fragment(ftype, flags, raw[9:])
         elif not self.sid:
             raise H2Error(f"CONTINUATION on stream {sid} without an open header block")
         else:
@@ -55,7 +55,7 @@ class HeaderBlock:
                           f"({self.limit} bytes)")
         self.frames.append(raw)
         self.fragments.append(fragment)
-        if not flags & h2.END_HEADERS:
+        if not flags & http2.END_HEADERS:
             return None
         frames, fragments, first_flags = self.frames, self.fragments, self.flags
         self.frames, self.fragments, self.sid, self.size = [], [], 0, 0

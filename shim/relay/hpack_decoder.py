@@ -27,7 +27,7 @@ from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
 
-from .h2 import COMPRESSION_ERROR, H2Error
+from .http2 import COMPRESSION_ERROR, H2Error
 
 _STATIC = HeaderTable.STATIC_TABLE
 _STATIC_LEN = len(_STATIC)

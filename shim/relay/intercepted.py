@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import grpc
 
-from . import grpcwire, h2, memory
+from . import grpcwire, http2, memory
 from .events import Cancelled, Event, Request
 from .flow import ClientWindow
 from .output import ClientOutput
@@ -44,14 +44,14 @@ class Intercepted:
     def receive_data(self, s: LocalStream, flags: int, raw: bytes, length: int) -> None:
         """A DATA frame (``raw``, header included) on the open stream ``s``."""
         if s.client_ended:
-            self.reset(s, h2.STREAM_CLOSED)
+            self.reset(s, http2.STREAM_CLOSED)
             return
         if length > s.recv_window:
-            self.reset(s, h2.FLOW_CONTROL_ERROR)
+            self.reset(s, http2.FLOW_CONTROL_ERROR)
             return
         s.recv_window -= length
         s.unrefunded += length
-        body = h2.data_payload(flags, raw[9:])
+        body = http2.data_payload(flags, raw[9:])
         problem = memory.body_too_large(s.body, body, s.limit, s.limit_key)
         if problem:
             self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, problem)
@@ -60,7 +60,7 @@ class Intercepted:
             self.answer_error(s, grpc.StatusCode.RESOURCE_EXHAUSTED, self.budget.full(s.trusted))
             return
         s.body += body
-        if flags & h2.END_STREAM:
+        if flags & http2.END_STREAM:
             self.request_complete(s)
 
     def request_complete(self, s: LocalStream) -> None:
@@ -97,13 +97,13 @@ class Intercepted:
         """An intercepted request is still being received."""
         return any(s.state is State.RECEIVING for s in self.streams.local.values())
 
-    def reset(self, s: LocalStream, code: int = h2.CANCEL) -> None:
+    def reset(self, s: LocalStream, code: int = http2.CANCEL) -> None:
         """End an open intercepted stream with RST_STREAM (a stream error, or its answer is
         stalled on the client's window): its handler is cancelled."""
         if self.streams.local.get(s.sid) is not s:
             return
         was = self.streams.local_event(s, On.SHIM_RESET)  # after our RST_STREAM, late frames are ignored
-        self.output.emit(h2.rst_stream(s.sid, code))
+        self.output.emit(http2.rst_stream(s.sid, code))
         if was is State.RECEIVING:
             self.budget.release(s)
         else:
@@ -123,7 +123,7 @@ class Intercepted:
     def send_headers(self, s: LocalStream) -> None:
         if s.state is State.HANDLING:
             self.streams.local_event(s, On.SHIM_HEADERS)
-            self.output.emit(h2.headers_frames(s.sid, h2.encode_headers(grpcwire.RESPONSE_HEADERS), False,
+            self.output.emit(http2.headers_frames(s.sid, http2.encode_headers(grpcwire.RESPONSE_HEADERS), False,
                                                self.settings.client_max_frame))
 
     def send_room(self, s: LocalStream) -> int:
@@ -139,7 +139,7 @@ class Intercepted:
         self.window.spend_own(n)
         s.send_window -= n
         self.pings.client_got_data = True
-        self.output.frames.append(h2.frame(h2.DATA, 0, s.sid, chunk))
+        self.output.frames.append(http2.frame(http2.DATA, 0, s.sid, chunk))
 
     def send_trailers(self, s: LocalStream, headers: list[tuple[bytes, bytes]]) -> None:
         if s.done:
@@ -148,7 +148,8 @@ class Intercepted:
         if was is not State.ANSWERING:
             headers = list(grpcwire.RESPONSE_HEADERS) + headers
         self.pings.client_got_data = True
-        self.output.emit(h2.headers_frames(s.sid, h2.encode_headers(headers), True, self.settings.client_max_frame))
+        self.output.emit(http2.headers_frames(s.sid, http2.encode_headers(headers), True,
+                                              self.settings.client_max_frame))
         if was is State.RECEIVING:
             self.budget.release(s)
 
@@ -157,9 +158,9 @@ class Intercepted:
         if s.done:
             return
         was = self.streams.local_event(s, On.SHIM_END)
-        block = h2.encode_headers(grpcwire.trailers(code, message, md, trailers_only=was is not State.ANSWERING))
+        block = http2.encode_headers(grpcwire.trailers(code, message, md, trailers_only=was is not State.ANSWERING))
         self.pings.client_got_data = True
-        self.output.emit(h2.headers_frames(s.sid, block, True, self.settings.client_max_frame))
+        self.output.emit(http2.headers_frames(s.sid, block, True, self.settings.client_max_frame))
         if was is State.RECEIVING:  # still sending: tell it to stop (its later frames are consumed)
-            self.output.emit(h2.rst_stream(s.sid, h2.NO_ERROR))
+            self.output.emit(http2.rst_stream(s.sid, http2.NO_ERROR))
             self.budget.release(s)

@@ -8,7 +8,7 @@ END_HEADERS, then CONTINUATION): they wait for its END_HEADERS (``deferred``;
 
 from __future__ import annotations
 
-from . import h2
+from . import http2
 
 
 class ClientOutput:
@@ -31,7 +31,7 @@ class ClientOutput:
     def runtime_block(self, flags: int, raw: bytes) -> bool:
         """A runtime HEADERS or CONTINUATION frame; True if it ended the block."""
         self.frames.append(raw)
-        if not flags & h2.END_HEADERS:
+        if not flags & http2.END_HEADERS:
             self.runtime_block_open = True
             return False
         self.runtime_block_open = False

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import h2
+from . import http2
 from .bucket import TokenBucket
-from .h2 import H2Error
+from .http2 import H2Error
 
 # PINGs the shim answers itself: a burst, then a rate (containerd allows far fewer: a
 # few per five minutes without data in between, then GOAWAY too_many_pings).
@@ -42,5 +42,5 @@ class PingPolicy:
             self.client_got_data = False
         elif not self._bucket.take():
             raise H2Error(f"too many PINGs: more than {LOCAL_PINGS_BURST} at once or "
-                          f"{LOCAL_PINGS_PER_SECOND:g} a second", h2.ENHANCE_YOUR_CALM)
+                          f"{LOCAL_PINGS_PER_SECOND:g} a second", http2.ENHANCE_YOUR_CALM)
         return True

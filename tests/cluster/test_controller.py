@@ -1,6 +1,6 @@
 """`cri-shim controller` against a real kube-apiserver, as processes with the rights of
 deploy/cluster/controller.yaml. Simulated shims: NodeImageSetStatus objects the test writes
-with the shims' field manager (``cri-shim``), as shim/cluster/status.py does."""
+with the shims' field manager (``cri-shim``), as shim/cluster/node_report.py does."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def conds(admin: Admin, name: str) -> dict[str, str]:
 
 
 def report(admin: Admin, node: str, name: str, desired: str, current: str | None, **row: Any) -> None:
-    """A simulated shim: the node's NodeImageSetStatus with one row, as status.py writes it."""
+    """A simulated shim: the node's NodeImageSetStatus with one row, as node_report.py writes it."""
     r = {"name": name, "kind": "ImageSet", "source": "cluster", "desiredGeneration": desired, **row}
     if current is not None:
         r["currentGeneration"] = current

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from shim.relay import h2
+from shim.relay import http2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim import ShimProcess, new_shim
 
@@ -40,7 +40,7 @@ async def test_out_of_file_descriptors_is_reported_as_such_and_the_listener_reco
                 r, w = await asyncio.open_unix_connection(shim.path)
             except OSError:
                 break
-            w.write(h2.PREFACE + h2.settings_frame({}))
+            w.write(http2.PREFACE + http2.settings_frame({}))
             conns.append((r, w))
         await shim.await_log("out of file descriptors", timeout=10)
         assert "runtime not reachable" not in shim.logs()

@@ -11,9 +11,9 @@ from typing import Any
 from shim import config
 from shim.cluster import objects
 from shim.cluster.source import ClusterSource
-from shim.cluster.status import NodeStatus
+from shim.cluster.node_report import NodeReport
 from shim.observability.metrics import Metrics
-from shim.process.status_view import render
+from shim.process.status_render import render
 from tests.unit.test_cluster_source import FakeSets, fake_informer, node, own, pis, pool
 from tests.unit.test_imagesets import image_sets, reconciled, store, write  # noqa: F401  (store: a fixture)
 from tests.unit.test_imagesets import own as own_file
@@ -151,7 +151,7 @@ async def test_status_row_degraded_and_rate_limited_event(runtime, store, tmp_pa
         src.recompute()
         await reconciled(h, "keep", 3)
         clock = [0.0]
-        st = NodeStatus(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
+        st = NodeReport(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
                         request_timeout=5, clock=lambda: clock[0])
         doc = st.document()
         assert {c["type"]: c["status"] for c in doc["status"]["conditions"]}["Degraded"] == "False"
@@ -204,7 +204,7 @@ async def test_a_refusal_fixed_before_the_next_status_write_is_still_the_last_fa
         src, _ = source(tmp_path, h.sets, h.metrics)
         src.informers = {"node": informer([node({})]), "imagesets": informer([versioned(own("keep", GOOD), 1)])}
         src.recompute()
-        st = NodeStatus(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
+        st = NodeReport(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
                         request_timeout=5)
         src.informers["imagesets"] = informer([versioned(own("keep", [*GOOD, UPPER]), 2)])
         src.recompute()

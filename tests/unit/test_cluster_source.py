@@ -106,7 +106,6 @@ class FakeSets:
     def __init__(self) -> None:
         self.sources: dict[str, dict[str, Any]] = {}
         self.overrides: dict[str, Any] = {}
-        self.reconciler = SimpleNamespace(set_credentials=None)
         self.retries = 0
 
     def set_source(self, name: str, sets: dict[str, Any]) -> None:

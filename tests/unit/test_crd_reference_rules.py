@@ -3,7 +3,7 @@ shim refuses, up to the CRD's maxLength (256, below the shim's 526 to fit the CE
 
 The pattern and the rules' regexes are read from deploy/cluster/crds.yaml and run here with
 Python's re (ASCII; the constructs used mean the same in RE2) under the rules' control flow;
-every name is also given to the shim's own check (loader.canonical). The real API server's answers are checked in
+every name is also given to the shim's own check (loader.normalize_ref). The real API server's answers are checked in
 tests/cluster/test_cluster_invalid.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from shim import reference
-from shim.imagesets.loader import canonical
+from shim.imagesets.loader import normalize_ref
 from tests.support.kube import REPO
 
 
@@ -63,7 +63,7 @@ def shim_accepts(s: str) -> bool:
     if len(s) > SCHEMA["maxLength"]:
         return False
     try:
-        canonical(s)
+        normalize_ref(s)
     except ValueError:
         return False
     return True

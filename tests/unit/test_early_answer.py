@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from shim.relay import grpcwire, h2
+from shim.relay import grpcwire, http2
 from tests.support.fake_runtime import socket_in
 from tests.support.inproc import running_shim
 
@@ -50,17 +50,17 @@ class EarlyAnswerRuntime:
             self._threads.append(t)
 
     def _serve(self, conn: socket.socket) -> None:
-        answer = h2.encode_headers(grpcwire.trailers(STATUS, DETAILS, trailers_only=True))
+        answer = http2.encode_headers(grpcwire.trailers(STATUS, DETAILS, trailers_only=True))
         buf = b""
         try:
-            conn.sendall(h2.settings_frame({}))
+            conn.sendall(http2.settings_frame({}))
             while True:
                 data = conn.recv(65536)
                 if not data:
                     return
                 buf += data
-                if buf.startswith(h2.PREFACE):
-                    buf = buf[len(h2.PREFACE):]
+                if buf.startswith(http2.PREFACE):
+                    buf = buf[len(http2.PREFACE):]
                 while len(buf) >= 9:
                     length = int.from_bytes(buf[:3], "big")
                     if len(buf) < 9 + length:
@@ -68,14 +68,14 @@ class EarlyAnswerRuntime:
                     ftype, flags = buf[3], buf[4]
                     sid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
                     buf = buf[9 + length:]
-                    if ftype == h2.SETTINGS and not flags & h2.ACK:
-                        conn.sendall(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                    elif ftype == h2.PING and not flags & h2.ACK:
-                        conn.sendall(h2.frame(h2.PING, h2.ACK, 0, b"\0" * 8))
-                    elif ftype == h2.HEADERS and sid % 2 == 1:
+                    if ftype == http2.SETTINGS and not flags & http2.ACK:
+                        conn.sendall(http2.frame(http2.SETTINGS, http2.ACK, 0))
+                    elif ftype == http2.PING and not flags & http2.ACK:
+                        conn.sendall(http2.frame(http2.PING, http2.ACK, 0, b"\0" * 8))
+                    elif ftype == http2.HEADERS and sid % 2 == 1:
                         self.streams += 1
-                        conn.sendall(h2.headers_frames(sid, answer, True, h2.DEFAULT_MAX_FRAME)
-                                     + h2.rst_stream(sid, h2.NO_ERROR))
+                        conn.sendall(http2.headers_frames(sid, answer, True, http2.DEFAULT_MAX_FRAME)
+                                     + http2.rst_stream(sid, http2.NO_ERROR))
         except OSError:
             return
 

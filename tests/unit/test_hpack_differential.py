@@ -35,7 +35,7 @@ import hpack
 import pytest
 from hpack.table import HeaderTable
 
-from shim.relay.h2 import COMPRESSION_ERROR, H2Error
+from shim.relay.http2 import COMPRESSION_ERROR, H2Error
 from shim.relay.hpack_decoder import Decoder
 from tests.support.h2raw import hpack_int as integer
 from tests.support.h2raw import hpack_string as string

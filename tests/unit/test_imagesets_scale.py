@@ -187,7 +187,7 @@ def test_max_images_is_a_documented_config_key(tmp_path: Path) -> None:
 async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime, tmp_path) -> None:
     from types import SimpleNamespace
 
-    from shim.cluster.status import NodeStatus
+    from shim.cluster.node_report import NodeReport
     store = FakeImages(runtime).install()
     store.fail("registry.local/gone:1", 1000)
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
@@ -196,7 +196,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
         await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
                          what="one failed image")
         source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, secret_errors=dict, informers={})
-        node = NodeStatus(source, h.sets, None,  # type: ignore[arg-type]
+        node = NodeReport(source, h.sets, None,  # type: ignore[arg-type]
                           interval=1.0, event_interval=1.0, event_namespace="default", request_timeout=1.0)
         status = node.document()["status"]
         [row] = status["sets"]

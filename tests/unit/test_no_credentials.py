@@ -13,7 +13,7 @@ import pytest
 
 from shim.observability import logs
 from shim.proto.runtime.v1 import api_pb2
-from shim.process.status_view import print_status
+from shim.process.status_render import print_status
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 from tests.support.otlp_collector import OtlpCollector

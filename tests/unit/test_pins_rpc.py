@@ -204,12 +204,12 @@ async def test_image_set_pins_switch_interception_on_and_off(serve, runtime, sto
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
             assert REMOVE not in shim.app.router.table  # no pins: relayed, never decoded
-            shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
+            shim.app.declare_pins([("quay.io/org/app:v1", "base")])
             assert (await listed(ch))[image_id(2)] is True
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await remove(ch, "quay.io/org/app:v1")
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-            shim.app.images.set_declared_pins([])
+            shim.app.declare_pins([])
             assert REMOVE not in shim.app.router.table
             assert await ch.unary_unary(SVC + "ListImages")(b"", timeout=5) == store.list_bytes()
             await remove(ch, "quay.io/org/app:v1")
@@ -271,7 +271,7 @@ async def test_image_status_marks_pinned_keeps_info_order_and_misses(serve, runt
 
 async def test_declared_image_set_pins(serve, runtime, store) -> None:
     async with serve(runtime.endpoint, {"pins": {"images": ["registry.k8s.io/pause:*"]}}) as shim:
-        shim.app.images.set_declared_pins([("quay.io/org/app:v1", "base")])
+        shim.app.declare_pins([("quay.io/org/app:v1", "base")])
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             assert (await listed(ch))[image_id(2)] is True
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -280,7 +280,7 @@ async def test_declared_image_set_pins(serve, runtime, store) -> None:
             await shim.app.reload(shim.app.cfg)  # a config reload keeps the declared pins
             with pytest.raises(grpc.aio.AioRpcError):
                 await remove(ch, image_id(2))
-            shim.app.images.set_declared_pins([])
+            shim.app.declare_pins([])
             await remove(ch, image_id(2))
             with pytest.raises(grpc.aio.AioRpcError):  # the config pin is still in force
                 await remove(ch, "registry.k8s.io/pause:3.10")

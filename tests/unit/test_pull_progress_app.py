@@ -115,7 +115,7 @@ async def test_a_stalled_pull_answers_every_caller_unavailable_and_cancels_the_r
 async def test_status_watch_redraws_with_the_progress_bar(runtime: FakeRuntime, tmp_path) -> None:
     import io
 
-    from shim.process.status_view import watch_status
+    from shim.process.status_render import watch_status
 
     store = Store()
     store.serve(runtime)

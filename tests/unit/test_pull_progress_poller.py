@@ -17,7 +17,7 @@ from shim.errors import RpcError
 from shim.observability.metrics import Metrics
 from shim.pulls.poller import ProgressPoller
 from shim.pulls.scheduler import PullKey, PullScheduler
-from shim.process.status_view import progress_line
+from shim.process.status_render import progress_line
 from shim.cri.upstream import Upstream
 from tests.support.fake_content import SVC, START_WALL, MiB, Store, dg
 
@@ -64,7 +64,6 @@ async def env(runtime):
     def make(**cfg) -> ProgressPoller:
         poller = ProgressPoller(upstream, scheduler, metrics, PullsConfig(**cfg), clock=clock,
                                 wall=lambda: START_WALL, autostart=False)
-        scheduler.observers.append(poller)
         return poller
 
     yield store, scheduler, clock, metrics, make

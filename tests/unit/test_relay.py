@@ -11,7 +11,7 @@ import pytest
 from hpack import Encoder
 
 from shim.errors import RpcError
-from shim.relay import h2
+from shim.relay import http2
 from shim.relay.hpack_decoder import Decoder
 from shim.cri.routing import Router
 from tests.support.fake_runtime import FakeRuntime, socket_in
@@ -157,9 +157,9 @@ def test_hpack_decoder_mirrors_dynamic_table() -> None:
 
 
 def test_hpack_rejects_garbage() -> None:
-    with pytest.raises(h2.H2Error):
+    with pytest.raises(http2.H2Error):
         Decoder().decode(b"\xff\xff\xff\xff\xff\xff\xff")
-    with pytest.raises(h2.H2Error):
+    with pytest.raises(http2.H2Error):
         Decoder().decode(b"\xbf")  # index 63: not in the tables
 
 
@@ -208,7 +208,7 @@ def test_client_gone_before_the_runtime_speaks(tmp_path) -> None:
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx["message"]))
 
         async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            writer.write(h2.settings_frame({}))  # grpc-go's server preface, sent on accept
+            writer.write(http2.settings_frame({}))  # grpc-go's server preface, sent on accept
             await reader.read()
             writer.close()
 

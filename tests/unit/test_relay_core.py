@@ -11,7 +11,7 @@ import grpc
 import pytest
 from hpack import Encoder
 
-from shim.relay import h2
+from shim.relay import http2
 from shim.relay.hpack_decoder import Decoder
 from shim.config import ServerConfig
 from shim.cri.routing import Router
@@ -37,8 +37,8 @@ Frame = tuple[int, int, int, bytes]
 
 def parse(data: bytes) -> list[Frame]:
     out = []
-    if data.startswith(h2.PREFACE):
-        data = data[len(h2.PREFACE):]
+    if data.startswith(http2.PREFACE):
+        data = data[len(http2.PREFACE):]
     while data:
         n = int.from_bytes(data[:3], "big")
         out.append((data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9:9 + n]))
@@ -50,15 +50,15 @@ def request_block(path: str, **extra: str) -> bytes:
     headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()), (b":authority", b"x"),
                (b"content-type", b"application/grpc"), (b"te", b"trailers")]
     headers += [(k.replace("_", "-").encode(), v.encode()) for k, v in extra.items()]
-    return h2.encode_headers(headers)
+    return http2.encode_headers(headers)
 
 
 def headers(sid: int, path: str, end_stream: bool = False) -> bytes:
-    return h2.headers_frames(sid, request_block(path), end_stream, h2.DEFAULT_MAX_FRAME)
+    return http2.headers_frames(sid, request_block(path), end_stream, http2.DEFAULT_MAX_FRAME)
 
 
 def data(sid: int, payload: bytes, end_stream: bool = False) -> bytes:
-    return h2.frame(h2.DATA, h2.END_STREAM if end_stream else 0, sid, payload)
+    return http2.frame(http2.DATA, http2.END_STREAM if end_stream else 0, sid, payload)
 
 
 def message(body: bytes) -> bytes:
@@ -70,13 +70,13 @@ class Peers:
 
     def __init__(self, lim: Limits | None = None, relay: bool = True) -> None:
         self.core = RelayCore(lim or limits(), ROUTE)
-        self.core.receive_client(h2.PREFACE)
+        self.core.receive_client(http2.PREFACE)
         assert self.core.take_events() == [PrefaceReceived()]
         assert self.core.take_runtime() == b""  # nothing for the runtime before we know where calls go
         if relay:
             self.core.start_relay()
-            assert self.core.take_runtime() == h2.PREFACE
-            self.from_runtime(h2.settings_frame({}))
+            assert self.core.take_runtime() == http2.PREFACE
+            self.from_runtime(http2.settings_frame({}))
         else:
             self.core.start_local("cri-shim: the container runtime at /x is not reachable")
         self.client_got()
@@ -98,18 +98,18 @@ class Peers:
 
 
 def goaway_code(frames: list[Frame]) -> int | None:
-    codes = [int.from_bytes(p[4:8], "big") for t, _, _, p in frames if t == h2.GOAWAY]
+    codes = [int.from_bytes(p[4:8], "big") for t, _, _, p in frames if t == http2.GOAWAY]
     return codes[-1] if codes else None
 
 
 def rst(frames: list[Frame], sid: int) -> int | None:
-    codes = [int.from_bytes(p, "big") for t, _, s, p in frames if t == h2.RST_STREAM and s == sid]
+    codes = [int.from_bytes(p, "big") for t, _, s, p in frames if t == http2.RST_STREAM and s == sid]
     return codes[-1] if codes else None
 
 
 def grpc_status(frames: list[Frame], sid: int) -> tuple[int, str] | None:
     for t, _, s, p in frames:
-        if t == h2.HEADERS and s == sid:
+        if t == http2.HEADERS and s == sid:
             hs = dict(Decoder().decode(p, full=True)[1])
             if b"grpc-status" in hs:
                 return int(hs[b"grpc-status"]), hs.get(b"grpc-message", b"").decode()
@@ -129,20 +129,20 @@ def closed_with(p: Peers, code: int) -> str:
 
 def test_runtime_is_not_involved_before_a_valid_preface() -> None:
     core = RelayCore(limits(), ROUTE)
-    core.receive_client(h2.PREFACE[:10])
+    core.receive_client(http2.PREFACE[:10])
     assert core.take_events() == [] and core.take_client() == b""
-    core.receive_client(h2.PREFACE[10:] + h2.settings_frame({}))
+    core.receive_client(http2.PREFACE[10:] + http2.settings_frame({}))
     assert core.take_events() == [PrefaceReceived()]
     assert core.take_runtime() == b""
     core.start_relay()  # what came after the preface goes to the runtime now
-    assert [(t, f) for t, f, _, _ in parse(core.take_runtime())] == [(h2.SETTINGS, 0)]
+    assert [(t, f) for t, f, _, _ in parse(core.take_runtime())] == [(http2.SETTINGS, 0)]
 
 
 def test_garbage_instead_of_a_preface_closes_without_a_runtime() -> None:
     core = RelayCore(limits(), ROUTE)
     core.receive_client(b"GET / HTTP/1.1\r\n")
     [ev] = core.take_events()
-    assert isinstance(ev, ConnectionClosed) and ev.code == h2.PROTOCOL_ERROR
+    assert isinstance(ev, ConnectionClosed) and ev.code == http2.PROTOCOL_ERROR
     assert core.take_runtime() == b""
 
 
@@ -150,29 +150,29 @@ def test_garbage_instead_of_a_preface_closes_without_a_runtime() -> None:
 
 
 @pytest.mark.parametrize("bad, code", [
-    (h2.frame(h2.SETTINGS, 0, 1, b""), h2.PROTOCOL_ERROR),  # SETTINGS on a stream: not rewritten onto 0
-    (h2.frame(h2.SETTINGS, h2.ACK, 0, b"\0" * 6), h2.FRAME_SIZE_ERROR),
-    (h2.frame(h2.SETTINGS, 0, 0, b"\0" * 5), h2.FRAME_SIZE_ERROR),
-    (h2.settings_frame({h2.SETTINGS_ENABLE_PUSH: 2}), h2.PROTOCOL_ERROR),
-    (h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 2**31}), h2.FLOW_CONTROL_ERROR),
-    (h2.settings_frame({h2.SETTINGS_MAX_FRAME_SIZE: 100}), h2.PROTOCOL_ERROR),
-    (h2.window_update(0, 0), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.WINDOW_UPDATE, 0, 0, b"\0\0\0\1\0"), h2.FRAME_SIZE_ERROR),
-    (h2.window_update(0, 2**31 - 1), h2.FLOW_CONTROL_ERROR),  # the connection window overflows
-    (h2.frame(h2.PING, 0, 0, b"1234567"), h2.FRAME_SIZE_ERROR),
-    (h2.frame(h2.PING, 0, 3, b"12345678"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.PRIORITY, 0, 1, b"\0\0\0\0"), h2.FRAME_SIZE_ERROR),
-    (h2.frame(h2.PRIORITY, 0, 0, b"\0\0\0\0\0"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.RST_STREAM, 0, 1, b"\0\0\0"), h2.FRAME_SIZE_ERROR),
-    (h2.frame(h2.RST_STREAM, 0, 0, b"\0\0\0\0"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.GOAWAY, 0, 1, b"\0" * 8), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.DATA, 0, 0, b"x"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.DATA, h2.PADDED, 1, b"\x05abc"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.HEADERS, h2.END_HEADERS, 0, request_block(VERSION)), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.HEADERS, h2.END_HEADERS, 2, request_block(VERSION)), h2.PROTOCOL_ERROR),  # even id
-    (h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, b""), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.PUSH_PROMISE, h2.END_HEADERS, 1, b"\0\0\0\2"), h2.PROTOCOL_ERROR),
-    (h2.frame(h2.DATA, 0, 1, b"x" * (h2.DEFAULT_MAX_FRAME + 1)), h2.FRAME_SIZE_ERROR),
+    (http2.frame(http2.SETTINGS, 0, 1, b""), http2.PROTOCOL_ERROR),  # SETTINGS on a stream: not rewritten onto 0
+    (http2.frame(http2.SETTINGS, http2.ACK, 0, b"\0" * 6), http2.FRAME_SIZE_ERROR),
+    (http2.frame(http2.SETTINGS, 0, 0, b"\0" * 5), http2.FRAME_SIZE_ERROR),
+    (http2.settings_frame({http2.SETTINGS_ENABLE_PUSH: 2}), http2.PROTOCOL_ERROR),
+    (http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: 2**31}), http2.FLOW_CONTROL_ERROR),
+    (http2.settings_frame({http2.SETTINGS_MAX_FRAME_SIZE: 100}), http2.PROTOCOL_ERROR),
+    (http2.window_update(0, 0), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\0\0\0\1\0"), http2.FRAME_SIZE_ERROR),
+    (http2.window_update(0, 2**31 - 1), http2.FLOW_CONTROL_ERROR),  # the connection window overflows
+    (http2.frame(http2.PING, 0, 0, b"1234567"), http2.FRAME_SIZE_ERROR),
+    (http2.frame(http2.PING, 0, 3, b"12345678"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.PRIORITY, 0, 1, b"\0\0\0\0"), http2.FRAME_SIZE_ERROR),
+    (http2.frame(http2.PRIORITY, 0, 0, b"\0\0\0\0\0"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.RST_STREAM, 0, 1, b"\0\0\0"), http2.FRAME_SIZE_ERROR),
+    (http2.frame(http2.RST_STREAM, 0, 0, b"\0\0\0\0"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.GOAWAY, 0, 1, b"\0" * 8), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.DATA, 0, 0, b"x"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.DATA, http2.PADDED, 1, b"\x05abc"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.HEADERS, http2.END_HEADERS, 0, request_block(VERSION)), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.HEADERS, http2.END_HEADERS, 2, request_block(VERSION)), http2.PROTOCOL_ERROR),  # even id
+    (http2.frame(http2.CONTINUATION, http2.END_HEADERS, 1, b""), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.PUSH_PROMISE, http2.END_HEADERS, 1, b"\0\0\0\2"), http2.PROTOCOL_ERROR),
+    (http2.frame(http2.DATA, 0, 1, b"x" * (http2.DEFAULT_MAX_FRAME + 1)), http2.FRAME_SIZE_ERROR),
 ])
 def test_connection_errors_the_shim_answers_itself(bad: bytes, code: int) -> None:
     p = Peers()
@@ -182,39 +182,39 @@ def test_connection_errors_the_shim_answers_itself(bad: bytes, code: int) -> Non
 
 
 @pytest.mark.parametrize("inside", [
-    h2.frame(h2.PRIORITY, 0, 1, b"\0\0\0\0\x10"),
-    h2.frame(0x42, 0, 0, b"extension"),
-    h2.frame(h2.DATA, 0, 1, b"x"),
-    h2.frame(h2.HEADERS, h2.END_HEADERS, 3, request_block(VERSION)),
-    h2.frame(h2.CONTINUATION, h2.END_HEADERS, 3, b""),  # another stream's CONTINUATION
+    http2.frame(http2.PRIORITY, 0, 1, b"\0\0\0\0\x10"),
+    http2.frame(0x42, 0, 0, b"extension"),
+    http2.frame(http2.DATA, 0, 1, b"x"),
+    http2.frame(http2.HEADERS, http2.END_HEADERS, 3, request_block(VERSION)),
+    http2.frame(http2.CONTINUATION, http2.END_HEADERS, 3, b""),  # another stream's CONTINUATION
 ])
 def test_any_other_frame_inside_an_open_header_block_is_a_protocol_error(inside: bytes) -> None:
     p = Peers()
     block = request_block(VERSION)
-    p.from_client(h2.frame(h2.HEADERS, 0, 1, block[:5]) + inside + h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1,
+    p.from_client(http2.frame(http2.HEADERS, 0, 1, block[:5]) + inside + http2.frame(http2.CONTINUATION, http2.END_HEADERS, 1,
                                                                             block[5:]))
-    assert closed_with(p, h2.PROTOCOL_ERROR)
+    assert closed_with(p, http2.PROTOCOL_ERROR)
     assert p.runtime_got() == []
 
 
 def test_frame_size_limit_is_what_the_runtime_advertised() -> None:
     p = Peers()
-    p.from_runtime(h2.settings_frame({h2.SETTINGS_MAX_FRAME_SIZE: 1 << 20}))
+    p.from_runtime(http2.settings_frame({http2.SETTINGS_MAX_FRAME_SIZE: 1 << 20}))
     p.from_client(headers(1, VERSION) + data(1, b"x" * 100_000, end_stream=True))
-    assert [t for t, *_ in p.runtime_got()] == [h2.HEADERS, h2.DATA]
+    assert [t for t, *_ in p.runtime_got()] == [http2.HEADERS, http2.DATA]
     assert goaway_code(p.client_got()) is None
 
 
 def test_stream_errors_on_relayed_streams_are_left_to_the_runtime() -> None:
     p = Peers()
-    p.from_client(headers(1, VERSION) + h2.window_update(1, 0))
-    assert [t for t, *_ in p.runtime_got()] == [h2.HEADERS, h2.WINDOW_UPDATE]  # grpc-go resets it
+    p.from_client(headers(1, VERSION) + http2.window_update(1, 0))
+    assert [t for t, *_ in p.runtime_got()] == [http2.HEADERS, http2.WINDOW_UPDATE]  # grpc-go resets it
     assert p.client_got() == []
 
 
 def test_unknown_frames_outside_a_header_block_pass() -> None:
     p = Peers()
-    p.from_client(h2.frame(0x42, 0, 0, b"ext"))
+    p.from_client(http2.frame(0x42, 0, 0, b"ext"))
     assert p.runtime_got() == [(0x42, 0, 0, b"ext")]
 
 
@@ -223,40 +223,40 @@ def test_unknown_frames_outside_a_header_block_pass() -> None:
 
 def test_header_block_over_the_limit_closes_the_connection_before_it_is_all_buffered() -> None:
     p = Peers(limits(max_header_list_bytes=8192))
-    p.from_client(h2.frame(h2.HEADERS, 0, 1, request_block(VERSION)))
+    p.from_client(http2.frame(http2.HEADERS, 0, 1, request_block(VERSION)))
     for _ in range(3):
-        p.from_client(h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 4000))
-    reason = closed_with(p, h2.PROTOCOL_ERROR)
+        p.from_client(http2.frame(http2.CONTINUATION, 0, 1, b"\0" * 4000))
+    reason = closed_with(p, http2.PROTOCOL_ERROR)
     assert "server.max_header_list_bytes" in reason
     assert p.core.block.frames == [] or p.core.phase == Phase.CLOSED
-    p.from_client(h2.frame(h2.CONTINUATION, 0, 1, b"\0" * 4000))  # nothing more is read
+    p.from_client(http2.frame(http2.CONTINUATION, 0, 1, b"\0" * 4000))  # nothing more is read
     assert p.runtime_got() == []
 
 
 def test_a_single_headers_frame_over_the_limit_closes_the_connection_too() -> None:
     p = Peers(limits(max_header_list_bytes=8192))
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1,
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1,
                            request_block(VERSION, x_big="v" * 9000)))
-    assert "server.max_header_list_bytes" in closed_with(p, h2.PROTOCOL_ERROR)
+    assert "server.max_header_list_bytes" in closed_with(p, http2.PROTOCOL_ERROR)
     assert p.runtime_got() == []
 
 
 @pytest.mark.parametrize("flags,prefix,padding", [
-    (h2.PADDED, b"\x03", b"\0\0\0"),
-    (h2.PRIORITY_FLAG, b"\0\0\0\0\x10", b""),
-    (h2.PADDED | h2.PRIORITY_FLAG, b"\x02\0\0\0\0\x10", b"\0\0"),
+    (http2.PADDED, b"\x03", b"\0\0\0"),
+    (http2.PRIORITY_FLAG, b"\0\0\0\0\x10", b""),
+    (http2.PADDED | http2.PRIORITY_FLAG, b"\x02\0\0\0\0\x10", b"\0\0"),
 ])
 def test_padding_and_priority_in_headers_are_not_part_of_the_header_block(flags: int, prefix: bytes,
                                                                             padding: bytes) -> None:
     """The path is read from the block alone: a refused service is refused, a relayed call goes
     on byte for byte (padding and priority included)."""
     p = Peers()
-    flags |= h2.END_HEADERS | h2.END_STREAM
-    p.from_client(h2.frame(h2.HEADERS, flags, 1, prefix + request_block("/containerd.services.images.v1.Images/Delete")
+    flags |= http2.END_HEADERS | http2.END_STREAM
+    p.from_client(http2.frame(http2.HEADERS, flags, 1, prefix + request_block("/containerd.services.images.v1.Images/Delete")
                            + padding))
     assert p.runtime_got() == []
     assert grpc_status(p.client_got(), 1)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]
-    relayed = h2.frame(h2.HEADERS, flags, 3, prefix + request_block(VERSION) + padding)
+    relayed = http2.frame(http2.HEADERS, flags, 3, prefix + request_block(VERSION) + padding)
     p.from_client(relayed)
     assert p.core.take_runtime() == relayed
 
@@ -266,33 +266,33 @@ def test_decoded_header_list_over_the_limit_refuses_the_stream_and_keeps_hpack_i
     p = Peers(limits(max_header_list_bytes=16384))
     enc = Encoder()
     first = enc.encode([(":method", "POST"), (":path", VERSION), ("x-big", "v" * 3000)])
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, first))
-    assert [t for t, *_ in p.runtime_got()] == [h2.HEADERS]
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, first))
+    assert [t for t, *_ in p.runtime_got()] == [http2.HEADERS]
     big_index = bytes([0x80 | 63])  # x-big, once :path REMOVE is in the table too
     block = enc.encode([(":method", "POST"), (":path", REMOVE)])
     block += big_index * 30
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 3, block))
-    assert rst(p.client_got(), 3) == h2.FRAME_SIZE_ERROR
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 3, block))
+    assert rst(p.client_got(), 3) == http2.FRAME_SIZE_ERROR
     got = p.runtime_got()
     # the block changed the client's table, so the runtime still decodes it, but on a
     # stream that never ends with a request and is cancelled at once
-    assert [(t, s) for t, _, s, _ in got] == [(h2.HEADERS, 3), (h2.RST_STREAM, 3)]
-    assert not got[0][1] & h2.END_STREAM
+    assert [(t, s) for t, _, s, _ in got] == [(http2.HEADERS, 3), (http2.RST_STREAM, 3)]
+    assert not got[0][1] & http2.END_STREAM
     p.from_client(headers(5, VERSION, end_stream=True))
-    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.HEADERS, 5)]
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(http2.HEADERS, 5)]
 
 
 def test_table_size_above_what_the_runtime_advertised_is_a_compression_error_once_acknowledged() -> None:
     p = Peers()
-    p.from_runtime(h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 0}))
+    p.from_runtime(http2.settings_frame({http2.SETTINGS_HEADER_TABLE_SIZE: 0}))
     p.client_got()
     enc = Encoder()
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, enc.encode([(":path", VERSION)])))
-    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0) * 2)  # the client got both of the runtime's SETTINGS
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, enc.encode([(":path", VERSION)])))
+    p.from_client(http2.frame(http2.SETTINGS, http2.ACK, 0) * 2)  # the client got both of the runtime's SETTINGS
     p.runtime_got()
     update_to_4096 = b"\x3f\xe1\x1f"
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 3, update_to_4096 + request_block(VERSION)))
-    closed_with(p, h2.COMPRESSION_ERROR)
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 3, update_to_4096 + request_block(VERSION)))
+    closed_with(p, http2.COMPRESSION_ERROR)
     assert p.runtime_got() == []
 
 
@@ -300,25 +300,25 @@ def test_the_client_may_use_the_default_table_toward_a_runtime_that_advertises_n
     """Relayed header blocks that index the dynamic table reach the runtime as they are,
     and the shim's copy of the table stays in step to read the next :path."""
     p = Peers()
-    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0))
+    p.from_client(http2.frame(http2.SETTINGS, http2.ACK, 0))
     enc = Encoder()
     paths = [VERSION, "/runtime.v1.RuntimeService/ListContainers", VERSION, VERSION]
     blocks = [enc.encode([(":method", "POST"), (":path", path), ("te", "trailers")]) for path in paths]
     assert len(blocks[3]) == 3  # three indexed fields: the table is in use
     for i, block in enumerate(blocks):
-        p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 2 * i + 1, block))
-    got = [(s, payload) for t, _, s, payload in p.runtime_got() if t == h2.HEADERS]
+        p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 2 * i + 1, block))
+    got = [(s, payload) for t, _, s, payload in p.runtime_got() if t == http2.HEADERS]
     assert got == [(2 * i + 1, block) for i, block in enumerate(blocks)]
     update_to_8192 = b"\x3f\xe1\x3f"
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 9, update_to_8192 + request_block(VERSION)))
-    closed_with(p, h2.COMPRESSION_ERROR)  # above the 4096 bytes the client was allowed
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 9, update_to_8192 + request_block(VERSION)))
+    closed_with(p, http2.COMPRESSION_ERROR)  # above the 4096 bytes the client was allowed
 
 
 def test_table_size_update_to_zero_is_fine() -> None:
     p = Peers()
-    p.from_client(h2.frame(h2.SETTINGS, h2.ACK, 0))
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, b"\x20" + request_block(VERSION)))
-    assert [t for t, *_ in p.runtime_got()] == [h2.SETTINGS, h2.HEADERS]
+    p.from_client(http2.frame(http2.SETTINGS, http2.ACK, 0))
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, b"\x20" + request_block(VERSION)))
+    assert [t for t, *_ in p.runtime_got()] == [http2.SETTINGS, http2.HEADERS]
 
 
 def test_path_cache_is_bounded_by_bytes() -> None:
@@ -343,20 +343,20 @@ def test_runtime_settings_reach_the_client_with_the_table_size_capped_and_the_he
         runtime_table: int | None, client_table: int) -> None:
     """The shim mirrors the client's HPACK table toward the runtime: at most 4096 bytes."""
     p = Peers(limits(max_header_list_bytes=20000))
-    sent = {h2.SETTINGS_MAX_HEADER_LIST_SIZE: 1 << 24}
+    sent = {http2.SETTINGS_MAX_HEADER_LIST_SIZE: 1 << 24}
     if runtime_table is not None:
-        sent[h2.SETTINGS_HEADER_TABLE_SIZE] = runtime_table
-    p.from_runtime(h2.settings_frame(sent))
+        sent[http2.SETTINGS_HEADER_TABLE_SIZE] = runtime_table
+    p.from_runtime(http2.settings_frame(sent))
     [(t, f, _, payload)] = p.client_got()
     values = settings_values(payload)
-    assert values[h2.SETTINGS_HEADER_TABLE_SIZE] == client_table and values[h2.SETTINGS_MAX_HEADER_LIST_SIZE] == 20000
+    assert values[http2.SETTINGS_HEADER_TABLE_SIZE] == client_table and values[http2.SETTINGS_MAX_HEADER_LIST_SIZE] == 20000
 
 
 def test_client_settings_reach_the_runtime_as_they_are() -> None:
     """The runtime's HPACK table toward the client is the client's business: the shim's own
-    header blocks neither index nor insert (h2.encode_headers)."""
+    header blocks neither index nor insert (http2.encode_headers)."""
     p = Peers()
-    frame = h2.settings_frame({h2.SETTINGS_HEADER_TABLE_SIZE: 65536, h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20})
+    frame = http2.settings_frame({http2.SETTINGS_HEADER_TABLE_SIZE: 65536, http2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20})
     p.from_client(frame)
     assert p.core.take_runtime() == frame
 
@@ -370,13 +370,13 @@ def test_new_streams_after_the_shims_goaway_are_refused_and_never_relayed(path: 
     p.from_client(headers(1, VERSION))
     p.runtime_got()
     p.core.begin_shutdown()
-    assert goaway_code(p.client_got()) == h2.NO_ERROR
+    assert goaway_code(p.client_got()) == http2.NO_ERROR
     p.from_client(headers(3, path) + data(3, message(b"\x0a\x05nginx"), end_stream=True))
     got = p.client_got()
-    assert rst(got, 3) == h2.REFUSED_STREAM
+    assert rst(got, 3) == http2.REFUSED_STREAM
     assert p.events() == []  # no handler runs
     p.from_client(data(1, message(b""), end_stream=True))  # the stream opened before goes on
-    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.DATA, 1)]
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(http2.DATA, 1)]
 
 
 def test_goaway_refusal_keeps_the_runtimes_hpack_table_in_step_without_a_request() -> None:
@@ -384,11 +384,11 @@ def test_goaway_refusal_keeps_the_runtimes_hpack_table_in_step_without_a_request
     p.core.begin_shutdown()
     p.client_got()
     block = Encoder().encode([(":method", "POST"), (":path", REMOVE), ("x-a", "b")])
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block) + data(1, b"x"))
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, block) + data(1, b"x"))
     got = p.runtime_got()
-    assert [(t, s) for t, _, s, _ in got] == [(h2.HEADERS, 1), (h2.RST_STREAM, 1)]
-    assert not got[0][1] & h2.END_STREAM  # the runtime waits for a body it never gets
-    assert rst(p.client_got(), 1) == h2.REFUSED_STREAM
+    assert [(t, s) for t, _, s, _ in got] == [(http2.HEADERS, 1), (http2.RST_STREAM, 1)]
+    assert not got[0][1] & http2.END_STREAM  # the runtime waits for a body it never gets
+    assert rst(p.client_got(), 1) == http2.REFUSED_STREAM
 
 
 # ------------------------------------------------------------------ intercepted streams
@@ -398,7 +398,7 @@ def test_intercepted_call_is_answered_locally_and_its_data_refunded() -> None:
     p = Peers()
     p.from_client(headers(1, PULL) + data(1, message(b"\x0a\x00")))
     assert p.runtime_got() == []
-    wus = [(s, int.from_bytes(pl, "big")) for t, _, s, pl in p.client_got() if t == h2.WINDOW_UPDATE]
+    wus = [(s, int.from_bytes(pl, "big")) for t, _, s, pl in p.client_got() if t == http2.WINDOW_UPDATE]
     assert wus == [(0, 7), (1, 7)]
     p.from_client(data(1, b"", end_stream=True))
     [ev] = p.events()
@@ -408,7 +408,7 @@ def test_intercepted_call_is_answered_locally_and_its_data_refunded() -> None:
     p.core.calls.send_data(s, message(b"ok"))
     p.core.calls.send_trailers(s, [(b"grpc-status", b"0")])
     got = p.client_got()
-    assert [(t, sid) for t, _, sid, _ in got] == [(h2.HEADERS, 1), (h2.DATA, 1), (h2.HEADERS, 1)]
+    assert [(t, sid) for t, _, sid, _ in got] == [(http2.HEADERS, 1), (http2.DATA, 1), (http2.HEADERS, 1)]
     assert grpc_status(got, 1) == (0, "")
     assert p.runtime_got() == []
 
@@ -421,10 +421,10 @@ def test_data_beyond_the_stream_window_is_a_flow_control_error() -> None:
     burst = b"".join(data(1, body[i:i + 16384]) for i in range(0, len(body), 16384))  # 128 KiB on a 64 KiB window
     p.from_client(burst)
     got = p.client_got()
-    assert rst(got, 1) == h2.FLOW_CONTROL_ERROR
+    assert rst(got, 1) == http2.FLOW_CONTROL_ERROR
     assert p.runtime_got() == []
     # the connection window of every byte is refunded (the runtime never saw them)
-    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 8 * 16384
+    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == http2.WINDOW_UPDATE and s == 0) == 8 * 16384
 
 
 def test_frames_for_a_stream_the_shim_refused_are_consumed_and_refunded_never_forwarded() -> None:
@@ -432,12 +432,12 @@ def test_frames_for_a_stream_the_shim_refused_are_consumed_and_refunded_never_fo
     p.from_client(headers(1, PULL) + data(1, b"x" * 2000))
     got = p.client_got()
     assert grpc_status(got, 1)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-    assert rst(got, 1) == h2.NO_ERROR  # stop sending
-    p.from_client(data(1, b"y" * 5000) + h2.window_update(1, 100) + h2.frame(h2.PRIORITY, 0, 1, b"\0\0\0\0\x10")
-                  + h2.rst_stream(1, h2.CANCEL) + data(1, b"z" * 10, end_stream=True))
+    assert rst(got, 1) == http2.NO_ERROR  # stop sending
+    p.from_client(data(1, b"y" * 5000) + http2.window_update(1, 100) + http2.frame(http2.PRIORITY, 0, 1, b"\0\0\0\0\x10")
+                  + http2.rst_stream(1, http2.CANCEL) + data(1, b"z" * 10, end_stream=True))
     assert p.runtime_got() == []
     got = p.client_got()
-    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 5010
+    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == http2.WINDOW_UPDATE and s == 0) == 5010
     assert goaway_code(got) is None
 
 
@@ -445,7 +445,7 @@ def test_client_reset_cancels_the_handler_and_later_frames_are_consumed() -> Non
     p = Peers()
     p.from_client(headers(1, PULL, end_stream=True))
     [ev] = p.events()
-    p.from_client(h2.rst_stream(1, h2.CANCEL) + h2.window_update(1, 10))
+    p.from_client(http2.rst_stream(1, http2.CANCEL) + http2.window_update(1, 10))
     assert p.events() == [Cancelled(1)]
     assert p.runtime_got() == []
     assert p.core.stream_gone(ev.stream)
@@ -455,8 +455,8 @@ def test_window_update_zero_on_an_intercepted_stream_resets_it() -> None:
     p = Peers()
     p.from_client(headers(1, PULL, end_stream=True))
     p.events()
-    p.from_client(h2.window_update(1, 0))
-    assert rst(p.client_got(), 1) == h2.PROTOCOL_ERROR
+    p.from_client(http2.window_update(1, 0))
+    assert rst(p.client_got(), 1) == http2.PROTOCOL_ERROR
     assert p.events() == [Cancelled(1)]
     assert p.runtime_got() == []
 
@@ -476,16 +476,16 @@ def test_client_settings_decrease_applies_on_receipt_and_increase_at_the_runtime
     p.from_client(headers(1, PULL, end_stream=True))
     [ev] = p.events()
     s: LocalStream = ev.stream
-    assert p.core.calls.send_room(s) == h2.DEFAULT_MAX_FRAME
-    p.from_client(h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 100}))
+    assert p.core.calls.send_room(s) == http2.DEFAULT_MAX_FRAME
+    p.from_client(http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: 100}))
     assert p.core.calls.send_room(s) == 100  # at once
-    p.from_client(h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20}))
+    p.from_client(http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: 1 << 20}))
     assert p.core.calls.send_room(s) == 100
-    p.from_runtime(h2.frame(h2.SETTINGS, h2.ACK, 0))  # ACK of the first
+    p.from_runtime(http2.frame(http2.SETTINGS, http2.ACK, 0))  # ACK of the first
     assert p.core.calls.send_room(s) == 100
-    p.from_runtime(h2.frame(h2.SETTINGS, h2.ACK, 0))  # ACK of the second
-    assert p.core.calls.send_room(s) == h2.DEFAULT_MAX_FRAME
-    assert [t for t, *_ in p.runtime_got()] == [h2.SETTINGS, h2.SETTINGS]
+    p.from_runtime(http2.frame(http2.SETTINGS, http2.ACK, 0))  # ACK of the second
+    assert p.core.calls.send_room(s) == http2.DEFAULT_MAX_FRAME
+    assert [t for t, *_ in p.runtime_got()] == [http2.SETTINGS, http2.SETTINGS]
 
 
 def test_shims_frames_never_land_inside_a_runtime_header_block() -> None:
@@ -494,20 +494,20 @@ def test_shims_frames_never_land_inside_a_runtime_header_block() -> None:
     [ev] = p.events()
     p.runtime_got()
     p.client_got()
-    block = h2.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
-    p.from_runtime(h2.frame(h2.HEADERS, 0, 1, block[:3]))
+    block = http2.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
+    p.from_runtime(http2.frame(http2.HEADERS, 0, 1, block[:3]))
     p.core.calls.answer_error(ev.stream, grpc.StatusCode.NOT_FOUND, "no")
-    assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.HEADERS, 1)]
-    p.from_runtime(h2.frame(h2.CONTINUATION, h2.END_HEADERS, 1, block[3:]))
-    assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.CONTINUATION, 1), (h2.HEADERS, 3)]
+    assert [(t, s) for t, _, s, _ in p.client_got()] == [(http2.HEADERS, 1)]
+    p.from_runtime(http2.frame(http2.CONTINUATION, http2.END_HEADERS, 1, block[3:]))
+    assert [(t, s) for t, _, s, _ in p.client_got()] == [(http2.CONTINUATION, 1), (http2.HEADERS, 3)]
 
 
 def test_trailers_after_end_stream_on_an_intercepted_stream_are_a_stream_error() -> None:
     p = Peers()
     p.from_client(headers(1, PULL, end_stream=True))
     p.events()
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, h2.encode_headers([(b"x", b"y")])))
-    assert rst(p.client_got(), 1) == h2.STREAM_CLOSED
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, http2.encode_headers([(b"x", b"y")])))
+    assert rst(p.client_got(), 1) == http2.STREAM_CLOSED
 
 
 # ------------------------------------------------------------------ no runtime
@@ -515,16 +515,16 @@ def test_trailers_after_end_stream_on_an_intercepted_stream_are_a_stream_error()
 
 def test_without_a_runtime_the_core_is_the_server() -> None:
     p = Peers(relay=False)
-    p.from_client(h2.settings_frame({}) + h2.frame(h2.PING, 0, 0, b"p" * 8) + headers(1, VERSION)
+    p.from_client(http2.settings_frame({}) + http2.frame(http2.PING, 0, 0, b"p" * 8) + headers(1, VERSION)
                   + data(1, message(b"abc"), end_stream=True))
     got = p.client_got()
-    assert (h2.SETTINGS, h2.ACK, 0, b"") in got
-    assert (h2.PING, h2.ACK, 0, b"p" * 8) in got
+    assert (http2.SETTINGS, http2.ACK, 0, b"") in got
+    assert (http2.PING, http2.ACK, 0, b"p" * 8) in got
     code, msg = grpc_status(got, 1)
     assert code == grpc.StatusCode.UNAVAILABLE.value[0] and "not reachable" in msg
-    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 8
+    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == http2.WINDOW_UPDATE and s == 0) == 8
     p.from_client(data(9, b"x"))  # DATA on an idle stream
-    closed_with(p, h2.PROTOCOL_ERROR)
+    closed_with(p, http2.PROTOCOL_ERROR)
 
 
 def test_runtime_lost_with_a_local_call_running_answers_relayed_calls_and_refuses_new_ones() -> None:
@@ -534,10 +534,10 @@ def test_runtime_lost_with_a_local_call_running_answers_relayed_calls_and_refuse
     p.runtime_got()
     assert p.core.runtime_lost() is False
     got = p.client_got()
-    assert goaway_code(got) == h2.NO_ERROR and grpc_status(got, 1)[0] == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert goaway_code(got) == http2.NO_ERROR and grpc_status(got, 1)[0] == grpc.StatusCode.UNAVAILABLE.value[0]
     p.from_client(headers(5, PULL, end_stream=True) + data(1, b"late"))
     got = p.client_got()
-    assert rst(got, 5) == h2.REFUSED_STREAM and goaway_code(got) is None
+    assert rst(got, 5) == http2.REFUSED_STREAM and goaway_code(got) is None
     p.core.calls.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 3) == (0, "")
 
@@ -619,14 +619,14 @@ def test_a_remembered_block_still_counts_against_the_header_list_limit() -> None
 
 def test_the_runtimes_pings_are_answered_by_the_shim_and_never_reach_the_client() -> None:
     p = Peers()
-    p.from_runtime(h2.frame(h2.PING, 0, 0, b"bdp-ping"))
+    p.from_runtime(http2.frame(http2.PING, 0, 0, b"bdp-ping"))
     assert p.client_got() == []
-    assert p.runtime_got() == [(h2.PING, h2.ACK, 0, b"bdp-ping")]
+    assert p.runtime_got() == [(http2.PING, http2.ACK, 0, b"bdp-ping")]
     # its ACKs of the client's PINGs, and PINGs that break the frame layer, go to the client
-    p.from_runtime(h2.frame(h2.PING, h2.ACK, 0, b"client-p"))
-    p.from_runtime(h2.frame(h2.PING, 0, 0, b"short"))
-    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(h2.PING, h2.ACK, b"client-p"),
-                                                                       (h2.PING, 0, b"short")]
+    p.from_runtime(http2.frame(http2.PING, http2.ACK, 0, b"client-p"))
+    p.from_runtime(http2.frame(http2.PING, 0, 0, b"short"))
+    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(http2.PING, http2.ACK, b"client-p"),
+                                                                       (http2.PING, 0, b"short")]
     assert p.runtime_got() == []
 
 
@@ -634,11 +634,11 @@ def test_while_the_runtime_reads_slowly_its_pings_go_to_the_client() -> None:
     """The shim adds none of its own frames to what the runtime has not read."""
     p = Peers()
     p.core.runtime_slow = True
-    p.from_runtime(h2.frame(h2.PING, 0, 0, b"keepaliv"))
+    p.from_runtime(http2.frame(http2.PING, 0, 0, b"keepaliv"))
     assert p.runtime_got() == []
-    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(h2.PING, 0, b"keepaliv")]
-    p.from_client(h2.frame(h2.PING, h2.ACK, 0, b"keepaliv"))
-    assert p.runtime_got() == [(h2.PING, h2.ACK, 0, b"keepaliv")]
+    assert [(t, f, payload) for t, f, _, payload in p.client_got()] == [(http2.PING, 0, b"keepaliv")]
+    p.from_client(http2.frame(http2.PING, http2.ACK, 0, b"keepaliv"))
+    assert p.runtime_got() == [(http2.PING, http2.ACK, 0, b"keepaliv")]
 
 
 GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()), (b":authority", b"x"),
@@ -661,19 +661,19 @@ GOOD = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", PULL.encode()),
         "two-methods", "two-schemes", "two-paths", "connection", "te-not-trailers"])
 def test_malformed_intercepted_request_is_a_stream_protocol_error(fields) -> None:
     p = Peers()
-    p.from_client(h2.headers_frames(1, h2.encode_headers(fields), True, h2.DEFAULT_MAX_FRAME))
-    assert rst(p.client_got(), 1) == h2.PROTOCOL_ERROR
+    p.from_client(http2.headers_frames(1, http2.encode_headers(fields), True, http2.DEFAULT_MAX_FRAME))
+    assert rst(p.client_got(), 1) == http2.PROTOCOL_ERROR
     assert p.events() == [] and p.runtime_got() == []
-    p.from_client(h2.headers_frames(3, h2.encode_headers(GOOD), True, h2.DEFAULT_MAX_FRAME))
+    p.from_client(http2.headers_frames(3, http2.encode_headers(GOOD), True, http2.DEFAULT_MAX_FRAME))
     [ev] = p.events()
     assert isinstance(ev, Request) and ev.stream.sid == 3
 
 
 def test_pseudo_header_in_trailers_is_a_stream_protocol_error() -> None:
     p = Peers()
-    p.from_client(h2.headers_frames(1, h2.encode_headers(GOOD), False, h2.DEFAULT_MAX_FRAME))
-    p.from_client(h2.headers_frames(1, h2.encode_headers([(b":method", b"POST")]), True, h2.DEFAULT_MAX_FRAME))
-    assert rst(p.client_got(), 1) == h2.PROTOCOL_ERROR
+    p.from_client(http2.headers_frames(1, http2.encode_headers(GOOD), False, http2.DEFAULT_MAX_FRAME))
+    p.from_client(http2.headers_frames(1, http2.encode_headers([(b":method", b"POST")]), True, http2.DEFAULT_MAX_FRAME))
+    assert rst(p.client_got(), 1) == http2.PROTOCOL_ERROR
     assert p.events() == []
 
 
@@ -688,8 +688,8 @@ def test_data_after_the_clients_end_stream_is_stream_closed(answered: bool) -> N
     p.client_got()
     p.from_client(data(1, b"late"))
     got = p.client_got()
-    assert rst(got, 1) == h2.STREAM_CLOSED
-    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == h2.WINDOW_UPDATE and s == 0) == 4
+    assert rst(got, 1) == http2.STREAM_CLOSED
+    assert sum(int.from_bytes(pl, "big") for t, _, s, pl in got if t == http2.WINDOW_UPDATE and s == 0) == 4
     assert p.runtime_got() == []
 
 
@@ -708,7 +708,7 @@ def test_requests_share_one_process_wide_budget_until_their_handler_ends() -> No
     code, msg = grpc_status(b.client_got(), 1)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "server.max_request_buffer_bytes" in msg
     assert budget.used == hdr + 800  # the refused request holds nothing
-    a.from_client(h2.rst_stream(1, h2.CANCEL))  # the slow sender gives up: its bytes are free again
+    a.from_client(http2.rst_stream(1, http2.CANCEL))  # the slow sender gives up: its bytes are free again
     assert budget.used == 0
     b.from_client(headers(3, PULL) + data(3, message(b"y" * 295), end_stream=True))
     [ev] = b.events()
@@ -764,7 +764,7 @@ def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout()
     core = RelayCore(limits(request_buffer=budget), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
-    core.receive_client(h2.PREFACE)
+    core.receive_client(http2.PREFACE)
     core.start_relay()
     core.take_events(), core.take_client(), core.take_runtime()
     p.from_client(headers(1, PULL) + data(1, message(b"x" * 100)[:50]))
@@ -783,9 +783,9 @@ def test_a_request_whose_body_does_not_arrive_is_ended_after_the_stall_timeout()
 def test_headers_after_the_client_reset_an_intercepted_stream_is_stream_closed() -> None:
     p = Peers()
     p.from_client(headers(1, PULL))
-    p.from_client(h2.rst_stream(1, h2.CANCEL))
+    p.from_client(http2.rst_stream(1, http2.CANCEL))
     p.from_client(headers(1, PULL, end_stream=True))
-    assert rst(p.client_got(), 1) == h2.STREAM_CLOSED
+    assert rst(p.client_got(), 1) == http2.STREAM_CLOSED
     assert p.runtime_got() == [] and p.events() == []
 
 
@@ -794,10 +794,10 @@ def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not(
     core = RelayCore(limits(), ROUTE, clock=lambda: now[0])
     p = Peers.__new__(Peers)
     p.core = core
-    core.receive_client(h2.PREFACE)
+    core.receive_client(http2.PREFACE)
     core.start_local("cri-shim: no runtime")
     p.client_got()
-    ping = h2.frame(h2.PING, 0, 0, b"p" * 8)
+    ping = http2.frame(http2.PING, 0, 0, b"p" * 8)
     for i in range(300):  # a client answered by the shim, PINGing after each answer (BDP probes)
         sid = 2 * i + 1
         p.from_client(headers(sid, VERSION, end_stream=True) + ping)
@@ -808,7 +808,7 @@ def test_pings_without_data_in_between_are_limited_but_pings_after_data_are_not(
     p.from_client(ping * 10)  # ten a second after it
     assert goaway_code(p.client_got()) is None
     p.from_client(ping)
-    closed_with(p, h2.ENHANCE_YOUR_CALM)
+    closed_with(p, http2.ENHANCE_YOUR_CALM)
 
 
 def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() -> None:
@@ -816,14 +816,14 @@ def test_runtime_answer_on_a_stream_the_shim_answers_never_reaches_the_client() 
     reads our RST_STREAM: trailers, then RST_STREAM(NO_ERROR). The client sees only the shim's answer."""
     p = Peers()
     block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", PULL), (":authority", "x")])
-    p.from_client(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, block))
+    p.from_client(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, block))
     [ev] = p.events()
-    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.HEADERS, 1), (h2.RST_STREAM, 1)]
-    trailers = h2.encode_headers([(b":status", b"200"), (b"grpc-status", b"12")])
-    p.from_runtime(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, 1, trailers) + data(1, b"x")
-                   + h2.rst_stream(1, h2.NO_ERROR) + h2.window_update(0, 7))
-    assert [(t, s) for t, _, s, _ in p.client_got()] == [(h2.WINDOW_UPDATE, 0)]
-    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(h2.WINDOW_UPDATE, 0)]  # its DATA's window back
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(http2.HEADERS, 1), (http2.RST_STREAM, 1)]
+    trailers = http2.encode_headers([(b":status", b"200"), (b"grpc-status", b"12")])
+    p.from_runtime(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, trailers) + data(1, b"x")
+                   + http2.rst_stream(1, http2.NO_ERROR) + http2.window_update(0, 7))
+    assert [(t, s) for t, _, s, _ in p.client_got()] == [(http2.WINDOW_UPDATE, 0)]
+    assert [(t, s) for t, _, s, _ in p.runtime_got()] == [(http2.WINDOW_UPDATE, 0)]  # its DATA's window back
     p.core.calls.send_trailers(ev.stream, [(b"grpc-status", b"0")])
     assert grpc_status(p.client_got(), 1) == (0, "")
 
@@ -832,10 +832,10 @@ def test_a_refused_service_is_answered_with_its_status_and_never_relayed() -> No
     p = Peers(limits())
     p.from_client(headers(1, "/containerd.services.images.v1.Images/Delete", end_stream=True))
     p.from_client(headers(3, "/runtime.v1alpha2.ImageService/RemoveImage", end_stream=True))
-    p.from_client(h2.headers_frames(5, request_block("/containerd.services.images.v1.Images/Delete")
-                                    + request_block("/x"), True, h2.DEFAULT_MAX_FRAME))  # malformed: judged first
+    p.from_client(http2.headers_frames(5, request_block("/containerd.services.images.v1.Images/Delete")
+                                    + request_block("/x"), True, http2.DEFAULT_MAX_FRAME))  # malformed: judged first
     assert p.runtime_got() == []
     got = p.client_got()
     assert grpc_status(got, 1)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]
     assert grpc_status(got, 3) == (grpc.StatusCode.UNIMPLEMENTED.value[0], "unknown service runtime.v1alpha2.ImageService")
-    assert rst(got, 5) == h2.PROTOCOL_ERROR and grpc_status(got, 5) is None
+    assert rst(got, 5) == http2.PROTOCOL_ERROR and grpc_status(got, 5) is None

@@ -17,7 +17,7 @@ import asyncio
 
 from hpack import Encoder
 
-from shim.relay import h2
+from shim.relay import http2
 from tests.support.inproc import running_shim
 
 STREAM = "/runtime.v1.ImageService/StreamImages"
@@ -36,12 +36,12 @@ def frames(buf: bytearray) -> list[tuple[int, int, int, bytes]]:
 
 
 async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_client(tmp_path) -> None:
-    marker = h2.window_update(0, 12345)  # a frame of the runtime's that reaches the client as it is
+    marker = http2.window_update(0, 12345)  # a frame of the runtime's that reaches the client as it is
     runtime_done = asyncio.Event()
 
     async def runtime(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """grpc-go's way with an unknown method: trailers on HEADERS, then RST_STREAM(NO_ERROR)."""
-        writer.write(h2.settings_frame({}))
+        writer.write(http2.settings_frame({}))
         buf = bytearray()
         preface_seen = False
         trailers = Encoder().encode([(":status", "200"), ("content-type", "application/grpc"),
@@ -49,16 +49,16 @@ async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_clien
         while data := await reader.read(65536):
             buf += data
             if not preface_seen:
-                if len(buf) < len(h2.PREFACE):
+                if len(buf) < len(http2.PREFACE):
                     continue
-                del buf[:len(h2.PREFACE)]
+                del buf[:len(http2.PREFACE)]
                 preface_seen = True
             for ftype, flags, sid, _ in frames(buf):
-                if ftype == h2.SETTINGS and not flags & h2.ACK:
-                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                elif ftype == h2.HEADERS:
-                    writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, sid, trailers)
-                                 + h2.rst_stream(sid, h2.NO_ERROR)
+                if ftype == http2.SETTINGS and not flags & http2.ACK:
+                    writer.write(http2.frame(http2.SETTINGS, http2.ACK, 0))
+                elif ftype == http2.HEADERS:
+                    writer.write(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid, trailers)
+                                 + http2.rst_stream(sid, http2.NO_ERROR)
                                  + marker)  # everything before it has been relayed
         writer.close()
         runtime_done.set()
@@ -77,8 +77,8 @@ async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_clien
         block = Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", STREAM),
                                   (":authority", "localhost"), ("content-type", "application/grpc"),
                                   ("te", "trailers")])
-        writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.HEADERS, h2.END_HEADERS, 1, block)
-                     + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\x00\x00\x00\x00\x00"))
+        writer.write(http2.PREFACE + http2.settings_frame({}) + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block)
+                     + http2.frame(http2.DATA, http2.END_STREAM, 1, b"\x00\x00\x00\x00\x00"))
         seen: list[tuple[int, int, int]] = []
         buf = bytearray()
         ended = False
@@ -88,14 +88,14 @@ async def test_runtime_frames_on_a_stream_the_shim_answers_never_reach_the_clien
             buf += data
             for ftype, flags, sid, payload in frames(buf):
                 seen.append((ftype, flags, sid))
-                if ftype == h2.WINDOW_UPDATE and sid == 0 and payload == marker[9:]:
+                if ftype == http2.WINDOW_UPDATE and sid == 0 and payload == marker[9:]:
                     relayed.set()
-                elif ftype == h2.SETTINGS and not flags & h2.ACK:
-                    writer.write(h2.frame(h2.SETTINGS, h2.ACK, 0))
-                elif sid == 1 and (ftype == h2.RST_STREAM or (ftype == h2.HEADERS and flags & h2.END_STREAM)):
+                elif ftype == http2.SETTINGS and not flags & http2.ACK:
+                    writer.write(http2.frame(http2.SETTINGS, http2.ACK, 0))
+                elif sid == 1 and (ftype == http2.RST_STREAM or (ftype == http2.HEADERS and flags & http2.END_STREAM)):
                     ended = True
         writer.close()
     await asyncio.wait_for(runtime_done.wait(), 10)  # the shim closed its runtime connection
     server.close()
-    on_stream = [t for t, _, s in seen if s == 1 and t in (h2.HEADERS, h2.DATA, h2.RST_STREAM)]
-    assert on_stream == [h2.HEADERS, h2.DATA, h2.HEADERS], on_stream  # the shim's answer: headers, message, trailers
+    on_stream = [t for t, _, s in seen if s == 1 and t in (http2.HEADERS, http2.DATA, http2.RST_STREAM)]
+    assert on_stream == [http2.HEADERS, http2.DATA, http2.HEADERS], on_stream  # the shim's answer: headers, message, trailers

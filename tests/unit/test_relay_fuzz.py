@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shim.relay import h2
+from shim.relay import http2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 
@@ -18,7 +18,7 @@ VERSION = "/runtime.v1.RuntimeService/Version"
 frames = st.lists(
     st.tuples(st.integers(0, 12), st.integers(0, 255), st.integers(0, 9), st.binary(max_size=64)),
     max_size=8,
-).map(lambda fs: b"".join(h2.frame(t, f, sid, p) for t, f, sid, p in fs))
+).map(lambda fs: b"".join(http2.frame(t, f, sid, p) for t, f, sid, p in fs))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def fuzz_env(tmp_path_factory):
 
 async def _send_garbage(path: str, data: bytes, with_preface: bool) -> None:
     reader, writer = await asyncio.open_unix_connection(path)
-    writer.write((h2.PREFACE if with_preface else b"") + data)
+    writer.write((http2.PREFACE if with_preface else b"") + data)
     try:
         await writer.drain()
         await asyncio.wait_for(reader.read(65536), 0.2)

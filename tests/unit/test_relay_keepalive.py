@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from shim.cri import protowire as wire
-from shim.relay import h2
+from shim.relay import http2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 
@@ -60,20 +60,20 @@ def parse_frames(buf: bytes) -> tuple[list[tuple[int, int, bytes]], bytes]:
 async def test_ping_is_acknowledged_by_the_relay_and_a_bad_one_closes_the_connection(runtime: FakeRuntime) -> None:
     async with running_shim(runtime.endpoint, engine="relay") as shim:
         reader, writer = await asyncio.open_unix_connection(shim.path)
-        writer.write(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + h2.frame(h2.PING, 0, 0, b"12345678"))
+        writer.write(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.PING, 0, 0, b"12345678"))
         frames: list[tuple[int, int, bytes]] = []
         buf = b""
-        while (h2.PING, h2.ACK, b"12345678") not in frames:
+        while (http2.PING, http2.ACK, b"12345678") not in frames:
             buf += await asyncio.wait_for(reader.read(65536), 5)
             got, buf = parse_frames(buf)
             frames += got
-        writer.write(h2.frame(h2.PING, 0, 0, b"short"))  # a PING carries exactly 8 bytes
+        writer.write(http2.frame(http2.PING, 0, 0, b"short"))  # a PING carries exactly 8 bytes
         await writer.drain()
         try:
             while chunk := await asyncio.wait_for(reader.read(65536), 5):
                 buf += chunk
         except ConnectionError:
             pass
-        goaways = [payload for t, _, payload in parse_frames(buf)[0] if t == h2.GOAWAY]
-        assert goaways and int.from_bytes(goaways[-1][4:8], "big") == h2.FRAME_SIZE_ERROR
+        goaways = [payload for t, _, payload in parse_frames(buf)[0] if t == http2.GOAWAY]
+        assert goaways and int.from_bytes(goaways[-1][4:8], "big") == http2.FRAME_SIZE_ERROR
         writer.close()

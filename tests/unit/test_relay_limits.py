@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from shim.relay import h2
+from shim.relay import http2
 from shim.relay.hpack_decoder import Decoder
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
@@ -56,7 +56,7 @@ async def test_ping_flood_is_answered_with_enhance_your_calm(runtime: FakeRuntim
     runtime.unary[VERSION] = b"v"
     async with running_shim(runtime.endpoint, engine="relay") as shim:
         reader, writer = await asyncio.open_unix_connection(shim.path)
-        writer.write(h2.PREFACE + h2.settings_frame({}) + h2.frame(h2.PING, 0, 0, b"12345678") * 100_000)
+        writer.write(http2.PREFACE + http2.settings_frame({}) + http2.frame(http2.PING, 0, 0, b"12345678") * 100_000)
         got = b""
         with contextlib.suppress(ConnectionError):
             async with asyncio.timeout(5):
@@ -68,10 +68,10 @@ async def test_ping_flood_is_answered_with_enhance_your_calm(runtime: FakeRuntim
             n = int.from_bytes(got[:3], "big")
             frames.append((got[3], got[9:9 + n]))
             got = got[9 + n:]
-        acks = [p for t, p in frames if t == h2.PING]
-        goaway = [p for t, p in frames if t == h2.GOAWAY]
+        acks = [p for t, p in frames if t == http2.PING]
+        goaway = [p for t, p in frames if t == http2.GOAWAY]
         assert 100 <= len(acks) < 200  # the burst, not 100,000 answers
-        assert goaway and int.from_bytes(goaway[-1][4:8], "big") == h2.ENHANCE_YOUR_CALM
+        assert goaway and int.from_bytes(goaway[-1][4:8], "big") == http2.ENHANCE_YOUR_CALM
         assert b"too many PINGs" in goaway[-1][8:]
         assert await version(shim.endpoint) == b"v"
 
@@ -86,13 +86,13 @@ async def test_client_that_reads_nothing_stops_being_read_then_is_disconnected(r
                            "write_stall_seconds": 0.5}}
     async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
         reader, writer = await asyncio.open_unix_connection(shim.path)
-        block = h2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", LIST.encode()),
+        block = http2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", LIST.encode()),
                                    (b":authority", b"x"), (b"content-type", b"application/grpc"),
                                    (b"te", b"trailers")])
         big = 1 << 30  # windows wide open: only the socket and the shim's buffer hold it back
-        writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: big - 1})
-                     + h2.window_update(0, big) + h2.headers_frames(1, block, False, h2.DEFAULT_MAX_FRAME)
-                     + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\0\0\0\0\0"))
+        writer.write(http2.PREFACE + http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: big - 1})
+                     + http2.window_update(0, big) + http2.headers_frames(1, block, False, http2.DEFAULT_MAX_FRAME)
+                     + http2.frame(http2.DATA, http2.END_STREAM, 1, b"\0\0\0\0\0"))
         conn = None
         for _ in range(100):
             conn = next(iter(shim.server.relay.connections), None)
@@ -127,7 +127,7 @@ async def test_connections_over_the_cap_are_closed_when_all_are_busy_and_idle_on
                     break
                 await asyncio.sleep(0.02)
             reader, writer = await asyncio.open_unix_connection(shim.path)
-            writer.write(h2.PREFACE)
+            writer.write(http2.PREFACE)
             assert await closed_by_peer(reader, 5) == 0  # refused: every connection is busy
             assert "connection refused: server.max_connections reached" in caplog.text
             release.set()
@@ -166,7 +166,7 @@ async def test_silent_connections_open_no_runtime_connection_and_are_closed(runt
             assert await closed_by_peer(reader, 5) == 0
         assert time.monotonic() - t0 < 3
         reader, writer = await asyncio.open_unix_connection(shim.path)
-        writer.write(h2.PREFACE)  # a valid preface: now the runtime is connected
+        writer.write(http2.PREFACE)  # a valid preface: now the runtime is connected
         for _ in range(100):
             if any(c.upstream is not None for c in relay.connections):
                 break
@@ -185,7 +185,7 @@ async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -
                 fsid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
                 if fsid == sid:
                     out.append((ftype, flags, buf[9:9 + n]))
-                    if ftype == h2.RST_STREAM or (ftype == h2.HEADERS and flags & h2.END_STREAM):
+                    if ftype == http2.RST_STREAM or (ftype == http2.HEADERS and flags & http2.END_STREAM):
                         return out
                 buf = buf[9 + n:]
             data = await reader.read(1 << 16)
@@ -204,23 +204,23 @@ async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtim
         reader, writer = await asyncio.open_unix_connection(shim.path)
 
         def request(sid: int, path: str) -> bytes:
-            block = h2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
+            block = http2.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
                                        (b":authority", b"x"), (b"content-type", b"application/grpc"),
                                        (b"te", b"trailers")])
-            return h2.headers_frames(sid, block, False, h2.DEFAULT_MAX_FRAME)
+            return http2.headers_frames(sid, block, False, http2.DEFAULT_MAX_FRAME)
 
-        writer.write(h2.PREFACE + h2.settings_frame({h2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
+        writer.write(http2.PREFACE + http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
                      + request(1, "/runtime.v1.ImageService/PullImage")
-                     + h2.frame(h2.DATA, 0, 1, b"\0\0\0\0\x64" + b"x" * 10))  # 100 bytes declared, 10 sent
+                     + http2.frame(http2.DATA, 0, 1, b"\0\0\0\0\x64" + b"x" * 10))  # 100 bytes declared, 10 sent
         t0 = time.monotonic()
         frames = await _frames_until(reader, 1, 10)
         assert time.monotonic() - t0 >= 0.4
         status = dict(Decoder().decode(frames[-1][2], full=True)[1])
         assert status[b"grpc-status"] == b"4" and b"server.stream_stall_seconds" in status[b"grpc-message"]
-        writer.write(request(3, "/runtime.v1.ImageService/ListImages") + h2.frame(h2.DATA, h2.END_STREAM, 3,
+        writer.write(request(3, "/runtime.v1.ImageService/ListImages") + http2.frame(http2.DATA, http2.END_STREAM, 3,
                                                                                    b"\0\0\0\0\0"))
         frames = await _frames_until(reader, 3, 10)
-        assert frames[-1][0] == h2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == h2.CANCEL
-        assert not any(t == h2.DATA for t, _, _ in frames)  # nothing was sent past the zero window
+        assert frames[-1][0] == http2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == http2.CANCEL
+        assert not any(t == http2.DATA for t, _, _ in frames)  # nothing was sent past the zero window
         assert (limits.calls.used, limits.request_buffer.used) == (0, 0)
         writer.close()

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 
-from shim.relay import h2
+from shim.relay import http2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 
@@ -47,8 +47,8 @@ class RawPeer:
                 self.closed = True
                 break
             self.buf += data
-            if self.buf.startswith(h2.PREFACE):  # a client's preface is not a frame
-                self.buf = self.buf[len(h2.PREFACE):]
+            if self.buf.startswith(http2.PREFACE):  # a client's preface is not a frame
+                self.buf = self.buf[len(http2.PREFACE):]
             while len(self.buf) >= 9 and len(self.buf) >= 9 + int.from_bytes(self.buf[:3], "big"):
                 n = int.from_bytes(self.buf[:3], "big")
                 sid = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
@@ -58,16 +58,16 @@ class RawPeer:
 
 
 def pings(frames: list[Frame], ack: bool) -> list[bytes]:
-    return [p for t, f, _, p in frames if t == h2.PING and bool(f & h2.ACK) == ack]
+    return [p for t, f, _, p in frames if t == http2.PING and bool(f & http2.ACK) == ack]
 
 
 @contextlib.asynccontextmanager
 async def client(path: str) -> AsyncIterator[RawPeer]:
     reader, writer = await asyncio.open_unix_connection(path)
     peer = RawPeer(reader, writer)
-    peer.send(h2.PREFACE + h2.settings_frame({}))
+    peer.send(http2.PREFACE + http2.settings_frame({}))
     await peer.frames(0.2)
-    peer.send(h2.frame(h2.SETTINGS, h2.ACK, 0))
+    peer.send(http2.frame(http2.SETTINGS, http2.ACK, 0))
     try:
         yield peer
     finally:
@@ -79,11 +79,11 @@ async def test_many_pings_do_not_get_the_connection_closed(runtime: FakeRuntime)
         async with client(shim.path) as c:
             got: list[Frame] = []
             for i in range(8):
-                c.send(h2.frame(h2.PING, 0, 0, bytes([i]) * 8))
+                c.send(http2.frame(http2.PING, 0, 0, bytes([i]) * 8))
                 got += await c.frames(0.05)
             got += await c.frames(0.3)
             assert not c.closed
-    assert [t for t, *_ in got if t == h2.GOAWAY] == []
+    assert [t for t, *_ in got if t == http2.GOAWAY] == []
     assert pings(got, ack=True) == [bytes([i]) * 8 for i in range(8)]
 
 
@@ -104,33 +104,33 @@ async def test_pings_reach_the_runtime_when_it_would_take_them(tmp_path) -> None
                 await asyncio.sleep(0.2)
                 # The relay's connection is the one that gets the first PING (the shim's
                 # own gRPC channel to the runtime connects here too).
-                c.send(h2.frame(h2.PING, 0, 0, b"\x01" * 8))
+                c.send(http2.frame(http2.PING, 0, 0, b"\x01" * 8))
                 got = await asyncio.gather(*(peer.frames(0.2) for peer in seen))
                 [rt] = [peer for peer, frames in zip(seen, got) if pings(frames, ack=False)]
                 assert [pings(frames, ack=False) for frames in got if pings(frames, ack=False)] == [[b"\x01" * 8]]
-                rt.send(h2.frame(h2.PING, h2.ACK, 0, b"\x01" * 8))
+                rt.send(http2.frame(http2.PING, http2.ACK, 0, b"\x01" * 8))
                 assert pings(await c.frames(0.1), ack=True) == [b"\x01" * 8]
 
                 async def ping(n: int) -> tuple[list[bytes], list[bytes]]:
                     """PING n; (PINGs the runtime got, PING ACKs the client got)."""
-                    c.send(h2.frame(h2.PING, 0, 0, bytes([n]) * 8))
+                    c.send(http2.frame(http2.PING, 0, 0, bytes([n]) * 8))
                     to_runtime = pings(await rt.frames(0.1), ack=False)
                     for p in to_runtime:  # the runtime answers what it gets
-                        rt.send(h2.frame(h2.PING, h2.ACK, 0, p))
+                        rt.send(http2.frame(http2.PING, http2.ACK, 0, p))
                     return to_runtime, pings(await c.frames(0.1), ack=True)
 
                 assert await ping(2) == ([], [b"\x02" * 8])  # runtime silent since: answered here
                 assert await ping(3) == ([], [b"\x03" * 8])
-                rt.send(h2.frame(h2.DATA, 0, 1, b"x"))  # the runtime speaks on a stream
+                rt.send(http2.frame(http2.DATA, 0, 1, b"x"))  # the runtime speaks on a stream
                 await c.frames(0.1)
                 assert await ping(4) == ([b"\x04" * 8], [b"\x04" * 8])
                 assert await ping(5) == ([], [b"\x05" * 8])
                 # The runtime's own PINGs are answered by the shim, and never reach the client.
-                rt.send(h2.frame(h2.PING, 0, 0, b"R" * 8))
+                rt.send(http2.frame(http2.PING, 0, 0, b"R" * 8))
                 assert pings(await rt.frames(0.1), ack=True) == [b"R" * 8]
                 assert pings(await c.frames(0.1), ack=False) == []
                 # A client's ACK goes through all the same (the runtime judges it).
-                c.send(h2.frame(h2.PING, h2.ACK, 0, b"S" * 8))
+                c.send(http2.frame(http2.PING, http2.ACK, 0, b"S" * 8))
                 assert pings(await rt.frames(0.1), ack=True) == [b"S" * 8]
     finally:
         server.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shim.cri.routing import Router
-from shim.relay import h2
+from shim.relay import http2
 from shim.relay.core import RelayCore
 from shim.relay.events import Request
 from shim.relay.streams import (CLOSED_LOCAL_MEMORY, ENDED, OPEN_LOCAL, OPEN_RELAYED, TRANSITIONS, Event,
@@ -58,10 +58,10 @@ def test_the_route_is_decided_once_at_the_headers_and_the_handler_rides_on_the_s
 
     p = Peers()
     p.core = RelayCore(limits(), route)
-    p.from_client(h2.PREFACE)
+    p.from_client(http2.PREFACE)
     p.events()
     p.core.start_relay()
-    p.from_runtime(h2.settings_frame({}))
+    p.from_runtime(http2.settings_frame({}))
     p.from_client(headers(1, PULL) + headers(3, VERSION))
     router.set_table({PULL: "second"})  # a reload while the request body is on its way
     p.from_client(data(1, message(b"x"), end_stream=True))

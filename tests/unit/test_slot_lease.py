@@ -27,7 +27,6 @@ def leased(timeout: float) -> tuple[Upstream, PullScheduler, SlotLease]:
     """A scheduler with a cap of 1 and a lease whose pulls are never judged (as on CRI-O)."""
     up, s = Upstream(), PullScheduler(max_parallel=1)
     lease = SlotLease(s, lambda f: CRIO, timeout=timeout)
-    s.observers.append(lease)
     return up, s, lease
 
 
@@ -103,12 +102,10 @@ async def test_release_refuses_a_queued_or_finished_flight() -> None:
 
 
 async def test_the_lease_releases_only_what_the_guard_cannot_judge() -> None:
-    up, s = Upstream(), PullScheduler(max_parallel=2)
     metrics = Metrics()
-    s.observers.append(metrics)
+    up, s = Upstream(), PullScheduler(max_parallel=2, observers=[metrics])
     judged = {"watched": None, "crio": CRIO}
     lease = SlotLease(s, lambda f: judged[f.key.image], timeout=3600)
-    s.observers.append(lease)
     events: list[str] = []
     tasks = [asyncio.create_task(s.pull(key(i), up.runner(i), listener=lambda e, a: events.append(e)))
              for i in ("watched", "crio")]
@@ -154,7 +151,6 @@ async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None
 async def test_without_a_cap_nothing_is_released() -> None:
     up, s = Upstream(), PullScheduler(max_parallel=0)
     lease = SlotLease(s, lambda f: CRIO, timeout=3600)
-    s.observers.append(lease)
     hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
     await settle()
     f = flight_of(s, "hung")

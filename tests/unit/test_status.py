@@ -13,7 +13,7 @@ import pytest
 
 from shim import cli
 from shim.proto.runtime.v1 import api_pb2
-from shim.process.status_view import print_status
+from shim.process.status_render import print_status
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 

@@ -63,7 +63,9 @@ def _generation(value: str) -> int:
     return int(value) if value.isdigit() else 0
 
 
-class NodeStatus:
+class NodeReport:
+    """Writes this node's NodeImageSetStatus (server-side apply, coalesced) and its Warning Events."""
+
     def __init__(self, source: ClusterSource, sets: ImageSets, poller: ProgressPoller | None, *,
                  interval: float, event_interval: float, event_namespace: str, request_timeout: float,
                  max_rows: int = 100, event_burst: int = 25, clock: Callable[[], float] = time.monotonic) -> None:

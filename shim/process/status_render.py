@@ -1,4 +1,4 @@
-"""`cri-shim status [--watch] [--json]`: the status document (process/status.py), fetched
+"""`cri-shim status [--watch] [--json]`: the status document (process/status_document.py), fetched
 from the admin socket (process/admin.py) and shown to a person: one line per pull with a
 progress bar, then every other section as indented text.
 """

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeAlias, cast
 
 import grpc
 
-from .cri.call import (
+from ..cri.call import (
     Call,
     Deadline,
     Handler,
@@ -32,12 +32,12 @@ from .cri.call import (
     UnaryHandler,
     forwardable,
 )
-from .cri.methods import Cardinality, cardinality
-from .cri.peer import UNIDENTIFIED
-from .cri.routing import Intercept, Refusal, Router
-from .cri.upstream import Upstream
-from .errors import Metadata, RpcError
-from .observability import logs
+from ..cri.methods import Cardinality, cardinality
+from ..cri.peer import UNIDENTIFIED
+from ..cri.routing import Intercept, Refusal, Router
+from ..cri.upstream import Upstream
+from ..errors import Metadata, RpcError
+from ..observability import logs
 
 _log = logs.get("proxy")
 

@@ -6,7 +6,7 @@ status source (``App.status_sources``: name -> callable returning a JSON-able di
 sets, the cluster source and the relay register theirs). Nothing in it is a credential:
 pull keys hold hashes of auth, and sources must follow the same rule.
 
-Served by process/admin.py; shown to a person by process/status_view.py.
+Served by process/admin.py; shown to a person by process/status_render.py.
 """
 
 from __future__ import annotations
