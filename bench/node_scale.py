@@ -3,10 +3,11 @@
     python bench/node_scale.py [--sets 10] [--per-set 10000] [--seconds 20] [--add 10] [--json]
 
 Starts docker-registry behind the counting proxy of tests/support and a private
-containerd 1.6. One small image is pushed and pulled; containerd then holds it under
-``--sets`` x ``--per-set`` tags (one ``ctr images import`` of an archive whose index
-names the same manifest under every tag), so "all present" costs no download. "All
-missing" declares as many names the registry answers 404 for.
+containerd 1.6 (root in /dev/shm). One small image is pushed and pulled; containerd then
+holds ``--sets`` x ``--per-set`` names, ``--tags-per-image`` (100) per distinct image: copies
+of the pulled image that differ by one config label, so each has its own image ID and
+shares the pulled layer (one ``ctr images import``, see ``tag_many``), and "all present"
+costs no download. "All missing" declares as many names the registry answers 404 for.
 
 Each run starts ``python -m shim serve`` in front of containerd, with ``image_sets.dir``
 holding the sets (``kind: ImageSet``, one file per set), and a kubelet-like client
@@ -14,28 +15,33 @@ holding the sets (``kind: ImageSet``, one file per set), and a kubelet-like clie
 20 ms. Per phase it reports the relayed p50/p99/max of each, the shim's CPU (share of
 one core, from /proc) and RSS:
 
-* ``no sets``: the same shim with an empty ``image_sets.dir`` (the baseline);
+* ``no sets`` and ``no sets, again``: the same shim with an empty ``image_sets.dir`` (the
+  baseline, first and last in the run: the machine's load moves);
 * ``present, at rest`` / ``missing, at rest``: after the first pass (all images known);
-* ``present, editing``: one set of ``--per-set`` rewritten every 2 s (10 names changed);
+* ``present, editing``: one set's file of ``--per-set`` rewritten every 2 s (the same names,
+  two of them swapped: a new text and content hash, so the whole file is re-read and diffed);
 * ``+N to a 20,000-image set``: two sets' names in one file, ``--add`` images (pushed,
   not in containerd) appended; the time from the closed write until the registry
   proxy sees the first manifest request for one of them.
 
 The machine may be shared: the load average is printed with the figures.
 
-Containerd 1.6 is the limit of the "present" run here: its CRI plugin learns imported tags from
-events at about 60 a second, and after a restart recovers many tags of one image in time that
-grows faster than their number (20,000 tags: over 5 minutes at 100 % of a core). On a 2-core
-machine the full 100,000 is therefore out of reach; ``--per-set`` scales it down.
+Containerd is what bounds the setup: its CRI merges and sorts an image's reference list for
+every tag it learns (100,000 tags of one image: about 60 a second, and over 10 minutes to
+recover after a restart). With 100 names per image the import runs at about 300 names a
+second (100,000 in about 5.5 minutes here) and ListImages is 3.5 MB; ``--tags-per-image 1``
+(100,000 distinct images, about 11 MB of ListImages) imports at about 180 a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -71,21 +77,47 @@ def write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def tag_many(ctd: Containerd, workdir: Path, source: str, names: list[str]) -> None:
-    """containerd holds ``source`` under every name in ``names``: export it once, rewrite the
-    archive's index so it names the manifest once per tag, import it (one call)."""
+def tag_many(ctd: Containerd, workdir: Path, source: str, names: list[str], per_image: int) -> int:
+    """containerd holds an image under every name in ``names``, ``per_image`` consecutive names
+    per distinct image: ``source`` is exported once, then ``len(names) / per_image`` copies of
+    it that differ by one config label (so each has its own image ID and manifest, and shares
+    ``source``'s layer, already unpacked) go into one OCI archive whose index names each
+    copy's manifest once per tag; one ``ctr images import``. Returns the distinct images.
+
+    Why not every name on one image: containerd's CRI merges and sorts an image's whole
+    reference list for each tag it learns (O(n) per event, O(n^2 log n) on restart), about
+    60 tags a second at 100,000. ``per_image`` 1 is the fully distinct case: two blobs per
+    name to import (about 180 names a second here instead of 300), and a ListImages answer
+    of about 112 bytes per image instead of 35 per name."""
     ctr = ["ctr", "--address", str(ctd.socket), "--namespace", "k8s.io"]
     tar = workdir / "one.tar"
     subprocess.run([*ctr, "images", "export", str(tar), source], check=True, capture_output=True)
     root = workdir / "oci"
     with tarfile.open(tar) as t:
         t.extractall(root, filter="data")
+    blobs = root / "blobs" / "sha256"
     index = json.loads((root / "index.json").read_text())
     desc = dict(index["manifests"][0])
     desc.pop("annotations", None)
-    index["manifests"] = [{**desc, "annotations": {"io.containerd.image.name": n,
-                                                   "org.opencontainers.image.ref.name": n.rsplit(":", 1)[1]}}
-                          for n in names]
+    manifest = json.loads((blobs / desc["digest"].split(":", 1)[1]).read_bytes())
+    config = json.loads((blobs / manifest["config"]["digest"].split(":", 1)[1]).read_bytes())
+
+    def blob(data: bytes) -> tuple[str, int]:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return "sha256:" + digest, len(data)
+
+    copies: list[dict[str, Any]] = []
+    for j in range((len(names) + per_image - 1) // per_image):
+        config.setdefault("config", {}).setdefault("Labels", {})["io.cri-shim.bench.copy"] = str(j)
+        c_digest, c_size = blob(json.dumps(config).encode())
+        m_digest, m_size = blob(json.dumps({**manifest, "config": {**manifest["config"], "digest": c_digest,
+                                                                   "size": c_size}}).encode())
+        copies.append({**desc, "digest": m_digest, "size": m_size})
+    index["manifests"] = [{**copies[i // per_image],
+                           "annotations": {"io.containerd.image.name": n,
+                                           "org.opencontainers.image.ref.name": n.rsplit(":", 1)[1]}}
+                          for i, n in enumerate(names)]
     (root / "index.json").write_text(json.dumps(index))
     many = workdir / "many.tar"
     with tarfile.open(many, "w") as t:
@@ -94,17 +126,25 @@ def tag_many(ctd: Containerd, workdir: Path, source: str, names: list[str]) -> N
     subprocess.run([*ctr, "images", "import", "--no-unpack", str(many)], check=True, capture_output=True,
                    timeout=3600)
     shutil.rmtree(root, ignore_errors=True)
-    # The CRI plugin learns imported images from events, a few thousand a minute: a restart
-    # loads them all from the store at once.
-    ctd.restart(timeout=600)
+    many.unlink()
+    # The CRI plugin learns imported images from events, in order: wait for the last one.
     with grpc.insecure_channel(cri.target(ctd.socket)) as ch:
         status: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(IMAGE_STATUS)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1800
         while not all(cri.decode_image_status_response(status(cri.image_status_request(n), timeout=30))
                       for n in (names[0], names[-1])):
             if time.monotonic() > deadline:
                 raise RuntimeError("containerd's CRI does not see the imported tags")
             time.sleep(1)
+    return len(copies)
+
+
+class Progress(dict[str, Any]):
+    """The results, each also printed to stderr as it is taken (a long run that fails keeps them)."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        print(f"[{time.strftime('%H:%M:%S')}] {key}: {value}", file=sys.stderr, flush=True)
 
 
 class Kubelet:
@@ -130,7 +170,8 @@ class Kubelet:
                 try:
                     call(req, timeout=30)
                 except grpc.RpcError:
-                    self.errors += 1
+                    with self._lock:
+                        self.errors += 1
                     continue
                 with self._lock:
                     self.samples[name].append((time.perf_counter() - t) * 1000)
@@ -139,6 +180,11 @@ class Kubelet:
         with self._lock:
             out, self.samples = self.samples, {"Version": [], "ImageStatus": []}
         return out
+
+    def take_errors(self) -> int:
+        with self._lock:
+            n, self.errors = self.errors, 0
+        return n
 
     def close(self) -> None:
         self._stop.set()
@@ -167,6 +213,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def measure(kubelet: Kubelet, pid: int, seconds: float, during: Any = None) -> dict[str, Any]:
     kubelet.take()
+    kubelet.take_errors()
     cpu0, t0, load0 = _cpu_seconds(pid), time.monotonic(), os.getloadavg()[0]
     end = t0 + seconds
     while time.monotonic() < end:
@@ -180,7 +227,7 @@ def measure(kubelet: Kubelet, pid: int, seconds: float, during: Any = None) -> d
             "ImageStatus": {"p50": _pct(s["ImageStatus"], 0.5), "p99": _pct(s["ImageStatus"], 0.99),
                             "max": _pct(s["ImageStatus"], 1.0), "n": len(s["ImageStatus"])},
             "shim_cpu_percent": round(100 * cpu, 1), "shim_rss_mib": _rss_mib(pid),
-            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "errors": kubelet.take_errors()}
 
 
 def wait_metric(port: int, shim: ShimProcess, want: float, state: str, sets: list[str], timeout: float) -> float:
@@ -191,18 +238,21 @@ def wait_metric(port: int, shim: ShimProcess, want: float, state: str, sets: lis
         if got >= want:
             return round(time.monotonic() - t, 1)
         if time.monotonic() - t > timeout:
-            raise RuntimeError(f"{state}: {got} of {want} after {timeout} s\n{shim.log_tail()}")
+            raise TimeoutError(f"{state}: {got} of {want} after {timeout} s\n{shim.log_tail()}")
         time.sleep(0.5)
 
 
 def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int | None = None,
-        max_parallel: int = 2) -> dict[str, Any]:
+        max_parallel: int = 2, tags_per_image: int = 100, first_pass_timeout: float = 1800) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-scale-", dir="/tmp"))
+    # containerd's root in memory: its metadata commits (one fsync each) would otherwise bound
+    # the import at about 120 images a second here
+    ctd_dir = Path(tempfile.mkdtemp(prefix="bench-scale-ctd-", dir="/dev/shm"))
     registry = RegistryWithProxy(str(workdir / "registry")).start()
     ctd: Containerd | None = None
-    out: dict[str, Any] = {"sets": sets, "per_set": per_set, "declared": sets * per_set, "cores": os.cpu_count()}
+    out: dict[str, Any] = Progress({"sets": sets, "per_set": per_set, "declared": sets * per_set, "cores": os.cpu_count()})
     try:
-        ctd = Containerd(workdir / "ctd", registries=[registry.host, registry.direct_host])
+        ctd = Containerd(ctd_dir, registries=[registry.host, registry.direct_host])
         ctd.start()
         [base, *extra] = image_fleet.push_fleet(registry, "scale", 1 + add)
         image_fleet.pull_into(str(ctd.socket), [base.ref])
@@ -211,17 +261,18 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
         n_missing = per_set if missing_per_set is None else missing_per_set
         missing = [[f"{host}/missing/s{k}:i{i}" for i in range(n_missing)] for k in range(sets)]
         t = time.monotonic()
-        tag_many(ctd, workdir, base.ref, [r for s in present for r in s])
+        out["distinct_images"] = tag_many(ctd, workdir, base.ref, [r for s in present for r in s], tags_per_image)
         out["tagging_seconds"] = round(time.monotonic() - t, 1)
+        out["runtime ListImages"] = _list_cost(ctd)
 
         def shim_with(name: str, files: dict[str, list[str]]) -> tuple[ShimProcess, Path, int]:
-            d = workdir / name / "sets"
+            d = workdir / name.replace(",", "").replace(" ", "-") / "sets"  # a space breaks a gRPC target
             d.mkdir(parents=True)
             for n, refs in files.items():
                 (d / f"{n}.yaml").write_text(set_file(n, refs))
             port = free_port()
             assert ctd is not None
-            shim = ShimProcess(workdir / name, upstream=ctd.socket, log_level="info",
+            shim = ShimProcess(d.parent, upstream=ctd.socket, log_level="info",
                                config={"image_sets": {"dir": str(d), "max_file_bytes": 16 << 20,
                                                       "max_parallel": max_parallel},
                                        "pulls": {"max_parallel": max_parallel + 1},
@@ -229,14 +280,17 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
             shim.start(timeout=60)
             return shim, d, port
 
-        # the baseline: the same shim, no sets
-        shim, _, _ = shim_with("none", {})
-        kubelet = Kubelet(shim.socket, base.ref)
-        try:
-            out["no sets"] = measure(kubelet, shim.pid or 0, seconds)
-        finally:
-            kubelet.close()
-            shim.stop()
+        def anchor(name: str) -> None:
+            """The baseline: the same shim, no sets (taken first and last: the load moves)."""
+            shim, _, _ = shim_with(name, {})
+            kubelet = Kubelet(shim.socket, base.ref)
+            try:
+                out[name] = measure(kubelet, shim.pid or 0, seconds)
+            finally:
+                kubelet.close()
+                shim.stop()
+
+        anchor("no sets")
 
         # all present; then one set edited every 2 s; then +add to a 20,000-image set
         files = {f"s{k}": present[k] for k in range(sets)}
@@ -282,26 +336,46 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
 
         # all missing
         if not n_missing:
+            anchor("no sets, again")
             return out
         out["missing declared"] = sets * n_missing
         files = {f"m{k}": missing[k] for k in range(sets)}
         shim, d, port = shim_with("missing", files)
         kubelet = Kubelet(shim.socket, base.ref)
         try:
-            t = time.monotonic()
-            out["missing, first pass seconds"] = wait_metric(port, shim, sets * n_missing, "failed", list(files),
-                                                             1800)
-            out["missing, at rest"] = measure(kubelet, shim.pid or 0, seconds)
+            try:
+                out["missing, first pass seconds"] = wait_metric(port, shim, sets * n_missing, "failed",
+                                                                 list(files), first_pass_timeout)
+                phase = "missing, at rest"
+            except TimeoutError as e:
+                out["missing, first pass"] = str(e).splitlines()[0]
+                phase = "missing, first pass still running"
+            out[phase] = measure(kubelet, shim.pid or 0, seconds)
             out["missing, registry requests per second at rest"] = _registry_rate(registry, seconds=10)
         finally:
             kubelet.close()
             shim.stop()
+        anchor("no sets, again")
         return out
     finally:
         if ctd is not None:
             ctd.stop()
         registry.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(ctd_dir, ignore_errors=True)
+
+
+def _list_cost(ctd: Containerd) -> dict[str, float]:
+    """containerd's own ListImages answer: its size and time (direct, 3 calls, the median)."""
+    opts = [("grpc.max_receive_message_length", 256 << 20)]
+    with grpc.insecure_channel(cri.target(ctd.socket), options=opts) as ch:
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary("/runtime.v1.ImageService/ListImages")
+        times, size = [], 0
+        for _ in range(3):
+            t = time.perf_counter()
+            size = len(call(b"", timeout=120))
+            times.append(time.perf_counter() - t)
+    return {"bytes": size, "seconds": round(sorted(times)[1], 3)}
 
 
 def rounds_names(rounds: list[dict[str, Any]]) -> list[str]:
@@ -324,16 +398,21 @@ def main() -> None:
     p.add_argument("--missing-per-set", type=int, default=None,
                    help="images per set in the all-missing run (default: --per-set; 0: skip it)")
     p.add_argument("--max-parallel", type=int, default=2, help="image_sets.max_parallel (2: the default)")
+    p.add_argument("--tags-per-image", type=int, default=100,
+                   help="names per distinct image in containerd for the present run (see tag_many)")
+    p.add_argument("--missing-timeout", type=float, default=1800,
+                   help="seconds to wait for the all-missing first pass before measuring anyway")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
-    out = run(a.sets, a.per_set, a.seconds, a.add, a.missing_per_set, a.max_parallel)
+    out = run(a.sets, a.per_set, a.seconds, a.add, a.missing_per_set, a.max_parallel,
+              a.tags_per_image, a.missing_timeout)
     if a.json:
         print(json.dumps(out, indent=2))
         return
     print(f"{out['sets']} sets x {out['per_set']} = {out['declared']} images declared "
           f"({out['cores']} cores, shared: see the load averages)")
     for k, v in out.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "Version" in v:
             print(f"  {k}: Version p50 {v['Version']['p50']} ms p99 {v['Version']['p99']} ms max "
                   f"{v['Version']['max']} ms; ImageStatus p50 {v['ImageStatus']['p50']} p99 {v['ImageStatus']['p99']}"
                   f" ms; shim CPU {v['shim_cpu_percent']} % of a core, RSS {v['shim_rss_mib']} MiB; "

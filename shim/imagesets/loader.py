@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import yaml
@@ -44,6 +45,7 @@ OWN_VERSIONS = ("cri-shim.io/v1",)
 SUFFIXES = (".yaml", ".yml", ".json")
 HANDLER_ANNOTATION = "cri-shim.io/runtime-handler"
 DEFAULT_MAX_FILE_BYTES = 1 << 20  # image_sets.max_file_bytes
+EMPTY: Mapping[str, str] = MappingProxyType({})
 NAME_MAX_LENGTH = 253  # metadata.name: a Kubernetes object name (DNS subdomain) has at most 253
 
 
@@ -73,6 +75,15 @@ def normalize_ref(ref: str) -> str:
     return normalize_pattern(ref)
 
 
+def known_names(sets: list[ImageSet]) -> dict[str, str]:
+    """spelled -> normalized for every image of ``sets`` (for parse_text: a re-read of a file of
+    10,000 names normalizes only the ones it adds; built per read, kept nowhere)."""
+    out: dict[str, str] = {}
+    for s in sets:
+        out.update(zip(s.spelled, s.refs))
+    return out
+
+
 def _content_hash(kind: str, pin: bool, refs: tuple[str, ...], handlers: tuple[str, ...]) -> str:
     h = hashlib.sha256(f"{kind}\0{pin}\0".encode())
     for r, handler in zip(refs, handlers):
@@ -88,8 +99,8 @@ def _handler(key: str, v: Any) -> str:
     return v
 
 
-def _images(where: str, items: Any, default_handler: str = "", *,
-            per_image_handler: bool = False) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def _images(where: str, items: Any, default_handler: str = "", *, per_image_handler: bool = False,
+            known: Mapping[str, str] = EMPTY) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     if items is None:
         items = []
     if not isinstance(items, list):
@@ -103,10 +114,12 @@ def _images(where: str, items: Any, default_handler: str = "", *,
         name = item.get("name") if isinstance(item, dict) else None
         if not isinstance(name, str) or not name.strip():
             raise SetFileError(f"{key}: expected an image reference string, got {shown(name)}")
-        try:
-            ref = normalize_ref(name.strip())
-        except ValueError as e:
-            raise SetFileError(f"{key}: {e}") from None
+        ref = known.get(name.strip(), "")
+        if not ref:
+            try:
+                ref = normalize_ref(name.strip())
+            except ValueError as e:
+                raise SetFileError(f"{key}: {e}") from None
         handler = default_handler
         if per_image_handler:
             extra = set(item) - {"name", "runtimeHandler"}
@@ -122,7 +135,8 @@ def _images(where: str, items: Any, default_handler: str = "", *,
     return tuple(refs), tuple(spelled), tuple(handlers)
 
 
-def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
+def parse_document(doc: Mapping[str, Any], where: str, source: str, known: Mapping[str, str] = EMPTY) -> ImageSet:
+    """``known``: spelled name -> normalize_ref(name) from a previous version (an edit normalizes only what it adds)."""
     api, kind = doc.get("apiVersion"), doc.get("kind")
     meta = doc.get("metadata") or {}
     spec = doc.get("spec") or {}
@@ -146,7 +160,8 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
         if not isinstance(annotations, dict):
             raise SetFileError(f"{where}.metadata.annotations: expected a map")
         handler = _handler(f"{where}.metadata.annotations[{HANDLER_ANNOTATION}]", annotations.get(HANDLER_ANNOTATION))
-        refs, spelled, handlers = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"), handler)
+        refs, spelled, handlers = _images(f"{where}.spec.pinnedImages", spec.get("pinnedImages"), handler,
+                                           known=known)
         pin = True
     elif kind == "ImageSet" and api in OWN_VERSIONS:
         unknown = set(spec) - {"images", "pin", "nodeSelector", "runtimeHandler"}
@@ -157,7 +172,8 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
         if not isinstance(pin, bool):
             raise SetFileError(f"{where}.spec.pin: expected true or false, got {shown(pin)}")
         handler = _handler(f"{where}.spec.runtimeHandler", spec.get("runtimeHandler"))
-        refs, spelled, handlers = _images(f"{where}.spec.images", spec.get("images"), handler, per_image_handler=True)
+        refs, spelled, handlers = _images(f"{where}.spec.images", spec.get("images"), handler, per_image_handler=True,
+                                           known=known)
     else:
         raise SetFileError(
             f"{where}: unsupported kind {shown(kind)} / apiVersion {shown(api)} (expected PinnedImageSet in "
@@ -168,8 +184,9 @@ def parse_document(doc: Mapping[str, Any], where: str, source: str) -> ImageSet:
     return ImageSet(name, kind, pin, refs, spelled, generation, source, tuple(ignored), handlers)
 
 
-def parse_text(text: str, source: str) -> list[ImageSet]:
-    """Every set in a file's text; raises SetFileError naming file, document and key."""
+def parse_text(text: str, source: str, known: Mapping[str, str] = EMPTY) -> list[ImageSet]:
+    """Every set in a file's text; raises SetFileError naming file, document and key. ``known``: see
+    parse_document (``known_names`` of the file's previous sets)."""
     try:
         docs = safeyaml.load_all(text)
     except safeyaml.UnsafeYaml as e:
@@ -184,7 +201,7 @@ def parse_text(text: str, source: str) -> list[ImageSet]:
         where = f"{source}: document {i}"
         if not isinstance(doc, dict):
             raise SetFileError(f"{where}: expected a map, got {type(doc).__name__}")
-        s = parse_document(doc, where, source)
+        s = parse_document(doc, where, source, known)
         if s.name in names:
             raise SetFileError(f"{where}.metadata.name: set {shown(s.name)} is declared twice in this file")
         names.add(s.name)
@@ -305,7 +322,7 @@ class SetDirectory:
                 continue
             try:
                 text = safeyaml.read_capped(path, self.max_file_bytes)
-                sets = parse_text(text, path)
+                sets = parse_text(text, path, known_names(old.sets) if old is not None else EMPTY)
             except (safeyaml.TooBig, OSError, UnicodeDecodeError, SetFileError) as e:
                 err = (f"{path}: {e} (image_sets.max_file_bytes)" if isinstance(e, safeyaml.TooBig)
                        else str(e) if isinstance(e, SetFileError) else f"{path}: cannot read: {e}")

@@ -126,6 +126,25 @@ def test_directory_keeps_a_bad_files_previous_content(tmp_path: Path) -> None:
     assert set(r.sets) == {"a"} and r.changed
 
 
+def test_an_edited_file_reads_as_a_fresh_parse(tmp_path: Path) -> None:
+    """A re-read reuses the previous version's normalized names: what it declares is exactly
+    what a first read of the new text gives, new and rewritten names included."""
+    f = tmp_path / "a.yaml"
+    f.write_text(_own("a", "nginx", "redis:7", "quay.io/x/y:1"))
+    d = SetDirectory(str(tmp_path))
+    d.scan()
+    text = _own("a", "redis:7", "nginx:1.27", "nginx", f"quay.io/x/y@{DIGEST}", "*bad")
+    _touch(f, text)
+    r = d.scan()
+    assert "images[4].name: globs are not allowed" in r.errors[str(f)]  # a new bad name is still refused
+    text = _own("a", "redis:7", "nginx:1.27", "nginx", f"quay.io/x/y@{DIGEST}")
+    _touch(f, text)
+    r = d.scan()
+    assert not r.errors and r.sets["a"] == parse_text(text, str(f))[0]
+    assert r.sets["a"].refs == ("docker.io/library/redis:7", "docker.io/library/nginx:1.27",
+                                "docker.io/library/nginx:latest", f"quay.io/x/y@{DIGEST}")
+
+
 def test_directory_refuses_a_set_name_declared_in_two_files(tmp_path: Path) -> None:
     (tmp_path / "1.yaml").write_text(_own("same", "nginx:1"))
     (tmp_path / "2.yaml").write_text(_own("same", "redis:7"))
