@@ -97,6 +97,12 @@ TIMING_DEPENDENT = frozenset({
 })
 
 
+def _pinged_first(actual: str) -> bool:
+    """h2spec read a connection-level PING where it waited for another frame: legal HTTP/2 (a peer may
+    PING at any time), and grpc-core's (engine grpc) flow-control probe. Seen once with both cores kept busy."""
+    return actual.startswith("PING Frame") and "stream_id:0" in actual and "flags:0x00" in actual
+
+
 @pytest.fixture(scope="module")
 def h2spec_tools() -> tuple[str, str]:
     return binaries.require("h2spec-grpc"), binaries.require("socat")
@@ -143,10 +149,13 @@ def test_shim_adds_no_h2spec_failure(method: str, engine_shim: tuple[str, str],
     assert direct.total == CASES, f"containerd run incomplete: {direct.summary()}"
     assert shim.total == CASES, f"shim run incomplete: {shim.summary()}"
 
-    added = set(shim.failed) - set(direct.failed) - TIMING_DEPENDENT
+    # engine grpc: a case where grpc-core sent its flow-control PING before the frame h2spec waited
+    # for is undecided (whether it comes first depends on timing): counted neither way
+    undecided = {c for c, f in shim.failed.items() if _pinged_first(f.actual)} if engine == "grpc" else set()
+    added = set(shim.failed) - set(direct.failed) - TIMING_DEPENDENT - undecided
     known = set(KNOWN_GAPS[engine][PATHS[method]])
     new = added - known
-    now_passing = known - added
+    now_passing = known - added - undecided
     problems = []
     if new:
         problems.append(f"{len(new)} case(s) fail through the shim ({engine}) but not against containerd:\n"
