@@ -20,6 +20,11 @@ served is answered before a handler). The API server's own loopback requests (us
 * after one ImageSet change (a new image appended): the requests until the whole fleet has
   caught up, and the time until every node's status object shows the new generation.
 
+``--rollout`` instead: a paced rollout (spec.rollout) over N nodes with the real
+``cri-shim controller`` as a process, the registry simulated in process (bench/fleet_rollout.py):
+
+    python bench/cluster_fleet.py --rollout --nodes 1000 [--images 50] [--max-concurrent 10%]
+
 Needs scripts/setup.d/55-apiserver.sh. A benchmark: run it alone (it prints the load average).
 """
 
@@ -56,7 +61,8 @@ from shim.observability.metrics import Metrics  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 from shim.pulls.scheduler import PullScheduler  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402
-from tests.support.kube import REPO, Admin  # noqa: E402
+from tests.support.kube import REPO, Admin, install  # noqa: E402
+from bench.fleet_rollout import rollout_run  # noqa: E402
 
 SET = "fleet"
 
@@ -220,6 +226,13 @@ def main() -> None:
                     help="cluster.mco of every simulated node (this cluster has no MCO)")
     ap.add_argument("--rest-seconds", type=float, default=300.0,
                     help="the window at rest (>= 300 s shows watch renewals)")
+    ap.add_argument("--rollout", action="store_true",
+                    help="a paced rollout with the controller as a process instead (bench/fleet_rollout.py)")
+    ap.add_argument("--max-concurrent", default="10%", help="--rollout: spec.rollout.maxConcurrentNodes")
+    ap.add_argument("--pull-seconds", type=float, default=0.1,
+                    help="--rollout: the simulated registry's time per image pull")
+    ap.add_argument("--status-interval", type=int, default=5,
+                    help="--rollout: each node's cluster.status_interval_seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     logs.setup("warning")
@@ -234,6 +247,15 @@ def main() -> None:
     try:
         cp.start()
         kubeconfig = cp.kubeconfig(workdir / "admin.kubeconfig")
+        if args.rollout:
+            install(kubeconfig, ())
+            for n in args.nodes:
+                res = asyncio.run(rollout_run(audit, cp, workdir, n, args.images, args.max_concurrent,
+                                              args.pull_seconds, args.rest_seconds, args.status_interval))
+                res["load_average"] = [round(x, 2) for x in os.getloadavg()]
+                results.append(res)
+                print(json.dumps(res), flush=True)
+            return
         admin = Admin(kubeconfig)
         admin.apply_files(REPO / "deploy" / "cluster" / "crds.yaml")
         admin.wait_served("cri-shim.io", "v1", "imagesets")
