@@ -52,17 +52,11 @@ from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
 from shim.observability import logs  # noqa: E402
-from shim.cluster.source import ClusterSource  # noqa: E402
-from shim.cluster.node_report import NodeReport  # noqa: E402
-from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
-from shim.imagesets.manager import ImageSets  # noqa: E402
 from shim.cri.methods import LIST_IMAGES  # noqa: E402
-from shim.observability.metrics import Metrics  # noqa: E402
 from shim.proto.runtime.v1 import api_pb2  # noqa: E402
-from shim.pulls.scheduler import PullScheduler  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402
 from tests.support.kube import REPO, Admin, install  # noqa: E402
-from bench.fleet_rollout import rollout_run  # noqa: E402
+from bench.fleet_rollout import create_fleet, fleet_current, rollout_run, start_node  # noqa: E402
 
 SET = "fleet"
 
@@ -148,46 +142,16 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     tag = f"{n}-{'mco' if mco else 'nomco'}"
     names = [f"sim-{tag}-{i:04d}" for i in range(n)]
-    for name in names:
-        await core.create_node({"apiVersion": "v1", "kind": "Node",
-                                "metadata": {"name": name, "labels": {"fleet": "yes"}}})
-    body = {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": SET},
-            "spec": {"nodeSelector": {"matchLabels": {"fleet": "yes"}}, "pin": True,
-                     "images": [{"name": r} for r in refs]}}
-    created = await custom.create_cluster_custom_object("cri-shim.io", "v1", "imagesets", body)
+    created = await create_fleet(api, names, "fleet", SET, refs)
     runtime = AllPresent()
     runtime.refs = refs + [f"registry.example/fleet/extra:v{n}"]
     nodes = []
-    cfg_sets = ImageSetsConfig()
     started = time.time()
     for name in names:
-        metrics = Metrics()
-        sets = ImageSets(cfg_sets, runtime, PullScheduler(4, 2), metrics, on_pins=lambda p: None)  # type: ignore[arg-type]
-        ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=mco,
-                             state_file=str(workdir / f"{name}.json"), status_interval_seconds=5)
-        src = ClusterSource(ccfg, sets, metrics)
-        await sets.start()
-        await src.start()
-        st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
-                        event_namespace="default", request_timeout=30)
-        st.start()
-        nodes.append((name, sets, src, st))
+        nodes.append(await start_node(kubeconfig, workdir, name, runtime, mco=mco, status_interval=5))
 
     async def fleet_at(gen: str) -> float:
-        t0 = time.monotonic()
-        while True:
-            try:
-                objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses",
-                                                               _request_timeout=60)
-            except Exception as e:  # a loaded API server: ask again
-                print(f"listing the status objects: {type(e).__name__}: {e}", file=sys.stderr)
-                await asyncio.sleep(1)
-                continue
-            done = sum(1 for o in objs["items"] if o["metadata"]["name"].startswith(f"sim-{tag}-") and any(
-                r["name"] == SET and r.get("currentGeneration") == gen for r in o["status"].get("sets", [])))
-            if done == n:
-                return time.monotonic() - t0
-            await asyncio.sleep(0.25)
+        return await fleet_current(custom, f"sim-{tag}-", SET, n, gen, period=0.25)
 
     gen1 = str(created["metadata"]["generation"])
     first = await fleet_at(gen1)
@@ -204,7 +168,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     caught_up = await fleet_at(str(patched["metadata"]["generation"]))
     change = audit.window(t0, time.time())
 
-    for _, sets, src, st in nodes:
+    for sets, src, st in nodes:
         await st.stop()
         await src.stop()
         await sets.stop()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kubernetes_asyncio import client
+from kubernetes_asyncio.client import ApiClient
 from kubernetes_asyncio.config import new_client_from_config
 
 from shim.cluster.node_report import NodeReport
@@ -147,6 +148,57 @@ def rates(audit: Audit, t0: float, t1: float) -> dict[str, Any]:
             "top_controller": dict(Counter(f"{v} {w} {c}" for _, _, v, w, c in ctl).most_common(4))}
 
 
+async def create_fleet(api: ApiClient, names: list[str], label: str, set_name: str, refs: list[str],
+                       **spec: Any) -> dict[str, Any]:
+    """The Nodes ``names`` (labelled ``label: yes``) and an ImageSet of ``refs`` selecting them
+    (more of its spec in ``spec``); returns the ImageSet as created."""
+    for name in names:
+        await client.CoreV1Api(api).create_node({"apiVersion": "v1", "kind": "Node",
+                                                 "metadata": {"name": name, "labels": {label: "yes"}}})
+    body = {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": set_name},
+            "spec": {"nodeSelector": {"matchLabels": {label: "yes"}}, "pin": True,
+                     "images": [{"name": r} for r in refs], **spec}}
+    created: dict[str, Any] = await client.CustomObjectsApi(api).create_cluster_custom_object(
+        "cri-shim.io", "v1", "imagesets", body)
+    return created
+
+
+async def start_node(kubeconfig: Path, workdir: Path, name: str, runtime: Any, *, mco: bool,
+                     status_interval: int) -> tuple[ImageSets, ClusterSource, NodeReport]:
+    """One simulated node: the shim's ClusterSource, ImageSets and NodeReport over ``runtime``."""
+    metrics = Metrics()
+    sets = ImageSets(ImageSetsConfig(), runtime, PullScheduler(4, 2), metrics, on_pins=lambda p: None)
+    ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=mco,
+                         state_file=str(workdir / f"{name}.json"), status_interval_seconds=status_interval)
+    src = ClusterSource(ccfg, sets, metrics)
+    await sets.start()
+    await src.start()
+    st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
+                    event_namespace="default", request_timeout=30)
+    st.start()
+    return sets, src, st
+
+
+async def fleet_current(custom: client.CustomObjectsApi, prefix: str, set_name: str, n: int, gen: str, *,
+                        period: float) -> float:
+    """Seconds until the ``n`` nodes named ``prefix...`` all report ``set_name`` current at ``gen``."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses",
+                                                           _request_timeout=60)
+        except Exception as e:  # a loaded API server: ask again
+            print(f"listing the status objects: {type(e).__name__}: {e}", file=sys.stderr)
+            await asyncio.sleep(1)
+            continue
+        done = sum(1 for o in objs["items"] if o["metadata"]["name"].startswith(prefix) and any(
+            r["name"] == set_name and r.get("currentGeneration") == gen and not r.get("reason")
+            for r in o["status"].get("sets", [])))
+        if done == n:
+            return time.monotonic() - t0
+        await asyncio.sleep(period)
+
+
 async def rollout_run(audit: Audit, cp: ControlPlane, workdir: Path, n: int, images: int, max_concurrent: str,
                       pull_seconds: float, rest_seconds: float, status_interval: int = 5) -> dict[str, Any]:
     kubeconfig = workdir / "admin.kubeconfig"
@@ -156,13 +208,7 @@ async def rollout_run(audit: Audit, cp: ControlPlane, workdir: Path, n: int, ima
     api.user_agent = "cluster-fleet-bench"
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     names = [f"paced-{i:04d}" for i in range(n)]
-    for name in names:
-        await core.create_node({"apiVersion": "v1", "kind": "Node",
-                                "metadata": {"name": name, "labels": {"paced": "yes"}}})
-    body = {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": SET},
-            "spec": {"nodeSelector": {"matchLabels": {"paced": "yes"}}, "pin": True,
-                     "images": [{"name": r} for r in old], "rollout": {"maxConcurrentNodes": max_concurrent}}}
-    created = await custom.create_cluster_custom_object("cri-shim.io", "v1", "imagesets", body)
+    created = await create_fleet(api, names, "paced", SET, old, rollout={"maxConcurrentNodes": max_concurrent})
     registry = FakeRegistry(pull_seconds)
     log = open(workdir / "controller.log", "wb")
     ctl = subprocess.Popen(
@@ -174,35 +220,11 @@ async def rollout_run(audit: Audit, cp: ControlPlane, workdir: Path, n: int, ima
     try:
         started = time.time()
         for name in names:
-            metrics = Metrics()
-            sets = ImageSets(ImageSetsConfig(), SimRuntime(name, registry, old),  # type: ignore[arg-type]
-                             PullScheduler(4, 2), metrics, on_pins=lambda p: None)
-            ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=False,
-                                 state_file=str(workdir / f"{name}.json"), status_interval_seconds=status_interval)
-            src = ClusterSource(ccfg, sets, metrics)
-            await sets.start()
-            await src.start()
-            st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
-                            event_namespace="default", request_timeout=30)
-            st.start()
-            nodes.append((sets, src, st))
+            nodes.append(await start_node(kubeconfig, workdir, name, SimRuntime(name, registry, old),
+                                          mco=False, status_interval=status_interval))
 
         async def all_current(gen: str) -> float:
-            t0 = time.monotonic()
-            while True:
-                try:
-                    objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses",
-                                                                   _request_timeout=60)
-                except Exception as e:  # a loaded API server: ask again
-                    print(f"listing the status objects: {type(e).__name__}: {e}", file=sys.stderr)
-                    await asyncio.sleep(1)
-                    continue
-                done = sum(1 for o in objs["items"] if o["metadata"]["name"].startswith("paced-") and any(
-                    r["name"] == SET and r.get("currentGeneration") == gen and not r.get("reason")
-                    for r in o["status"].get("sets", [])))
-                if done == n:
-                    return time.monotonic() - t0
-                await asyncio.sleep(1)
+            return await fleet_current(custom, "paced-", SET, n, gen, period=1.0)
 
         first = await all_current(str(created["metadata"]["generation"]))
         await asyncio.sleep(6)  # the last writes land
