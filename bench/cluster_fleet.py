@@ -6,7 +6,7 @@ Each simulated node is the shim's own cluster code in one process: a ClusterSour
 watch of its Node and of the ImageSets, with bookmarks; with ``--mco on`` also ``cluster.mco:
 true``, on this cluster without MCO) feeding a real ImageSets manager and Reconciler, and the
 real NodeImageSetStatus writer (NodeReport) (server-side apply, coalesced). Only the runtime is simulated: it reports
-every declared image present, so a set is current as soon as it is read.
+every declared image present (ListImages and ImageStatus), so a set is current as soon as it is read.
 
 Every request the API server receives is counted from its audit log (``--audit-policy-file``,
 one event per request at level Metadata): 404s, 429s and failed LISTs included, which the API
@@ -52,25 +52,11 @@ from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
 from shim.observability import logs  # noqa: E402
-from shim.cri.methods import LIST_IMAGES  # noqa: E402
-from shim.proto.runtime.v1 import api_pb2  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402
 from tests.support.kube import REPO, Admin, install  # noqa: E402
-from bench.fleet_rollout import create_fleet, fleet_current, rollout_run, start_node  # noqa: E402
+from bench.fleet_rollout import FakeRegistry, SimRuntime, create_fleet, fleet_current, rollout_run, start_node  # noqa: E402
 
 SET = "fleet"
-
-
-class AllPresent:
-    """A runtime that has every image a set declares (ListImages answers with them)."""
-
-    def __init__(self) -> None:
-        self.refs: list[str] = []
-
-    async def unary(self, method: str, request: bytes, **_: Any) -> bytes:
-        assert method == LIST_IMAGES, method
-        return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=f"sha256:{i:064x}", repo_tags=[r])
-                                                  for i, r in enumerate(self.refs)]).SerializeToString()
 
 
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
@@ -143,8 +129,8 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     tag = f"{n}-{'mco' if mco else 'nomco'}"
     names = [f"sim-{tag}-{i:04d}" for i in range(n)]
     created = await create_fleet(api, names, "fleet", SET, refs)
-    runtime = AllPresent()
-    runtime.refs = refs + [f"registry.example/fleet/extra:v{n}"]
+    extra = f"registry.example/fleet/extra:v{n}"
+    runtime = SimRuntime("any", FakeRegistry(0.0), [*refs, extra])  # every image present: nothing is pulled
     nodes = []
     started = time.time()
     for name in names:
@@ -164,7 +150,7 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     t0 = time.time()
     patched = await custom.patch_cluster_custom_object(
         "cri-shim.io", "v1", "imagesets", SET,
-        {"spec": {"images": [{"name": r} for r in runtime.refs]}}, _content_type="application/merge-patch+json")
+        {"spec": {"images": [{"name": r} for r in [*refs, extra]]}}, _content_type="application/merge-patch+json")
     caught_up = await fleet_at(str(patched["metadata"]["generation"]))
     change = audit.window(t0, time.time())
 
