@@ -6,7 +6,7 @@ Each simulated node is the shim's own cluster code in one process: a ClusterSour
 watch of its Node and of the ImageSets, with bookmarks; with ``--mco on`` also ``cluster.mco:
 true``, on this cluster without MCO) feeding a real ImageSets manager and Reconciler, and the
 real NodeImageSetStatus writer (NodeReport) (server-side apply, coalesced). Only the runtime is simulated: it reports
-every declared image present, so a set is current as soon as it is read.
+every declared image present (ListImages and ImageStatus), so a set is current as soon as it is read.
 
 Every request the API server receives is counted from its audit log (``--audit-policy-file``,
 one event per request at level Metadata): 404s, 429s and failed LISTs included, which the API
@@ -19,6 +19,11 @@ served is answered before a handler). The API server's own loopback requests (us
   errors included, and the most frequent kinds of request;
 * after one ImageSet change (a new image appended): the requests until the whole fleet has
   caught up, and the time until every node's status object shows the new generation.
+
+``--rollout`` instead: a paced rollout (spec.rollout) over N nodes with the real
+``cri-shim controller`` as a process, the registry simulated in process (bench/fleet_rollout.py):
+
+    python bench/cluster_fleet.py --rollout --nodes 1000 [--images 50] [--max-concurrent 10%]
 
 Needs scripts/setup.d/55-apiserver.sh. A benchmark: run it alone (it prints the load average).
 """
@@ -47,30 +52,11 @@ from kubernetes_asyncio import client  # noqa: E402
 from kubernetes_asyncio.config import new_client_from_config  # noqa: E402
 
 from shim.observability import logs  # noqa: E402
-from shim.cluster.source import ClusterSource  # noqa: E402
-from shim.cluster.node_report import NodeReport  # noqa: E402
-from shim.config import ClusterConfig, ImageSetsConfig  # noqa: E402
-from shim.imagesets.manager import ImageSets  # noqa: E402
-from shim.cri.methods import LIST_IMAGES  # noqa: E402
-from shim.observability.metrics import Metrics  # noqa: E402
-from shim.proto.runtime.v1 import api_pb2  # noqa: E402
-from shim.pulls.scheduler import PullScheduler  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402
-from tests.support.kube import REPO, Admin  # noqa: E402
+from tests.support.kube import REPO, Admin, install  # noqa: E402
+from bench.fleet_rollout import FakeRegistry, SimRuntime, create_fleet, fleet_current, rollout_run, start_node  # noqa: E402
 
 SET = "fleet"
-
-
-class AllPresent:
-    """A runtime that has every image a set declares (ListImages answers with them)."""
-
-    def __init__(self) -> None:
-        self.refs: list[str] = []
-
-    async def unary(self, method: str, request: bytes, **_: Any) -> bytes:
-        assert method == LIST_IMAGES, method
-        return api_pb2.ListImagesResponse(images=[api_pb2.Image(id=f"sha256:{i:064x}", repo_tags=[r])
-                                                  for i, r in enumerate(self.refs)]).SerializeToString()
 
 
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
@@ -142,46 +128,16 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     tag = f"{n}-{'mco' if mco else 'nomco'}"
     names = [f"sim-{tag}-{i:04d}" for i in range(n)]
-    for name in names:
-        await core.create_node({"apiVersion": "v1", "kind": "Node",
-                                "metadata": {"name": name, "labels": {"fleet": "yes"}}})
-    body = {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet", "metadata": {"name": SET},
-            "spec": {"nodeSelector": {"matchLabels": {"fleet": "yes"}}, "pin": True,
-                     "images": [{"name": r} for r in refs]}}
-    created = await custom.create_cluster_custom_object("cri-shim.io", "v1", "imagesets", body)
-    runtime = AllPresent()
-    runtime.refs = refs + [f"registry.example/fleet/extra:v{n}"]
+    created = await create_fleet(api, names, "fleet", SET, refs)
+    extra = f"registry.example/fleet/extra:v{n}"
+    runtime = SimRuntime("any", FakeRegistry(0.0), [*refs, extra])  # every image present: nothing is pulled
     nodes = []
-    cfg_sets = ImageSetsConfig()
     started = time.time()
     for name in names:
-        metrics = Metrics()
-        sets = ImageSets(cfg_sets, runtime, PullScheduler(4, 2), metrics, on_pins=lambda p: None)  # type: ignore[arg-type]
-        ccfg = ClusterConfig(kubeconfig=str(kubeconfig), node_name=name, mco=mco,
-                             state_file=str(workdir / f"{name}.json"), status_interval_seconds=5)
-        src = ClusterSource(ccfg, sets, metrics)
-        await sets.start()
-        await src.start()
-        st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
-                        event_namespace="default", request_timeout=30)
-        st.start()
-        nodes.append((name, sets, src, st))
+        nodes.append(await start_node(kubeconfig, workdir, name, runtime, mco=mco, status_interval=5))
 
     async def fleet_at(gen: str) -> float:
-        t0 = time.monotonic()
-        while True:
-            try:
-                objs = await custom.list_cluster_custom_object("cri-shim.io", "v1", "nodeimagesetstatuses",
-                                                               _request_timeout=60)
-            except Exception as e:  # a loaded API server: ask again
-                print(f"listing the status objects: {type(e).__name__}: {e}", file=sys.stderr)
-                await asyncio.sleep(1)
-                continue
-            done = sum(1 for o in objs["items"] if o["metadata"]["name"].startswith(f"sim-{tag}-") and any(
-                r["name"] == SET and r.get("currentGeneration") == gen for r in o["status"].get("sets", [])))
-            if done == n:
-                return time.monotonic() - t0
-            await asyncio.sleep(0.25)
+        return await fleet_current(custom, f"sim-{tag}-", SET, n, gen, period=0.25)
 
     gen1 = str(created["metadata"]["generation"])
     first = await fleet_at(gen1)
@@ -194,11 +150,11 @@ async def fleet_run(audit: AuditLog, kubeconfig: Path, workdir: Path, n: int, im
     t0 = time.time()
     patched = await custom.patch_cluster_custom_object(
         "cri-shim.io", "v1", "imagesets", SET,
-        {"spec": {"images": [{"name": r} for r in runtime.refs]}}, _content_type="application/merge-patch+json")
+        {"spec": {"images": [{"name": r} for r in [*refs, extra]]}}, _content_type="application/merge-patch+json")
     caught_up = await fleet_at(str(patched["metadata"]["generation"]))
     change = audit.window(t0, time.time())
 
-    for _, sets, src, st in nodes:
+    for sets, src, st in nodes:
         await st.stop()
         await src.stop()
         await sets.stop()
@@ -220,6 +176,13 @@ def main() -> None:
                     help="cluster.mco of every simulated node (this cluster has no MCO)")
     ap.add_argument("--rest-seconds", type=float, default=300.0,
                     help="the window at rest (>= 300 s shows watch renewals)")
+    ap.add_argument("--rollout", action="store_true",
+                    help="a paced rollout with the controller as a process instead (bench/fleet_rollout.py)")
+    ap.add_argument("--max-concurrent", default="10%", help="--rollout: spec.rollout.maxConcurrentNodes")
+    ap.add_argument("--pull-seconds", type=float, default=0.1,
+                    help="--rollout: the simulated registry's time per image pull")
+    ap.add_argument("--status-interval", type=int, default=5,
+                    help="--rollout: each node's cluster.status_interval_seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     logs.setup("warning")
@@ -234,6 +197,15 @@ def main() -> None:
     try:
         cp.start()
         kubeconfig = cp.kubeconfig(workdir / "admin.kubeconfig")
+        if args.rollout:
+            install(kubeconfig, ())
+            for n in args.nodes:
+                res = asyncio.run(rollout_run(audit, cp, workdir, n, args.images, args.max_concurrent,
+                                              args.pull_seconds, args.rest_seconds, args.status_interval))
+                res["load_average"] = [round(x, 2) for x in os.getloadavg()]
+                results.append(res)
+                print(json.dumps(res), flush=True)
+            return
         admin = Admin(kubeconfig)
         admin.apply_files(REPO / "deploy" / "cluster" / "crds.yaml")
         admin.wait_served("cri-shim.io", "v1", "imagesets")
