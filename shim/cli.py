@@ -54,12 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     fl.add_argument("--kubeconfig", required=True, help="a kubeconfig that may list nodeimagesetstatuses")
     fl.add_argument("--json", action="store_true", help="machine-readable output")
 
-    ct = sub.add_parser("controller", help="the cluster component: writes each ImageSet's rollout truth to its status",
+    ct = sub.add_parser("controller", help="the cluster component: each ImageSet's truth in its status, paced "
+                                           "rollouts' grants, the Role for the pull Secrets sets name",
                         description="Run the fleet controller (a Deployment of 2 replicas, deploy/cluster/"
                                     "controller.yaml). Replicas elect a leader on a coordination.k8s.io/v1 Lease; "
                                     "only the leader writes ImageSet.status: per set the selected nodes that are "
-                                    "current, progressing, failing (by reason), stale and missing, with conditions "
-                                    "Available, Progressing and Degraded.")
+                                    "current, progressing, waiting, failing (by reason), stale and missing, with "
+                                    "conditions Available, Progressing, Degraded and Halted; for a set with "
+                                    "spec.rollout, which nodes may pull its generation now (status.rollout.granted). "
+                                    "It also keeps the Role that lets nodes read the pull Secrets sets name.")
     ct.add_argument("--kubeconfig", help="kubeconfig to use (default: the Pod's ServiceAccount, in-cluster)")
     ct.add_argument("--namespace", default="cri-shim", help="namespace of the leader Lease (default cri-shim)")
     ct.add_argument("--lease-name", default="cri-shim-controller", help="name of the leader Lease")

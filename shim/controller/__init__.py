@@ -1,1 +1,1 @@
-"""``cri-shim controller``: the cluster component that writes each ImageSet's rollout truth."""
+"""``cri-shim controller``: the cluster component that writes each ImageSet's truth and paces its rollout."""

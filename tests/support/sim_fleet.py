@@ -8,7 +8,7 @@ paced set starts only with a grant (or when not paced); until then the node repo
 generation fetches every image (manifest, then config and layer blobs); a 404 is ``notFound``
 (failing, retried like a shim would after ``retry_seconds``); all fetched is current. Reports are
 server-side applies of the node's NodeImageSetStatus with the shims' field manager, written only
-when the row changes, as shim/cluster/status.py does.
+when the row changes, as shim/cluster/node_report.py does.
 
     fleet = SimFleet(kubeconfig, registry.direct_host, "web", ["n1", "n2"]).start()
     ...
