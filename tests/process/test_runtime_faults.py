@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 
 import grpc
 import pytest
@@ -31,14 +32,22 @@ def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
 
 
-async def timed(call) -> tuple[grpc.StatusCode, float, bytes | None]:
-    """(code, seconds, response) of one call; the clock starts when the call is made."""
+Timed = tuple[grpc.StatusCode, float, bytes | None]
+
+
+def timed(start: Callable[[], Awaitable[bytes]]) -> Coroutine[None, None, Timed]:
+    """(code, seconds, response) of one call, started now and timed from before it is built: grpc.aio
+    fixes a call's deadline then, so a clock started when the coroutine first runs reads less."""
     t0 = time.monotonic()
-    try:
-        response = await call
-        return grpc.StatusCode.OK, time.monotonic() - t0, response
-    except grpc.aio.AioRpcError as e:
-        return e.code(), time.monotonic() - t0, None
+    call = start()
+
+    async def finish() -> Timed:
+        try:
+            response = await call
+            return grpc.StatusCode.OK, time.monotonic() - t0, response
+        except grpc.aio.AioRpcError as e:
+            return e.code(), time.monotonic() - t0, None
+    return finish()
 
 
 async def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -59,11 +68,11 @@ async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) ->
                 # a and b in flight (a with two callers joined), c and d queued (c with one joined),
                 # and a passthrough call hanging in the runtime.
                 images = ["reg/a:1"] * 3 + ["reg/b:1"] * 2
-                calls = [asyncio.ensure_future(timed(pull(pull_request(i), timeout=60))) for i in images]
+                calls = [asyncio.ensure_future(timed(lambda: pull(pull_request(i), timeout=60))) for i in images]
                 await wait_for(lambda: rt.pulls_started() == 2)
-                calls += [asyncio.ensure_future(timed(pull(pull_request(i), timeout=60)))
+                calls += [asyncio.ensure_future(timed(lambda: pull(pull_request(i), timeout=60)))
                           for i in ("reg/c:1", "reg/c:1", "reg/d:1")]
-                calls.append(asyncio.ensure_future(timed(ch.unary_unary(STATUS)(b"", timeout=60))))
+                calls.append(asyncio.ensure_future(timed(lambda: ch.unary_unary(STATUS)(b"", timeout=60))))
                 await wait_for(lambda: sched.queued == 2 and sched.in_flight == 2)
                 await asyncio.sleep(0.2)
                 assert not any(c.done() for c in calls)
@@ -79,7 +88,7 @@ async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) ->
                 await wait_for(lambda: sched.queued == 0 and sched.in_flight == 0, 5)
 
                 # While it is down: every call fails at once, nothing waits for it.
-                code, seconds, _ = await timed(pull(pull_request("reg/e:1"), timeout=30))
+                code, seconds, _ = await timed(lambda: pull(pull_request("reg/e:1"), timeout=30))
                 assert code is grpc.StatusCode.UNAVAILABLE and seconds < PROMPT
 
                 # Restarted: the same client channel is served again within seconds.
@@ -99,9 +108,9 @@ async def test_shim_started_before_the_runtime(tmp_path, engine: str) -> None:
         async with running_shim(rt.endpoint, {"pulls": {"max_parallel": 2}}, engine=engine) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 pull = ch.unary_unary(PULL)
-                storm = [pull(pull_request(f"reg/img{i % 3}:1"), timeout=30) for i in range(9)]
-                storm.append(ch.unary_unary(VERSION)(b"", timeout=30))
-                results = await asyncio.wait_for(asyncio.gather(*map(timed, storm)), 10)
+                storm = [timed(lambda i=i: pull(pull_request(f"reg/img{i % 3}:1"), timeout=30)) for i in range(9)]
+                storm.append(timed(lambda: ch.unary_unary(VERSION)(b"", timeout=30)))
+                results = await asyncio.wait_for(asyncio.gather(*storm), 10)
                 assert [code for code, _, _ in results] == [grpc.StatusCode.UNAVAILABLE] * len(storm)
                 assert max(seconds for _, seconds, _ in results) < PROMPT
                 assert shim.app.scheduler.queued == 0 and shim.app.scheduler.in_flight == 0
@@ -110,8 +119,8 @@ async def test_shim_started_before_the_runtime(tmp_path, engine: str) -> None:
                 versions = asyncio.ensure_future(until_ok(ch, VERSION, b""))
                 t_pull = await until_ok(ch, PULL, pull_request("reg/first:1"))
                 t_version = await versions
-                storm = [pull(pull_request(f"reg/img{i % 3}:1"), timeout=30) for i in range(9)]
-                results = await asyncio.gather(*map(timed, storm))
+                storm = [timed(lambda i=i: pull(pull_request(f"reg/img{i % 3}:1"), timeout=30)) for i in range(9)]
+                results = await asyncio.gather(*storm)
                 print(f"\n[{engine}] runtime started after the shim: Version through the shim after "
                       f"{t_version:.3f}s, PullImage after {t_pull:.3f}s (a 0.3s pull); storm of 9 pulls -> "
                       f"{rt.pulls_started() - 1} runtime pulls")
@@ -162,17 +171,16 @@ async def test_slow_runtime_calls_respect_their_deadlines(tmp_path, engine: str)
         async with running_shim(rt.endpoint, settings, engine=engine) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 pull = ch.unary_unary(PULL)
-                survivor = asyncio.ensure_future(timed(pull(pull_request("reg/a:1"), timeout=1.5)))
+                survivor = asyncio.ensure_future(timed(lambda: pull(pull_request("reg/a:1"), timeout=1.5)))
                 await wait_for(lambda: slow.started == 1)
-                short = [
-                    ch.unary_unary(VERSION)(b"", timeout=0.3),  # passthrough
-                    ch.unary_unary(LIST)(b"", timeout=0.3),  # intercepted, forwarded
-                    pull(pull_request("reg/a:1"), timeout=0.3),  # joined to the flight in progress
-                    pull(pull_request("reg/b:1"), timeout=0.3),  # queued behind it (max_parallel 1)
-                ]
-                results = await asyncio.gather(*map(timed, short))
-                stream = ch.unary_stream(STREAM)(b"", timeout=0.3)
+                results = await asyncio.gather(
+                    timed(lambda: ch.unary_unary(VERSION)(b"", timeout=0.3)),  # passthrough
+                    timed(lambda: ch.unary_unary(LIST)(b"", timeout=0.3)),  # intercepted, forwarded
+                    timed(lambda: pull(pull_request("reg/a:1"), timeout=0.3)),  # joined to the flight in progress
+                    timed(lambda: pull(pull_request("reg/b:1"), timeout=0.3)),  # queued behind it (max_parallel 1)
+                )
                 t0 = time.monotonic()
+                stream = ch.unary_stream(STREAM)(b"", timeout=0.3)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in stream:
                         pass
