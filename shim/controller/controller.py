@@ -10,7 +10,10 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
   selecting its node;
 * a (re-)list marks every set;
 * an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
-* a set with a node that turns stale if nothing changes gets one timer, at that due time.
+* a set with a node that turns stale if nothing changes gets one timer, at that due time (marks.py).
+
+MCO's PinnedImageSets, when served, get the same truth in PinnedImageSetReports (pinned.py): the
+Node and NodeImageSetStatus events above mark them too, and the same batches recompute them.
 
 A paced set (``spec.rollout``) gets its grants here too (grants.py, a pure function of the
 nodes' reports and the status last written), written with its status: a node's report of
@@ -37,6 +40,8 @@ from ..cluster.reachability import Reachability, readyz
 from ..observability import logs
 from . import grants, report, rollout, truth
 from .leader import LeaderElector
+from .marks import Marks
+from .pinned import PinnedReports
 from .pull_secrets import PullSecretRoles
 
 _log = logs.get("controller")
@@ -54,7 +59,8 @@ def _rows(obj: Obj) -> set[str]:
 class Controller:
     def __init__(self, api: ApiClient, elector: LeaderElector, *, stale_after: float = 120.0,
                  batch_interval: float = 0.5, request_timeout: float = 30.0, watch_timeout: float = 300.0,
-                 backoff_initial: float = 1.0, backoff_max: float = 30.0) -> None:
+                 backoff_initial: float = 1.0, backoff_max: float = 30.0,
+                 mco_discovery_interval: float = 600.0) -> None:
         self.api = api
         self.elector = elector
         self.stale_after = stale_after
@@ -75,9 +81,11 @@ class Controller:
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
-        self._dirty: set[str] = set()
         self._wake = asyncio.Event()
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.marks = Marks(self._wake)
+        self.pinned = PinnedReports(api, self._wake, leading=lambda: self.elector.leading, nodes=self.nodes,
+                                    statuses=self.statuses, informer_args=common, stale_after=stale_after,
+                                    request_timeout=request_timeout, discovery_interval=mco_discovery_interval)
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
@@ -89,9 +97,7 @@ class Controller:
     # ------------------------------------------------------------------ what changed
 
     def mark(self, *names: str) -> None:
-        if names:
-            self._dirty.update(names)
-            self._wake.set()
+        self.marks.mark(*names)
 
     def _mark_all(self) -> None:
         self.mark(*self.sets.items)
@@ -125,11 +131,13 @@ class Controller:
         if kind == "LIST":
             self._digests.clear()
             self._mark_all()
+            self.pinned.mark_all()
             return
         before = truth.node_labels(old) if old is not None else None
         after = truth.node_labels(new) if new is not None else None
         if before == after:
             return  # a status heartbeat: nothing a set looks at
+        self.pinned.node_moved(before, after)
         names = set(self._selecting(before)) if before is not None else set()
         if after is not None:
             names.update(self._selecting(after))
@@ -138,32 +146,23 @@ class Controller:
     def _status_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self._mark_all()
+            self.pinned.mark_all()
             return
         obj = new or old or {}
         node = self.nodes.items.get(str(obj.get("metadata", {}).get("name")))
+        self.pinned.status_changed(old, new, truth.node_labels(node) if node is not None else None)
         names = (_rows(old) | _rows(new)) & set(self.sets.items)
         if node is not None:
             names.update(self._selecting(truth.node_labels(node)))
         self.mark(*names)
 
     def _forget(self, name: str) -> None:
-        timer = self._timers.pop(name, None)
-        if timer is not None:
-            timer.cancel()
+        self.marks.forget(name)
         self._written.pop(name, None)
         self._started.pop(name, None)
         self._grant_times.pop(name, None)
-        self._dirty.discard(name)
 
     # ------------------------------------------------------------------ acting (leader only)
-
-    def _schedule(self, name: str, due: float | None) -> None:
-        old = self._timers.pop(name, None)
-        if old is not None:
-            old.cancel()
-        if due is not None:
-            delay = max(0.0, due - time.time()) + 0.05
-            self._timers[name] = asyncio.get_running_loop().call_later(delay, self.mark, name)
 
     async def reconcile(self, name: str) -> None:
         obj = self.sets.items.get(name)
@@ -187,7 +186,7 @@ class Controller:
                           stale_after=self.stale_after, expected=self._expected,
                           paced=decision is not None or bool(rollout_error), granted=granted, reports=reports)
         self.recomputes += 1
-        self._schedule(name, t.next_due)
+        self.marks.schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
         if report.unchanged(view, status) or not self.elector.leading:
             return
@@ -229,29 +228,32 @@ class Controller:
         """The leader's work, cancelled when leadership is lost."""
         self._written.clear()
         self._mark_all()
+        self.pinned.mark_all()
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 if not (self.nodes.synced and self.sets.synced and self.statuses.synced):
                     continue  # each informer's list marks every set once it is synced
-                batch, self._dirty = sorted(self._dirty), set()
-                for name in batch:
+                for name in self.marks.take():
                     await self.reconcile(name)
+                if self.pinned.synced:  # each of its informers' lists marks every PinnedImageSet
+                    for name in self.pinned.marks.take():
+                        await self.pinned.reconcile(name)
                 if self.secret_roles.dirty and not await self.secret_roles.sync():
                     asyncio.get_running_loop().call_later(5.0, self._wake.set)
                 await asyncio.sleep(self.batch_interval)
         finally:
-            for timer in self._timers.values():
-                timer.cancel()
-            self._timers.clear()
+            self.marks.stop()
             self._written.clear()
             self.secret_roles.lost_lead()
+            self.pinned.lost_lead()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(inf.run(), name=f"controller-watch-{inf.name}")
                  for inf in (self.nodes, self.sets, self.statuses)]
+        tasks.append(loop.create_task(self.pinned.run(), name="controller-mco"))
         try:
             await self.elector.run(self.lead)
         finally:
