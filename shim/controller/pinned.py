@@ -33,7 +33,7 @@ from kubernetes_asyncio.client import ApiClient, CustomObjectsApi
 
 from ..cluster.discovery import mco_kinds
 from ..cluster.informer import Informer, Obj, backoff, describe
-from ..cluster.objects import PINNED_REPORT, Kind, pool_listed
+from ..cluster.objects import PINNED_IMAGE_SETS, PINNED_REPORT, Kind, pool_listed
 from ..observability import logs
 from . import pools, report, truth
 from .marks import Marks
@@ -181,10 +181,9 @@ class PinnedReports:
 
     def status_changed(self, old: Obj, new: Obj, labels: dict[str, str] | None) -> None:
         """A NodeImageSetStatus event: the sets its rows name, and those of its node's pools."""
-        names = {str(r.get("name")) for obj in (old, new)
-                 for r in [*((obj or {}).get("status") or {}).get("sets") or [],
-                           *((obj or {}).get("status") or {}).get("worst") or []]
-                 if r.get("kind") == "PinnedImageSet"}
+        kind = PINNED_IMAGE_SETS[0].kind
+        names = {str(r.get("name")) for obj in (old, new) for key in ("sets", "worst")
+                 for r in ((obj or {}).get("status") or {}).get(key) or [] if r.get("kind") == kind}
         if labels is not None:
             names |= pools.sets_selecting(self.pools, labels)
         self.marks.mark(*(names & self.sets.keys()))
