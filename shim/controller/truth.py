@@ -1,6 +1,8 @@
 """The truth about one ImageSet's rollout, from Nodes x the set's nodeSelector x each node's
 ``NodeImageSetStatus`` (what shim/cluster/node_report.py writes). Pure: no I/O, times in wall-clock
-seconds (the API server's timestamps are wall clock).
+seconds (the API server's timestamps are wall clock). An MCO PinnedImageSet's the same way, its
+nodes those of the MachineConfigPools listing it (``Selection``, pools.py), its rows those of kind
+``PinnedImageSet``.
 
 Every selected node is counted in exactly one of:
 
