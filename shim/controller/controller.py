@@ -27,24 +27,21 @@ applied only when it differs from the one last written.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from functools import partial
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 
-from ..cluster.informer import Informer, Obj, describe
+from ..cluster.informer import Informer, Obj
 from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind, SelectorError
 from ..cluster.reachability import Reachability, readyz
-from ..observability import logs
 from . import grants, report, rollout, truth
+from .apply import Applier
 from .leader import LeaderElector
 from .marks import Marks
 from .pinned import PinnedReports
 from .pull_secrets import PullSecretRoles
-
-_log = logs.get("controller")
 
 
 def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
@@ -83,7 +80,9 @@ class Controller:
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._wake = asyncio.Event()
         self.marks = Marks(self._wake)
-        self.pinned = PinnedReports(api, self._wake, leading=lambda: self.elector.leading, nodes=self.nodes,
+        self.applier = Applier(self.custom, request_timeout)
+        self.pinned = PinnedReports(api, self._wake, self.applier, leading=lambda: self.elector.leading,
+                                    nodes=self.nodes,
                                     statuses=self.statuses, informer_args=common, stale_after=stale_after,
                                     request_timeout=request_timeout, discovery_interval=mco_discovery_interval)
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
@@ -91,8 +90,6 @@ class Controller:
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
         self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
         self.recomputes = 0
-        self.writes = 0
-        self.write_errors = 0
 
     # ------------------------------------------------------------------ what changed
 
@@ -190,19 +187,9 @@ class Controller:
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
         if report.unchanged(view, status) or not self.elector.leading:
             return
-        try:
-            await self.custom.patch_cluster_custom_object_status(  # type: ignore[call-arg]  # .pyi lacks _content_type
-                IMAGE_SET.group, IMAGE_SET.version, IMAGE_SET.plural, name, report.apply_body(name, status),
-                field_manager=report.FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-                _request_timeout=self.request_timeout)
-        except Exception as e:
-            self.write_errors += 1
-            logs.log(_log, logging.WARNING, "cannot write the image set's status; will retry", set=name,
-                     error=describe(e))
-            asyncio.get_running_loop().call_later(min(30.0, 1.0 * 2 ** min(self.write_errors, 5)), self.mark, name)
-            return
-        self.writes += 1
-        self._written[name] = status
+        if await self.applier.apply(IMAGE_SET, name, report.apply_body(name, status), status=True,
+                                    what="the image set's status", retry=self.mark):
+            self._written[name] = status
 
     def _grants(self, view: dict[str, Any], started: float,
                 now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReading] | None]:

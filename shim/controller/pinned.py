@@ -36,6 +36,7 @@ from ..cluster.informer import Informer, Obj, backoff, describe
 from ..cluster.objects import PINNED_IMAGE_SETS, PINNED_REPORT, Kind, pool_listed
 from ..observability import logs
 from . import pools, report, truth
+from .apply import Applier
 from .marks import Marks
 
 _log = logs.get("controller")
@@ -56,11 +57,12 @@ def _owner_uid(obj: Obj) -> str:
 
 
 class PinnedReports:
-    def __init__(self, api: ApiClient, wake: asyncio.Event, *, leading: Callable[[], bool],
+    def __init__(self, api: ApiClient, wake: asyncio.Event, applier: Applier, *, leading: Callable[[], bool],
                  nodes: Informer, statuses: Informer, informer_args: dict[str, Any], stale_after: float,
                  request_timeout: float, discovery_interval: float = 600.0) -> None:
         self.api = api
         self.custom = CustomObjectsApi(api)
+        self.applier = applier
         self.leading = leading
         self.nodes = nodes
         self.statuses = statuses
@@ -76,8 +78,6 @@ class PinnedReports:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._written: dict[str, dict[str, Any]] = {}  # set -> report status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen)
-        self.writes = 0
-        self.write_errors = 0
 
     # ------------------------------------------------------------------ what is watched
 
@@ -222,17 +222,6 @@ class PinnedReports:
         body = report.pinned_report_body(obj, status, [str(p["metadata"]["name"]) for p in listing])
         if (owned and report.unchanged(view, body["status"])) or not self.leading():
             return
-        try:
-            await self.custom.patch_cluster_custom_object(  # type: ignore[call-arg]  # .pyi lacks _content_type
-                PINNED_REPORT.group, PINNED_REPORT.version, PINNED_REPORT.plural, name, body,
-                field_manager=report.FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-                _request_timeout=self.request_timeout)
-        except Exception as e:
-            self.write_errors += 1
-            logs.log(_log, logging.WARNING, "cannot write the PinnedImageSet's report; will retry", set=name,
-                     error=describe(e))
-            asyncio.get_running_loop().call_later(min(30.0, 1.0 * 2 ** min(self.write_errors, 5)),
-                                                  self.marks.mark, name)
-            return
-        self.writes += 1
-        self._written[name] = body["status"]
+        if await self.applier.apply(PINNED_REPORT, name, body, status=False, what="the PinnedImageSet's report",
+                                    retry=self.marks.mark):
+            self._written[name] = body["status"]

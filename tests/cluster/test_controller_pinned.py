@@ -11,11 +11,8 @@ import subprocess
 import sys
 from typing import Any
 
-from kubernetes_asyncio.client import CoreV1Api
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from tests.cluster.test_cluster_sets import MCO, SHIM, delete, wait_for
-from tests.cluster.test_controller import report, table
+from tests.cluster.test_controller import cleanup, report, table
 from tests.support.kube import Admin
 
 KIND = "PinnedImageSet"
@@ -119,10 +116,4 @@ def test_pinned_image_set_truth_through_its_pools_in_a_report(control_plane, adm
             delete(admin, MCO, "v1", "machineconfigpools", p)
         delete(admin, MCO, "v1", "pinnedimagesets", "p1-warm")
         delete(admin, *SHIM, "pinnedimagesetreports", "p1-warm")  # no garbage collector in this cluster
-        for n in nodes:
-            try:
-                admin.run(lambda api, n=n: CoreV1Api(api).delete_node(n))
-            except ApiException as e:
-                if e.status != 404:
-                    raise
-            delete(admin, *SHIM, "nodeimagesetstatuses", n)
+        cleanup(admin, "p1-warm", list(nodes))  # the Nodes, their status objects (and no ImageSet of that name)
