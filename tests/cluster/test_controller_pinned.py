@@ -2,7 +2,8 @@
 a real kube-apiserver: a set's nodes are those of the MachineConfigPools listing it, its truth
 goes to a PinnedImageSetReport of ours (MCO owns the set's status). Simulated shims: the nodes'
 NodeImageSetStatus rows of kind PinnedImageSet, as a shim writes them (test_cluster_sets.py
-shows a real shim writing such a row)."""
+shows a real shim writing such a row), written by the test or by tests/support/sim_fleet.py's
+nodes, which fetch the set's images from the registry."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from tests.cluster.test_cluster_sets import MCO, SHIM, delete, wait_for
 from tests.cluster.test_controller import cleanup, report, table
 from tests.support.kube import Admin
+from tests.support.sim_fleet import SimFleet
 
 KIND = "PinnedImageSet"
 COLUMNS = ["Name", "Selected", "Current", "Progressing", "Failing", "Stale", "Age"]
@@ -117,3 +119,44 @@ def test_pinned_image_set_truth_through_its_pools_in_a_report(control_plane, adm
         delete(admin, MCO, "v1", "pinnedimagesets", "p1-warm")
         delete(admin, *SHIM, "pinnedimagesetreports", "p1-warm")  # no garbage collector in this cluster
         cleanup(admin, "p1-warm", list(nodes))  # the Nodes, their status objects (and no ImageSet of that name)
+
+
+def test_pinned_image_set_pulled_by_simulated_shims_through_a_pool(control_plane, admin, controllers, registry,
+                                                                   make_image) -> None:
+    """Simulated shims (tests/support/sim_fleet.py) on the nodes a pool selects really fetch the
+    set's images from the registry; the report follows them: a node without a shim is missing, a
+    missing image makes every node fail with its reason, pushing it makes them current."""
+    sims = ["p2-n1", "p2-n2", "p2-n3"]
+    for n in [*sims, "p2-n4"]:  # p2-n4: selected, no shim
+        admin.create_node(n, {"p1-role": "p2-worker"})
+    present = make_image()
+    missing = f"{registry.host}/p2/not-pushed-yet:v1"
+    admin.apply_custom(MCO, "v1", "pinnedimagesets", pinned_set("p2-warm", present.ref))
+    admin.apply_custom(MCO, "v1", "machineconfigpools", pool("p2-worker", "p2-worker", "p2-warm"))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "p2-warm", sims,
+                     retry_seconds=0.5, kind=KIND).start()
+    try:
+        controllers("p2-a")
+        wait_for(lambda: counts(admin, "p2-warm") == (4, 3, 0, 0, 0, 1), 60, "3 current, p2-n4 missing")
+        assert all(fleet.requests(n) >= 1 for n in sims)  # each fetched from the registry
+
+        admin.apply_custom(MCO, "v1", "pinnedimagesets", pinned_set("p2-warm", present.ref, missing))
+        wait_for(lambda: counts(admin, "p2-warm")[3] == 3, 60, "generation 2: 3 nodes failing")
+        st = pis_report(admin, "p2-warm")["status"]
+        assert st["observedGeneration"] == 2 and st["failedReasons"] == {"notFound": 3}
+        assert {c["type"]: c["reason"] for c in st["conditions"]}["Degraded"] == "NotFound"
+        row = next(r["cells"] for r in table(control_plane, "pinnedimagesetreports")["rows"] if r["cells"][0] == "p2-warm")
+        print(f"\nkubectl get pinnedimagesetreports (failing): {row}")
+        assert row[1:6] == [4, 0, 0, 3, 0], row
+
+        make_image(name="p2/not-pushed-yet", tag="v1")
+        wait_for(lambda: counts(admin, "p2-warm") == (4, 3, 0, 0, 0, 1), 60, "generation 2 current on the 3")
+        st = pis_report(admin, "p2-warm")["status"]
+        assert st["observedGeneration"] == 2 and st["missingNodes"] == ["p2-n4"], st
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        delete(admin, MCO, "v1", "machineconfigpools", "p2-worker")
+        delete(admin, MCO, "v1", "pinnedimagesets", "p2-warm")
+        delete(admin, *SHIM, "pinnedimagesetreports", "p2-warm")
+        cleanup(admin, "p2-warm", [*sims, "p2-n4"])
