@@ -48,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted (Ctrl-C)")
     st.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (default 1)")
-    fl = sub.add_parser("fleet", help="per image set, over every node's status object: selected, done, "
-                                      "progressing, failing nodes and why")
+    fl = sub.add_parser("fleet", help="per image set (and MCO PinnedImageSet), as cri-shim controller wrote it: "
+                                      "selected, current, progressing, failing nodes and why")
     fl.add_argument("action", choices=["status"])
     fl.add_argument("--kubeconfig", required=True, help="a kubeconfig that may list nodeimagesetstatuses")
     fl.add_argument("--json", action="store_true", help="machine-readable output")
@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "current, progressing, waiting, failing (by reason), stale and missing, with "
                                     "conditions Available, Progressing, Degraded and Halted; for a set with "
                                     "spec.rollout, which nodes may pull its generation now (status.rollout.granted). "
+                                    "Where MCO's PinnedImageSets are served (discovery), the same truth for each, "
+                                    "over the nodes of the MachineConfigPools listing it, in a PinnedImageSetReport "
+                                    "of the same name (not paced: MCO owns the set). "
                                     "It also keeps the Role that lets nodes read the pull Secrets sets name.")
     ct.add_argument("--kubeconfig", help="kubeconfig to use (default: the Pod's ServiceAccount, in-cluster)")
     ct.add_argument("--namespace", default="cri-shim", help="namespace of the leader Lease (default cri-shim)")

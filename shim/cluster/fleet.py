@@ -2,7 +2,11 @@
 (selected, current, progressing, failing, stale, missing nodes; failing nodes with their reason;
 the rollout's time; a paced set's phase, waiting nodes and grants in flight). Read-only: one
 list of the ImageSets. A set whose status is absent or behind its generation says so: no
-controller is running, or it has not caught up."""
+controller is running, or it has not caught up.
+
+MCO's PinnedImageSets too, from the PinnedImageSetReports the controller writes for them (one more
+list), as ``PinnedImageSet/<name>``; their generation is the one the report is for (the
+PinnedImageSets themselves are not read)."""
 
 from __future__ import annotations
 
@@ -10,16 +14,20 @@ import asyncio
 import json
 from typing import Any
 
-from .objects import IMAGE_SET
+from .objects import IMAGE_SET, PINNED_REPORT, Kind
 
 COUNTS = ("selected", "current", "progressing", "failing", "stale", "missing")
 
 
-def summarize(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def summarize(items: list[dict[str, Any]], reports: tuple[dict[str, Any], ...] | list[dict[str, Any]] = ()
+              ) -> dict[str, dict[str, Any]]:
+    """By ImageSet name, then by ``PinnedImageSet/<name>`` (``reports``: PinnedImageSetReports)."""
     out: dict[str, dict[str, Any]] = {}
-    for obj in sorted(items, key=lambda o: str(o["metadata"]["name"])):
+    objs = [(str(o["metadata"]["name"]), o, o["metadata"].get("generation")) for o in items]
+    objs += [(f"PinnedImageSet/{o['metadata']['name']}", o, (o.get("status") or {}).get("observedGeneration"))
+             for o in reports]
+    for name, obj, gen in sorted(objs, key=lambda t: (t[0].startswith("PinnedImageSet/"), t[0])):
         st = obj.get("status") or {}
-        gen = obj["metadata"].get("generation")
         row: dict[str, Any] = {"generation": gen, "observedGeneration": st.get("observedGeneration"),
                                **{k: st.get(k) for k in COUNTS}}
         if not st:
@@ -27,24 +35,36 @@ def summarize(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         elif st.get("observedGeneration") != gen:
             row["note"] = f"status is for generation {st.get('observedGeneration')}; the controller has not caught up"
         for k in ("waiting", "rollout", "failedReasons", "failingNodes", "staleNodes", "missingNodes",
-                  "rolloutSeconds"):
+                  "rolloutSeconds", "machineConfigPools"):
             if k in st:
                 row[k] = st[k]
         row["conditions"] = {c["type"]: {"status": c.get("status"), "reason": c.get("reason", "")}
                              for c in st.get("conditions") or []}
-        out[str(obj["metadata"]["name"])] = row
+        out[name] = row
     return out
 
 
-async def _list(kubeconfig: str) -> list[dict[str, Any]]:
+async def _list(kubeconfig: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ImageSets, and the PinnedImageSetReports (none where that CRD is not installed)."""
     from kubernetes_asyncio.client import CustomObjectsApi
+    from kubernetes_asyncio.client.exceptions import ApiException
     from kubernetes_asyncio.config import new_client_from_config
 
     api = await new_client_from_config(config_file=kubeconfig, persist_config=False)
-    try:
-        resp = await CustomObjectsApi(api).list_cluster_custom_object(IMAGE_SET.group, IMAGE_SET.version,
-                                                                      IMAGE_SET.plural, _request_timeout=60)
+
+    async def items(kind: Kind) -> list[dict[str, Any]]:
+        resp = await CustomObjectsApi(api).list_cluster_custom_object(kind.group, kind.version, kind.plural,
+                                                                      _request_timeout=60)
         return list(resp.get("items") or [])
+    try:
+        sets = await items(IMAGE_SET)
+        try:
+            reports = await items(PINNED_REPORT)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            reports = []
+        return sets, reports
     finally:
         await api.close()
 
@@ -54,7 +74,7 @@ def _n(v: Any) -> str:
 
 
 def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
-    summary = summarize(asyncio.run(_list(kubeconfig)))
+    summary = summarize(*asyncio.run(_list(kubeconfig)))
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -67,6 +87,8 @@ def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
               + f"  {degraded.get('reason', '-') if degraded.get('status') == 'True' else '-'}")
         if "note" in s:
             print(f"  {s['note']}")
+        if "machineConfigPools" in s:
+            print(f"  pools: {', '.join(s['machineConfigPools']) or 'none lists it'}")
         if "rollout" in s:  # a paced set
             ro, halted = s["rollout"], s["conditions"].get("Halted", {})
             why = f" ({halted.get('reason')})" if halted.get("status") == "True" else ""

@@ -43,6 +43,7 @@ NODE_STATUS = Kind("cri-shim.io", "v1", "nodeimagesetstatuses", "NodeImageSetSta
 PINNED_IMAGE_SETS = (Kind("machineconfiguration.openshift.io", "v1", "pinnedimagesets", "PinnedImageSet"),
                      Kind("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets", "PinnedImageSet"))
 MACHINE_CONFIG_POOL = Kind("machineconfiguration.openshift.io", "v1", "machineconfigpools", "MachineConfigPool")
+PINNED_REPORT = Kind("cri-shim.io", "v1", "pinnedimagesetreports", "PinnedImageSetReport")  # by cri-shim controller
 FIELD_MANAGER = "cri-shim"
 DOCKER_CONFIG_JSON = "kubernetes.io/dockerconfigjson"
 CLUSTER_ONLY_SPEC = ("nodeSelector", "imagePullSecrets", "roleOverrides", "rollout")
@@ -180,7 +181,8 @@ class PoolSets:
     undecided: set[str]  # PinnedImageSets listed by those pools: whether they apply is not known
 
 
-def _listed(spec: Mapping[str, Any]) -> set[str]:
+def pool_listed(spec: Mapping[str, Any]) -> set[str]:
+    """The PinnedImageSets a MachineConfigPool's spec lists (``spec.pinnedImageSets[].name``)."""
     return {str(ref["name"]) for ref in spec.get("pinnedImageSets") or []
             if isinstance(ref, Mapping) and ref.get("name")}
 
@@ -197,9 +199,9 @@ def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> 
                 continue
         except SelectorError as e:
             out.errors.append(f"MachineConfigPool {pname}.spec.nodeSelector: {e}")
-            out.undecided |= _listed(spec)
+            out.undecided |= pool_listed(spec)
             continue
-        out.names |= _listed(spec)
+        out.names |= pool_listed(spec)
     return out
 
 

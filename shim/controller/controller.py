@@ -10,7 +10,10 @@ memory, on every replica (a standby's cache is warm when it takes over). Only th
   selecting its node;
 * a (re-)list marks every set;
 * an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
-* a set with a node that turns stale if nothing changes gets one timer, at that due time.
+* a set with a node that turns stale if nothing changes gets one timer, at that due time (marks.py).
+
+MCO's PinnedImageSets, when served, get the same truth in PinnedImageSetReports (pinned.py): the
+Node and NodeImageSetStatus events above mark them too, and the same batches recompute them.
 
 A paced set (``spec.rollout``) gets its grants here too (grants.py, a pure function of the
 nodes' reports and the status last written), written with its status: a node's report of
@@ -24,22 +27,21 @@ applied only when it differs from the one last written.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from functools import partial
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 
-from ..cluster.informer import Informer, Obj, describe
+from ..cluster.informer import Informer, Obj
 from ..cluster.objects import IMAGE_SET, NODE_STATUS, Kind, SelectorError
 from ..cluster.reachability import Reachability, readyz
-from ..observability import logs
 from . import grants, report, rollout, truth
+from .apply import Applier
 from .leader import LeaderElector
+from .marks import Marks
+from .pinned import PinnedReports
 from .pull_secrets import PullSecretRoles
-
-_log = logs.get("controller")
 
 
 def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
@@ -54,7 +56,8 @@ def _rows(obj: Obj) -> set[str]:
 class Controller:
     def __init__(self, api: ApiClient, elector: LeaderElector, *, stale_after: float = 120.0,
                  batch_interval: float = 0.5, request_timeout: float = 30.0, watch_timeout: float = 300.0,
-                 backoff_initial: float = 1.0, backoff_max: float = 30.0) -> None:
+                 backoff_initial: float = 1.0, backoff_max: float = 30.0,
+                 mco_discovery_interval: float = 600.0) -> None:
         self.api = api
         self.elector = elector
         self.stale_after = stale_after
@@ -75,23 +78,23 @@ class Controller:
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
-        self._dirty: set[str] = set()
         self._wake = asyncio.Event()
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self.marks = Marks(self._wake)
+        self.applier = Applier(self.custom, request_timeout)
+        self.pinned = PinnedReports(api, self._wake, self.applier, leading=lambda: self.elector.leading,
+                                    nodes=self.nodes,
+                                    statuses=self.statuses, informer_args=common, stale_after=stale_after,
+                                    request_timeout=request_timeout, discovery_interval=mco_discovery_interval)
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
         self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
         self.recomputes = 0
-        self.writes = 0
-        self.write_errors = 0
 
     # ------------------------------------------------------------------ what changed
 
     def mark(self, *names: str) -> None:
-        if names:
-            self._dirty.update(names)
-            self._wake.set()
+        self.marks.mark(*names)
 
     def _mark_all(self) -> None:
         self.mark(*self.sets.items)
@@ -125,11 +128,13 @@ class Controller:
         if kind == "LIST":
             self._digests.clear()
             self._mark_all()
+            self.pinned.mark_all()
             return
         before = truth.node_labels(old) if old is not None else None
         after = truth.node_labels(new) if new is not None else None
         if before == after:
             return  # a status heartbeat: nothing a set looks at
+        self.pinned.node_moved(before, after)
         names = set(self._selecting(before)) if before is not None else set()
         if after is not None:
             names.update(self._selecting(after))
@@ -138,32 +143,23 @@ class Controller:
     def _status_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self._mark_all()
+            self.pinned.mark_all()
             return
         obj = new or old or {}
         node = self.nodes.items.get(str(obj.get("metadata", {}).get("name")))
+        self.pinned.status_changed(old, new, truth.node_labels(node) if node is not None else None)
         names = (_rows(old) | _rows(new)) & set(self.sets.items)
         if node is not None:
             names.update(self._selecting(truth.node_labels(node)))
         self.mark(*names)
 
     def _forget(self, name: str) -> None:
-        timer = self._timers.pop(name, None)
-        if timer is not None:
-            timer.cancel()
+        self.marks.forget(name)
         self._written.pop(name, None)
         self._started.pop(name, None)
         self._grant_times.pop(name, None)
-        self._dirty.discard(name)
 
     # ------------------------------------------------------------------ acting (leader only)
-
-    def _schedule(self, name: str, due: float | None) -> None:
-        old = self._timers.pop(name, None)
-        if old is not None:
-            old.cancel()
-        if due is not None:
-            delay = max(0.0, due - time.time()) + 0.05
-            self._timers[name] = asyncio.get_running_loop().call_later(delay, self.mark, name)
 
     async def reconcile(self, name: str) -> None:
         obj = self.sets.items.get(name)
@@ -187,23 +183,13 @@ class Controller:
                           stale_after=self.stale_after, expected=self._expected,
                           paced=decision is not None or bool(rollout_error), granted=granted, reports=reports)
         self.recomputes += 1
-        self._schedule(name, t.next_due)
+        self.marks.schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
         if report.unchanged(view, status) or not self.elector.leading:
             return
-        try:
-            await self.custom.patch_cluster_custom_object_status(  # type: ignore[call-arg]  # .pyi lacks _content_type
-                IMAGE_SET.group, IMAGE_SET.version, IMAGE_SET.plural, name, report.apply_body(name, status),
-                field_manager=report.FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-                _request_timeout=self.request_timeout)
-        except Exception as e:
-            self.write_errors += 1
-            logs.log(_log, logging.WARNING, "cannot write the image set's status; will retry", set=name,
-                     error=describe(e))
-            asyncio.get_running_loop().call_later(min(30.0, 1.0 * 2 ** min(self.write_errors, 5)), self.mark, name)
-            return
-        self.writes += 1
-        self._written[name] = status
+        if await self.applier.apply(IMAGE_SET, name, report.apply_body(name, status), status=True,
+                                    what="the image set's status", retry=self.mark):
+            self._written[name] = status
 
     def _grants(self, view: dict[str, Any], started: float,
                 now: float) -> tuple[grants.Decision | None, str, dict[str, truth.NodeReading] | None]:
@@ -229,29 +215,32 @@ class Controller:
         """The leader's work, cancelled when leadership is lost."""
         self._written.clear()
         self._mark_all()
+        self.pinned.mark_all()
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 if not (self.nodes.synced and self.sets.synced and self.statuses.synced):
                     continue  # each informer's list marks every set once it is synced
-                batch, self._dirty = sorted(self._dirty), set()
-                for name in batch:
+                for name in self.marks.take():
                     await self.reconcile(name)
+                if self.pinned.synced:  # each of its informers' lists marks every PinnedImageSet
+                    for name in self.pinned.marks.take():
+                        await self.pinned.reconcile(name)
                 if self.secret_roles.dirty and not await self.secret_roles.sync():
                     asyncio.get_running_loop().call_later(5.0, self._wake.set)
                 await asyncio.sleep(self.batch_interval)
         finally:
-            for timer in self._timers.values():
-                timer.cancel()
-            self._timers.clear()
+            self.marks.stop()
             self._written.clear()
             self.secret_roles.lost_lead()
+            self.pinned.lost_lead()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(inf.run(), name=f"controller-watch-{inf.name}")
                  for inf in (self.nodes, self.sets, self.statuses)]
+        tasks.append(loop.create_task(self.pinned.run(), name="controller-mco"))
         try:
             await self.elector.run(self.lead)
         finally:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..cluster.objects import IMAGE_SET
+from ..cluster.objects import IMAGE_SET, PINNED_REPORT
 from .grants import Decision
 from .truth import Truth, format_time, parse_time
 
@@ -139,6 +139,19 @@ def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: fl
 def apply_body(name: str, status: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": IMAGE_SET.api_version, "kind": IMAGE_SET.kind, "metadata": {"name": name},
             "status": status}
+
+
+def pinned_report_body(pinned: Mapping[str, Any], status: dict[str, Any], pools: list[str]) -> dict[str, Any]:
+    """A ``PinnedImageSetReport`` (ours, cluster-scoped) for an MCO ``PinnedImageSet`` (MCO owns
+    its status): named after it, owned by it (the garbage collector deletes it with the set), the
+    status an ImageSet would have plus the pools that select its nodes. Written whole by server-side
+    apply; no status subresource (only the controller writes it)."""
+    meta = pinned.get("metadata") or {}
+    owner = {"apiVersion": pinned.get("apiVersion"), "kind": pinned.get("kind"), "name": meta.get("name"),
+             "uid": meta.get("uid")}
+    return {"apiVersion": PINNED_REPORT.api_version, "kind": PINNED_REPORT.kind,
+            "metadata": {"name": meta.get("name"), "ownerReferences": [owner]},
+            "status": {**status, "machineConfigPools": pools}}
 
 
 def unchanged(image_set: Mapping[str, Any], status: Mapping[str, Any]) -> bool:

@@ -1,6 +1,8 @@
 """The truth about one ImageSet's rollout, from Nodes x the set's nodeSelector x each node's
 ``NodeImageSetStatus`` (what shim/cluster/node_report.py writes). Pure: no I/O, times in wall-clock
-seconds (the API server's timestamps are wall clock).
+seconds (the API server's timestamps are wall clock). An MCO PinnedImageSet's the same way, its
+nodes those of the MachineConfigPools listing it (``Selection``, pools.py), its rows those of kind
+``PinnedImageSet``.
 
 Every selected node is counted in exactly one of:
 
@@ -41,7 +43,7 @@ from functools import partial
 from typing import Any, Callable, Mapping
 
 from ..cluster.aggregate import digest
-from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, SelectorError, check_selector, selects
+from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, IMAGE_SET, SelectorError, check_selector, selects
 from ..pulls.failure import REASONS
 
 MAX_LISTED = 20  # failing / stale / missing nodes named in the status, each
@@ -95,10 +97,35 @@ def node_labels(node: Mapping[str, Any]) -> dict[str, str]:
     return dict((node.get("metadata") or {}).get("labels") or {})
 
 
+@dataclass(frozen=True)
+class Selection:
+    """The nodes a set selects: those any of ``selectors`` (each named by where it is written)
+    selects. An ImageSet: its ``spec.nodeSelector``, absent selecting every node. A PinnedImageSet
+    (pools.py): the ``spec.nodeSelector`` of every MachineConfigPool listing it, absent selecting none."""
+    selectors: tuple[tuple[str, Mapping[str, Any] | None], ...]
+    none_selects_all: bool
+
+    @classmethod
+    def of(cls, image_set: Mapping[str, Any]) -> Selection:
+        return cls((("spec.nodeSelector", (image_set.get("spec") or {}).get("nodeSelector")),), True)
+
+    def check(self) -> None:
+        """SelectorError naming the selector when one cannot be read."""
+        for where, selector in self.selectors:
+            try:
+                check_selector(selector)
+            except SelectorError as e:
+                raise SelectorError(f"{where}: {e}") from None
+
+    def selects(self, labels: Mapping[str, str]) -> bool:
+        """Raises SelectorError for a bad selector (``check`` first to know which)."""
+        return any(selects(s, labels, none_selects_all=self.none_selects_all) for _, s in self.selectors)
+
+
 def selects_node(image_set: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     """Whether the set selects a node with these labels; a bad selector selects none."""
     try:
-        return selects((image_set.get("spec") or {}).get("nodeSelector"), labels, none_selects_all=True)
+        return Selection.of(image_set).selects(labels)
     except SelectorError:
         return False
 
@@ -109,16 +136,15 @@ def expected_digest(sets: Mapping[str, Mapping[str, Any]], labels: Mapping[str, 
                   if selects_node(s, labels))
 
 
-def _row(status: Mapping[str, Any], name: Any, expected: Callable[[], str]) -> Mapping[str, Any] | None:
-    """The node's row for the set: its own, its ``worst`` entry, or one implied by the aggregate."""
-    for r in status.get("sets") or []:
-        if r.get("name") == name:
-            return dict(r)
-    for r in status.get("worst") or []:
-        if r.get("name") == name:
+def _row(status: Mapping[str, Any], name: Any, expected: Callable[[], str],
+         kind: str = IMAGE_SET.kind) -> Mapping[str, Any] | None:
+    """The node's row for the set of that kind: its own, its ``worst`` entry, or (an ImageSet:
+    the aggregate's digest covers only those) one implied by the aggregate."""
+    for r in [*(status.get("sets") or []), *(status.get("worst") or [])]:
+        if r.get("name") == name and r.get("kind", kind) == kind:
             return dict(r)
     omitted = status.get("omitted")
-    if (isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
+    if (kind == IMAGE_SET.kind and isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
             and omitted.get("imageSets") == expected()):
         return {"name": name, "implied": True}
     return None
@@ -147,11 +173,12 @@ class NodeReading:
 
 
 def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
-                stale_after: float, expected: Callable[[], str] = partial(_unknown, "")) -> NodeReading:
-    """One node's report for the set ``name`` at ``generation``."""
+                stale_after: float, expected: Callable[[], str] = partial(_unknown, ""),
+                kind: str = IMAGE_SET.kind) -> NodeReading:
+    """One node's report for the set ``name`` (of ``kind``) at ``generation``."""
     if obj is None:
         return NodeReading(Report.MISSING)
-    row = _row(obj.get("status") or {}, name, expected)
+    row = _row(obj.get("status") or {}, name, expected, kind)
     if row is not None and row.get("implied"):
         return NodeReading(Report.CURRENT)
     if row is not None and row.get("desiredGeneration") == generation:
@@ -169,33 +196,39 @@ def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, ch
 
 def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
                  statuses: Mapping[str, Mapping[str, Any]], *, changed_at: float, stale_after: float,
-                 expected: Callable[[str], str] | None = None) -> dict[str, NodeReading]:
-    """Every selected node's report, by node name. Raises SelectorError for a bad nodeSelector.
-    ``expected(node)``: ``expected_digest`` for the node (the controller caches it)."""
+                 expected: Callable[[str], str] | None = None,
+                 selection: Selection | None = None) -> dict[str, NodeReading]:
+    """Every selected node's report, by node name. Raises SelectorError for a bad selector.
+    ``expected(node)``: ``expected_digest`` for the node (the controller caches it).
+    ``selection``: which nodes (default: an ImageSet's ``Selection.of``); the rows read are of
+    the set's ``kind``."""
     name = (image_set.get("metadata") or {}).get("name")
+    kind = str(image_set.get("kind") or IMAGE_SET.kind)
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
-    selector = (image_set.get("spec") or {}).get("nodeSelector")
-    check_selector(selector)
+    sel = selection if selection is not None else Selection.of(image_set)
+    sel.check()
     return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after,
-                           expected=partial(expected or _unknown, n))
-            for n in sorted(nodes) if selects(selector, node_labels(nodes[n]), none_selects_all=True)}
+                           expected=partial(expected or _unknown, n), kind=kind)
+            for n in sorted(nodes) if sel.selects(node_labels(nodes[n]))}
 
 
 def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
             statuses: Mapping[str, Mapping[str, Any]], *, now: float, changed_at: float,
             stale_after: float, expected: Callable[[str], str] | None = None, paced: bool = False,
-            granted: Mapping[str, float] | None = None, reports: Mapping[str, NodeReading] | None = None) -> Truth:
+            granted: Mapping[str, float] | None = None, reports: Mapping[str, NodeReading] | None = None,
+            selection: Selection | None = None) -> Truth:
     """``changed_at``: when the set's current generation was first seen (wall clock).
     ``expected(node)``: ``expected_digest`` for the node (the controller caches it).
     ``paced``: the set has a rollout; ``granted``: nodes granted the generation, with when;
-    ``reports``: read_reports' answer for the same inputs, when the caller has it already."""
+    ``reports``: read_reports' answer for the same inputs, when the caller has it already;
+    ``selection``: read_reports'."""
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     if reports is None:
         try:
             reports = read_reports(image_set, nodes, statuses, changed_at=changed_at, stale_after=stale_after,
-                                   expected=expected)
+                                   expected=expected, selection=selection)
         except SelectorError as e:
-            return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, f"spec.nodeSelector: {e}")
+            return Truth(generation, 0, 0, 0, 0, 0, 0, {}, [], [], [], None, str(e))
     grants = granted or {}
     counts: Counter[str] = Counter()
     reasons: Counter[str] = Counter()

@@ -39,9 +39,10 @@ def conds(admin: Admin, name: str) -> dict[str, str]:
     return {c["type"]: f"{c['status']}/{c['reason']}" for c in set_status(admin, name).get("conditions", [])}
 
 
-def report(admin: Admin, node: str, name: str, desired: str, current: str | None, **row: Any) -> None:
+def report(admin: Admin, node: str, name: str, desired: str, current: str | None, kind: str = "ImageSet",
+           **row: Any) -> None:
     """A simulated shim: the node's NodeImageSetStatus with one row, as node_report.py writes it."""
-    r = {"name": name, "kind": "ImageSet", "source": "cluster", "desiredGeneration": desired, **row}
+    r = {"name": name, "kind": kind, "source": "cluster", "desiredGeneration": desired, **row}
     if current is not None:
         r["currentGeneration"] = current
     body = {"apiVersion": "cri-shim.io/v1", "kind": "NodeImageSetStatus", "metadata": {"name": node},
@@ -50,9 +51,9 @@ def report(admin: Admin, node: str, name: str, desired: str, current: str | None
                  _content_type="application/apply-patch+yaml")
 
 
-def table(cp: ControlPlane) -> dict[str, Any]:
-    """What `kubectl get imagesets` prints: the API server's Table rendering."""
-    req = urllib.request.Request(f"{cp.url}/apis/cri-shim.io/v1/imagesets", headers={
+def table(cp: ControlPlane, plural: str = "imagesets") -> dict[str, Any]:
+    """What `kubectl get imagesets` (or another of ours) prints: the API server's Table rendering."""
+    req = urllib.request.Request(f"{cp.url}/apis/cri-shim.io/v1/{plural}", headers={
         "Authorization": f"Bearer {cp.admin_token}", "Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
     with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=str(cp.ca)), timeout=30) as r:
         return json.loads(r.read())

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy" / "cluster"
 MCO_CRDS = REPO / "tests" / "cluster" / "mco-crds.yaml"
 SERVED = (("cri-shim.io", "v1", "imagesets"), ("cri-shim.io", "v1", "nodeimagesetstatuses"),
+          ("cri-shim.io", "v1", "pinnedimagesetreports"),
           ("machineconfiguration.openshift.io", "v1", "pinnedimagesets"),
           ("machineconfiguration.openshift.io", "v1alpha1", "pinnedimagesets"),
           ("machineconfiguration.openshift.io", "v1", "machineconfigpools"))

@@ -14,6 +14,10 @@ when the row changes, as shim/cluster/node_report.py does.
     ...
     fleet.intervals()   # node -> [(first request start, last request end)] per generation, at its proxy
     fleet.stop()
+
+``kind="PinnedImageSet"``: the nodes follow MCO's PinnedImageSet of that name instead (never paced;
+whether a pool selects them is the test's business: every simulated node follows it), their rows of
+that kind, as a shim writes them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from kubernetes_asyncio.config import new_client_from_config
 from shim.cluster import grant
 from tests.support.proxy import CountingProxy
 
+SOURCES = {"ImageSet": (("cri-shim.io", "v1", "imagesets"), "images"),  # kind -> (group, version, plural), images
+           "PinnedImageSet": (("machineconfiguration.openshift.io", "v1", "pinnedimagesets"), "pinnedImages")}
 ACCEPT = ", ".join(("application/vnd.oci.image.manifest.v1+json",
                     "application/vnd.docker.distribution.manifest.v2+json"))
 
@@ -79,9 +85,11 @@ def fetch(host: str, ref: str, timeout: float = 60.0) -> None:
 
 class SimFleet:
     def __init__(self, kubeconfig: Path, registry: str, set_name: str, nodes: list[str], *,
-                 tick: float = 0.1, retry_seconds: float = 1.0, throttle_bps: int | None = None) -> None:
+                 tick: float = 0.1, retry_seconds: float = 1.0, throttle_bps: int | None = None,
+                 kind: str = "ImageSet") -> None:
         self.kubeconfig = kubeconfig
         self.set_name = set_name
+        self.kind = kind
         self.tick = tick
         self.retry_seconds = retry_seconds
         self.nodes = {}
@@ -146,13 +154,14 @@ class SimFleet:
 
     async def _step(self, api: ApiClient, custom: CustomObjectsApi) -> None:
         try:
-            obj = await custom.get_cluster_custom_object("cri-shim.io", "v1", "imagesets", self.set_name)
+            where, field = SOURCES[self.kind]
+            obj = await custom.get_cluster_custom_object(*where, self.set_name)
         except ApiException as e:
             if e.status == 404:
                 return
             raise
         gen = obj["metadata"]["generation"]
-        refs = [i["name"] for i in obj["spec"].get("images", [])]
+        refs = [i["name"] for i in obj["spec"].get(field, [])]
         for n in self.nodes.values():
             if n.in_force != gen and (not grant.paced(obj) or grant.granted(obj, n.name)):
                 if n.task is not None:
@@ -160,7 +169,7 @@ class SimFleet:
                 n.in_force, n.failed = gen, ""
                 n.started.append((gen, time.monotonic()))
                 n.task = asyncio.get_running_loop().create_task(self._pull(n, gen, refs))
-            row: dict[str, Any] = {"name": self.set_name, "kind": "ImageSet", "source": "cluster",
+            row: dict[str, Any] = {"name": self.set_name, "kind": self.kind, "source": "cluster",
                                    "desiredGeneration": str(gen)}
             if n.current is not None:
                 row["currentGeneration"] = str(n.current)
