@@ -1,8 +1,8 @@
 """``cri-shim controller``: writes each ImageSet's truth (truth.py, report.py) to its status.
 
 Three informers (shim/cluster/informer.py) keep Nodes, ImageSets and NodeImageSetStatuses in
-memory, on every replica (a standby's cache is warm when it takes over). Only the leader
-(leader.py) writes. Work follows the change, never a timer over every set:
+memory, on every replica (a standby's cache is warm when it takes over); a fourth watches the
+leader Lease for the elector (leader.py). Only the leader writes. Work follows the change, never a timer over every set:
 
 * an ImageSet event marks that set;
 * a Node added, deleted or relabelled marks the sets selecting it before or after;
@@ -74,6 +74,9 @@ class Controller:
         self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
+        # the leader Lease, watched so that a standby sees each renewal as it happens (leader.py)
+        self.lease = elector.lease_informer(self.reach, watch_timeout=watch_timeout, request_timeout=request_timeout,
+                                            backoff_initial=backoff_initial, backoff_max=backoff_max)
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
@@ -251,7 +254,7 @@ class Controller:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(inf.run(), name=f"controller-watch-{inf.name}")
-                 for inf in (self.nodes, self.sets, self.statuses)]
+                 for inf in (self.nodes, self.sets, self.statuses, self.lease)]
         try:
             await self.elector.run(self.lead)
         finally:
