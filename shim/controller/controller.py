@@ -226,7 +226,8 @@ class Controller:
         labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}
         gen = view["metadata"].get("generation")
         return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen),
-                             resume=rollout.resume_token(view), now=now), "", reports
+                             resume=rollout.resume_token(view), now=now, stale_after=self.stale_after,
+                             granted_at=self._grant_times.get(view["metadata"]["name"], {})), "", reports
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""

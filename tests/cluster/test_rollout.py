@@ -15,6 +15,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
 from tests.cluster.test_controller import LEASE, ROUND_TRIPS, _holder, cleanup, conds, counts, set_status, table
+from tests.support.controller import STALE_AFTER
 from tests.support.kube import Admin
 from tests.support.procs import kill
 from tests.support.sim_fleet import SimFleet, merge
@@ -179,6 +180,44 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
     finally:
         fleet.stop()
         cleanup(admin, "r3-web", nodes)
+
+
+def test_a_granted_node_gone_silent_frees_its_slot_and_the_rollout_finishes(control_plane, admin, controllers,
+                                                                           registry, make_image) -> None:
+    nodes = [f"r5-n{i}" for i in range(1, 5)]
+    for n in nodes:
+        admin.create_node(n, {"r5-pool": "x"})
+    image = make_image()
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r5-web", nodes).start()
+    try:
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r5-web", [image.ref], "r5-pool", maxConcurrentNodes=1))
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        fleet.silence("r5-n1")  # its shim stops before its grant (the first, by name)
+        controllers("r5-a")
+        wait_for(lambda: counts(admin, "r5-web") == (4, 3, 0, 0, 1, 0), STALE_AFTER + 60,
+                 "3 current, the silent granted node stale")
+        st, ro = set_status(admin, "r5-web"), rollout_status(admin, "r5-web")
+        print(f"\nsilent granted node: rollout {ro}, Progressing: "
+              f"{next(c['message'] for c in st['conditions'] if c['type'] == 'Progressing')}")
+        assert st["staleNodes"] == ["r5-n1"] and fleet.requests("r5-n1") == 0
+        # it keeps its grant, holds no slot, and the status says so
+        assert ro["granted"] == ["r5-n1"] and ro["staleGranted"] == ["r5-n1"] and ro["inFlight"] == 0, ro
+        assert ro["phase"] == "Rolling"
+        row = next(r["cells"] for r in table(control_plane)["rows"] if r["cells"][0] == "r5-web")
+        assert row[1:8] == [4, 3, 0, 0, 0, 1, "Rolling"], row
+        most, at = max_overlap(fleet.intervals())
+        assert most == 1, (most, at)
+
+        fleet.silence("r5-n1", False)  # its shim is back: it pulls with the grant it kept
+        wait_for(lambda: conds(admin, "r5-web").get("Available") == "True/AllNodesCurrent", 30, "every node current")
+        ro = rollout_status(admin, "r5-web")
+        assert ro["phase"] == "Complete" and ro["granted"] == [] and "staleGranted" not in ro, ro
+        assert fleet.requests("r5-n1") > 0
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r5-web", nodes)
 
 
 def test_the_api_server_refuses_a_bad_rollout_with_a_readable_message(control_plane, admin) -> None:
