@@ -51,6 +51,7 @@ class LeaderElector:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not lease_duration > renew_deadline > retry_period > 0:
             raise ValueError("need lease duration > renew deadline > retry period > 0")
+        self.api = api
         self.coord = CoordinationV1Api(api)
         self.namespace = namespace
         self.name = name
@@ -101,7 +102,7 @@ class LeaderElector:
         """A watch of this one Lease (list and watch with the field selector ``metadata.name``,
         which a Role limited to its resourceNames allows) that feeds ``lease_event``."""
         lister = partial(self.coord.list_namespaced_lease, self.namespace)
-        return Informer(self.coord.api_client, "leader-lease", lister, kind=("coordination.k8s.io/v1", "Lease"),
+        return Informer(self.api, "leader-lease", lister, kind=("coordination.k8s.io/v1", "Lease"),
                         on_change=lambda: None, on_event=self.lease_event, reach=reach,
                         field_selector=f"metadata.name={self.name}", **kwargs)
 
