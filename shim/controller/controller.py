@@ -1,8 +1,8 @@
 """``cri-shim controller``: writes each ImageSet's truth (truth.py, report.py) to its status.
 
 Three informers (shim/cluster/informer.py) keep Nodes, ImageSets and NodeImageSetStatuses in
-memory, on every replica (a standby's cache is warm when it takes over). Only the leader
-(leader.py) writes. Work follows the change, never a timer over every set:
+memory, on every replica (a standby's cache is warm when it takes over); a fourth watches the
+leader Lease for the elector (leader.py). Only the leader writes. Work follows the change, never a timer over every set:
 
 * an ImageSet event marks that set;
 * a Node added, deleted or relabelled marks the sets selecting it before or after;
@@ -77,6 +77,9 @@ class Controller:
         self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
                                  kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
                                  **common)
+        # the leader Lease, watched so that a standby sees each renewal as it happens (leader.py)
+        self.lease = elector.lease_informer(self.reach, watch_timeout=watch_timeout, request_timeout=request_timeout,
+                                            backoff_initial=backoff_initial, backoff_max=backoff_max)
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._wake = asyncio.Event()
         self.marks = Marks(self._wake)
@@ -209,7 +212,8 @@ class Controller:
         labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}
         gen = view["metadata"].get("generation")
         return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen),
-                             resume=rollout.resume_token(view), now=now), "", reports
+                             resume=rollout.resume_token(view), now=now, stale_after=self.stale_after,
+                             granted_at=self._grant_times.get(view["metadata"]["name"], {})), "", reports
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""
@@ -239,7 +243,7 @@ class Controller:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(inf.run(), name=f"controller-watch-{inf.name}")
-                 for inf in (self.nodes, self.sets, self.statuses)]
+                 for inf in (self.nodes, self.sets, self.statuses, self.lease)]
         tasks.append(loop.create_task(self.pinned.run(), name="controller-mco"))
         try:
             await self.elector.run(self.lead)

@@ -7,6 +7,11 @@ generation (the ``granted`` list), or reporting it and not current (pulling, or 
 failing node retries, so it keeps its slot). Grants are given while fewer than
 ``maxConcurrentNodes`` are in flight: at most that many nodes pull the generation at once.
 
+* A granted node that is stale (truth.stale_at: still behind ``stale_after`` past its grant, its
+  shim silent) is not in flight: it keeps its grant (it pulls when its shim comes back, and then
+  counts again), but its slot goes to the next node. A granted node whose Node is deleted is no
+  longer selected: it leaves the list. The grant times are the controller's (when it first saw
+  each grant); a grant it has not timed yet counts in flight.
 * Who: nodes waiting (their report says so, or they are behind and their shim is not silent),
   by name; canary nodes first, and only they until each of them is current.
 * Canary ``count``: that many nodes with a report, picked by name once per generation and kept
@@ -17,8 +22,8 @@ failing node retries, so it keeps its slot). Grants are given while fewer than
   resume annotation set to a new value: the nodes failing then are tolerated). Nodes granted
   before the halt go on; nodes not granted keep the previous generation.
 * The list holds a node only until it reports the generation: at most ``maxConcurrentNodes``
-  names (plus any canary), never the whole fleet. That is what each node's ImageSet watch
-  carries (docs/image-sets.md "Paced rollout").
+  names (plus any canary and the stale granted nodes), never the whole fleet. That is what each
+  node's ImageSet watch carries (docs/image-sets.md "Paced rollout").
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Mapping
 
 from ..cluster.objects import selects
 from .rollout import Rollout
-from .truth import NodeReading, Report
+from .truth import NodeReading, Report, stale_at
 
 CANARY, ROLLING, HALTED, COMPLETE = "Canary", "Rolling", "Halted", "Complete"
 _IN_FLIGHT = (Report.PULLING, Report.FAILING)
@@ -73,6 +78,7 @@ class Decision:
     resumed_with: str = ""
     failing: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # reports by kind
+    stale_granted: tuple[str, ...] = ()  # granted, stale: not in flight (they keep their grant)
 
 
 def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
@@ -94,8 +100,10 @@ def _canary(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: M
 
 
 def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Mapping[str, NodeReading],
-           previous: Previous, *, resume: str = "", now: float) -> Decision:
-    """``nodes``: the selected nodes' labels by name; ``reports``: theirs, by name (the same keys)."""
+           previous: Previous, *, resume: str = "", now: float, granted_at: Mapping[str, float] | None = None,
+           stale_after: float = 0.0) -> Decision:
+    """``nodes``: the selected nodes' labels by name; ``reports``: theirs, by name (the same keys);
+    ``granted_at``: when each granted node was granted (wall clock), for its staleness."""
     counts = Counter(r.report.value for r in reports.values())
     failing = sorted(n for n, r in reports.items() if r.report is Report.FAILING)
     halted, tolerated, resumed_with = previous.halted, previous.tolerated, previous.resumed_with
@@ -111,7 +119,10 @@ def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Ma
         reason = min(top, key=lambda kv: (-kv[1], kv[0]))[0] if top else "other"
 
     granted = [n for n in previous.granted if n in reports and reports[n].report in _UNSTARTED]
-    in_flight = len(granted) + sum(1 for r in reports.values() if r.report in _IN_FLIGHT)
+    timed = granted_at or {}
+    stale = tuple(n for n in granted if n in timed
+                  and now >= (stale_at(reports[n], timed[n], stale_after) or float("inf")))
+    in_flight = len(granted) - len(stale) + sum(1 for r in reports.values() if r.report in _IN_FLIGHT)
     limit = rollout.limit(len(reports))
     canary, picked = _canary(rollout, nodes, reports, previous)
     canary_pending = [n for n in canary if reports[n].report is not Report.CURRENT]
@@ -137,4 +148,4 @@ def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Ma
     else:
         phase = ROLLING
     return Decision(phase, limit, in_flight + len(new), tuple(granted + new), tuple(new), picked, halted, reason,
-                    tuple(failing[:20]) if halted else (), tolerated, resumed_with, len(failing), dict(counts))
+                    tuple(failing[:20]) if halted else (), tolerated, resumed_with, len(failing), dict(counts), stale)

@@ -1,15 +1,21 @@
 """Leader election on a ``coordination.k8s.io/v1`` Lease, as client-go's leaderelection does it.
 
-* Every candidate tries to acquire the Lease every ``retry_period`` (2 s, jittered up to 1.2x).
-  A Lease held by another identity is taken only when its record has not changed for
-  ``lease_duration`` (15 s) of this candidate's own clock (client-go's observedTime: no clock
-  is compared across machines). Writes carry the resourceVersion read, so two candidates
-  never both win.
+* A Lease held by another identity is taken only when its record has not changed for
+  ``lease_duration`` (15 s) of this candidate's own clock since it observed the change
+  (client-go's observedTime: no clock is compared across machines). Writes carry the
+  resourceVersion read, so two candidates never both win.
+* A standby watches the Lease (``lease_informer``: a watch on the one object, field selector
+  ``metadata.name``), so it observes each renewal as it happens, and tries to acquire at the
+  instant the observed record expires (``next_try``), not at its next poll: a killed leader's
+  Lease is taken within ``lease_duration`` of its last renewal plus one read and one write.
+  It also polls every ``retry_period`` (2 s, jittered up to 1.2x), as client-go does: with the
+  watch broken or late it still observes within a retry period (the takeover then within the
+  lease duration plus a retry period). A release seen on the watch is taken at once.
 * The leader renews every ``retry_period``. When no renewal succeeded for ``renew_deadline``
   (10 s), it stops acting (``leading`` goes false at once, its work is cancelled) and becomes a
   candidate again: it stops 5 s before any standby may take over.
 * Stopped cleanly (SIGTERM), the leader releases the Lease (empty holder, 1 s duration), so a
-  standby takes over at its next try instead of after the lease duration.
+  standby takes over as soon as it sees that (the watch) instead of after the lease duration.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import datetime as dt
 import logging
 import random
 import time
+from functools import partial
 from typing import Any, Callable, Coroutine
 
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ..cluster.informer import describe
+from ..cluster.informer import Informer, Obj, describe
+from ..cluster.reachability import Reachability
 from ..observability import logs
 
 _log = logs.get("controller")
@@ -34,12 +42,16 @@ def _micro(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+Record = tuple[str, str, float]  # (resourceVersion, holder, lease duration): any write changes the first
+
+
 class LeaderElector:
     def __init__(self, api: ApiClient, *, namespace: str, name: str, identity: str, lease_duration: float = 15.0,
                  renew_deadline: float = 10.0, retry_period: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not lease_duration > renew_deadline > retry_period > 0:
             raise ValueError("need lease duration > renew deadline > retry period > 0")
+        self.api = api
         self.coord = CoordinationV1Api(api)
         self.namespace = namespace
         self.name = name
@@ -48,8 +60,10 @@ class LeaderElector:
         self.renew_deadline = renew_deadline
         self.retry_period = retry_period
         self._clock = clock
-        self._observed: tuple[Any, ...] | None = None  # the Lease's record as last read
+        self._observed: Record | None = None  # the Lease's record as last read or watched
         self._observed_at = 0.0  # when it last changed, on our clock
+        self._last_try = -1e18  # when our last acquire attempt ended, on our clock
+        self._changed = asyncio.Event()  # the watch saw the Lease change
         self._renewed_at = -1e18  # our last successful acquire or renew
         self._leading = False
         self.transitions = 0  # times this process became leader
@@ -65,14 +79,51 @@ class LeaderElector:
                 "acquireTime": acquired or _micro(now_wall), "renewTime": _micro(now_wall),
                 "leaseTransitions": transitions}
 
+    def observe(self, record: Record | None) -> None:
+        """The Lease as read or watched now (None: it does not exist). Only a change of its record
+        restarts the lease duration, on our clock, from now: after the write it saw."""
+        if record != self._observed:
+            self._observed, self._observed_at = record, self._clock()
+            self.holder = record[1] if record is not None else ""
+            self._changed.set()
+
+    def lease_event(self, kind: str, old: Obj, new: Obj) -> None:
+        """The watch's events (``lease_informer``)."""
+        if kind == "LIST":
+            return  # the informer's items hold the object: read by the next try
+        if new is None:
+            self.observe(None)
+            return
+        spec = new.get("spec") or {}
+        self.observe((str(new["metadata"].get("resourceVersion")), str(spec.get("holderIdentity") or ""),
+                      float(spec.get("leaseDurationSeconds") or self.lease_duration)))
+
+    def lease_informer(self, reach: Reachability, **kwargs: Any) -> Informer:
+        """A watch of this one Lease (list and watch with the field selector ``metadata.name``,
+        which a Role limited to its resourceNames allows) that feeds ``lease_event``."""
+        lister = partial(self.coord.list_namespaced_lease, self.namespace)
+        return Informer(self.api, "leader-lease", lister, kind=("coordination.k8s.io/v1", "Lease"),
+                        on_change=lambda: None, on_event=self.lease_event, reach=reach,
+                        field_selector=f"metadata.name={self.name}", **kwargs)
+
+    def next_try(self, next_poll: float) -> float:
+        """When a standby tries to acquire next (our clock): at its poll, or at the instant the
+        record it observed expires if that comes first and after its last try (a try after the
+        expiry that lost waits for the poll or a change, never spins)."""
+        if self._observed is None:
+            return next_poll
+        _, holder, duration = self._observed
+        expires = self._observed_at + duration if holder and holder != self.identity else self._observed_at
+        return expires if self._last_try < expires < next_poll else next_poll
+
     async def try_acquire_or_renew(self) -> bool:
-        now_wall, now = time.time(), self._clock()
         timeout = self.retry_period * 2
         try:
             lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as e:
             if e.status != 404:
                 raise
+            now_wall = time.time()
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec(now_wall, None, 0)}
             try:
@@ -81,16 +132,14 @@ class LeaderElector:
                 if e2.status == 409:  # another candidate created it first
                     return False
                 raise
-            self._observed, self._observed_at, self.holder = None, now, self.identity
+            self.holder = self.identity
             return True
+        now_wall = time.time()
         spec = lease.spec
-        record = (spec.holder_identity, spec.renew_time, spec.lease_duration_seconds, spec.lease_transitions)
-        if record != self._observed:
-            self._observed, self._observed_at = record, now
         holder = spec.holder_identity or ""
-        self.holder = holder
-        duration = spec.lease_duration_seconds or self.lease_duration
-        if holder and holder != self.identity and now < self._observed_at + duration:
+        duration = float(spec.lease_duration_seconds or self.lease_duration)
+        self.observe((str(lease.metadata.resource_version), holder, duration))
+        if holder and holder != self.identity and self._clock() < self._observed_at + duration:
             return False
         mine = holder == self.identity
         acquired = spec.acquire_time.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if mine and spec.acquire_time else None
@@ -110,6 +159,7 @@ class LeaderElector:
         return True
 
     async def _try(self) -> bool:
+        started = self._clock()  # a renewal counts from before its request: the server may apply it at once
         try:
             ok = await self.try_acquire_or_renew()
         except asyncio.CancelledError:
@@ -117,16 +167,30 @@ class LeaderElector:
         except Exception as e:
             logs.log(_log, logging.WARNING, "cannot read or write the leader Lease", lease=self.name,
                      error=describe(e))
-            return False
+            ok = False
+        finally:
+            self._last_try = self._clock()
         if ok:
-            self._renewed_at = self._clock()
+            self._renewed_at = started
         return ok
+
+    async def _acquire(self) -> None:
+        """Until we hold the Lease: try at each poll, or when the observed record expires, or
+        when the watch shows it changed (a release; a renewal only moves the expiry)."""
+        while not await self._try():
+            next_poll = self._clock() + self.retry_period * (1 + 0.2 * random.random())
+            while (wait := self.next_try(next_poll) - self._clock()) > 0:
+                self._changed.clear()
+                try:
+                    async with asyncio.timeout(wait):
+                        await self._changed.wait()
+                except TimeoutError:
+                    break
 
     async def run(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Forever: acquire, then run ``lead()`` while renewing; cancel it when leadership is lost."""
         while True:
-            while not await self._try():
-                await asyncio.sleep(self.retry_period * (1 + 0.2 * random.random()))
+            await self._acquire()
             self._leading = True
             self.transitions += 1
             logs.log(_log, logging.INFO, "became leader", lease=f"{self.namespace}/{self.name}", identity=self.identity)

@@ -11,7 +11,8 @@ conditions.
 * A paced set (``spec.rollout``): ``waiting`` (nodes waiting for a grant), ``rollout`` (grants.py's
   decision: ``generation``, ``phase`` Canary / Rolling / Halted / Complete, ``maxConcurrentNodes``
   as a count, ``inFlight``, ``granted``, ``canaryNodes``, ``halted`` with ``haltReason``,
-  ``toleratedFailures``, ``resumedWith``) and the condition ``Halted`` (True with the failing
+  ``toleratedFailures``, ``resumedWith``, ``staleGranted``: granted nodes counted stale, which
+  hold no slot) and the condition ``Halted`` (True with the failing
   nodes' typed reason). An invalid ``spec.rollout``: Halted True, ``InvalidRollout``.
 """
 
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 
 from ..cluster.objects import IMAGE_SET, PINNED_REPORT
 from .grants import Decision
-from .truth import Truth, format_time, parse_time
+from .truth import MAX_LISTED, Truth, format_time, parse_time
 
 FIELD_MANAGER = "cri-shim-controller"
 _REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
@@ -51,7 +52,7 @@ def _halted(d: Decision | None, rollout_error: str) -> tuple[str, str, str] | No
             "the set is edited or resumed (annotation cri-shim.io/resume-rollout set to a new value)")
 
 
-def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
+def _conditions(t: Truth, stale_granted: tuple[str, ...] = ()) -> dict[str, tuple[str, str, str]]:
     of = f"{t.current} of {t.selected} selected nodes current"
     if t.selector_error:
         bad = ("True", "InvalidSelector", t.selector_error)
@@ -59,6 +60,9 @@ def _conditions(t: Truth) -> dict[str, tuple[str, str, str]]:
                 "Progressing": ("False", "InvalidSelector", t.selector_error), "Degraded": bad}
     available = ("True", "AllNodesCurrent", of) if t.all_current else ("False", "NodesNotCurrent", of)
     waits = f"; {t.waiting} waiting for a grant" if t.waiting else ""
+    if stale_granted:
+        waits += (f"; {len(stale_granted)} granted node(s) stale, not holding a slot: "
+                  f"{', '.join(stale_granted[:5])}")
     progressing = (("True", "NodesPulling", f"{t.progressing} node(s) pulling or catching up{waits}; {of}")
                    if t.progressing else ("False", "Idle", of + waits))
     if t.failing:
@@ -87,6 +91,8 @@ def rollout_of(generation: Any, d: Decision) -> dict[str, Any]:
         out["toleratedFailures"] = d.tolerated
     if d.resumed_with:
         out["resumedWith"] = d.resumed_with
+    if d.stale_granted:
+        out["staleGranted"] = list(d.stale_granted[:MAX_LISTED])
     return out
 
 
@@ -122,7 +128,7 @@ def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: fl
         status["rolloutSeconds"] = max(0, round(done_at - started))
     old_conds = {c.get("type"): c for c in old.get("conditions") or []}
     conds = []
-    want = _conditions(t)
+    want = _conditions(t, decision.stale_granted if decision is not None else ())
     halted = _halted(decision, rollout_error)
     if halted is not None:
         want["Halted"] = halted

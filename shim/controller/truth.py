@@ -30,7 +30,9 @@ A paced set (``spec.rollout``, rollout.py) adds ``waiting``: a selected node not
 generation (grants.py) that holds its previous version, by its own report (row ``reason:
 AwaitingGrant``) or because its shim has not reported the generation yet. A waiting node at
 rest writes nothing, so a waiting row never turns stale; a node that never said it waits does,
-after ``stale_after``. A granted node's age starts at the grant at the latest.
+after ``stale_after``. A granted node's age starts at the grant at the latest (``stale_at``): a
+granted node still behind ``stale_after`` after its grant is stale, and no longer holds a
+rollout slot (grants.py).
 """
 
 from __future__ import annotations
@@ -172,6 +174,15 @@ class NodeReading:
     error: str = ""
 
 
+def stale_at(r: NodeReading, granted_at: float | None, stale_after: float) -> float | None:
+    """When a behind or waiting node turns stale if its shim stays silent (wall clock): its
+    report's due, and for a node granted at ``granted_at``, not before ``stale_after`` past its
+    grant. None for the others (missing, current, pulling, failing: never stale)."""
+    if r.due is None:
+        return None
+    return max(r.due, granted_at + stale_after) if granted_at is not None else r.due
+
+
 def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
                 stale_after: float, expected: Callable[[], str] = partial(_unknown, ""),
                 kind: str = IMAGE_SET.kind) -> NodeReading:
@@ -249,8 +260,8 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
         if held and r.report is Report.WAITING:
             counts["waiting"] += 1  # said so itself: at rest until granted, never stale
             continue
-        assert r.due is not None
-        due = max(r.due, grants[node] + stale_after) if node in grants else r.due
+        due = stale_at(r, grants.get(node), stale_after)
+        assert due is not None
         if now >= due:
             counts["stale"] += 1
             stale.append(node)

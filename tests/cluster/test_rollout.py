@@ -14,7 +14,8 @@ from typing import Any
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
-from tests.cluster.test_controller import _holder, cleanup, conds, counts, set_status, table
+from tests.cluster.test_controller import LEASE, ROUND_TRIPS, _holder, cleanup, conds, counts, set_status, table
+from tests.support.controller import STALE_AFTER
 from tests.support.kube import Admin
 from tests.support.procs import kill
 from tests.support.sim_fleet import SimFleet, merge
@@ -167,9 +168,10 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
         # the node in flight at the kill finishes on its own; the next grant needs the new leader
         granted_at = wait_for(next_grant, 40, "a grant after the kill", interval=0.05)
         took = granted_at - killed
-        print(f"\nleader killed mid-rollout; next grant after {took:.1f} s (lease 15 s, retry 2 s)")
-        # the standby waits out the lease (15 s), tries every 2 s (jittered up to 1.2x), then one batch and a write
-        assert took <= 15 + 2 * 1.2 + 3, took
+        print(f"\nleader killed mid-rollout; next grant after {took:.2f} s (lease {LEASE:.0f} s)")
+        # the standby takes the Lease within the lease duration of the kill, its first batch grants at once
+        # (test_controller.py: ROUND_TRIPS); the simulated node reads its grant within its tick
+        assert took <= LEASE + ROUND_TRIPS + fleet.tick, took
         assert "became leader" in standby.log_text()
         wait_for(lambda: counts(admin, "r3-web")[:2] == (6, 6), 90, "6 of 6 current")
         most, at = max_overlap(fleet.intervals())
@@ -178,6 +180,44 @@ def test_leader_killed_mid_rollout_goes_on_within_the_lease(control_plane, admin
     finally:
         fleet.stop()
         cleanup(admin, "r3-web", nodes)
+
+
+def test_a_granted_node_gone_silent_frees_its_slot_and_the_rollout_finishes(control_plane, admin, controllers,
+                                                                           registry, make_image) -> None:
+    nodes = [f"r5-n{i}" for i in range(1, 5)]
+    for n in nodes:
+        admin.create_node(n, {"r5-pool": "x"})
+    image = make_image()
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r5-web", nodes).start()
+    try:
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r5-web", [image.ref], "r5-pool", maxConcurrentNodes=1))
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        fleet.silence("r5-n1")  # its shim stops before its grant (the first, by name)
+        controllers("r5-a")
+        wait_for(lambda: counts(admin, "r5-web") == (4, 3, 0, 0, 1, 0), STALE_AFTER + 60,
+                 "3 current, the silent granted node stale")
+        st, ro = set_status(admin, "r5-web"), rollout_status(admin, "r5-web")
+        print(f"\nsilent granted node: rollout {ro}, Progressing: "
+              f"{next(c['message'] for c in st['conditions'] if c['type'] == 'Progressing')}")
+        assert st["staleNodes"] == ["r5-n1"] and fleet.requests("r5-n1") == 0
+        # it keeps its grant, holds no slot, and the status says so
+        assert ro["granted"] == ["r5-n1"] and ro["staleGranted"] == ["r5-n1"] and ro["inFlight"] == 0, ro
+        assert ro["phase"] == "Rolling"
+        row = next(r["cells"] for r in table(control_plane)["rows"] if r["cells"][0] == "r5-web")
+        assert row[1:8] == [4, 3, 0, 0, 0, 1, "Rolling"], row
+        most, at = max_overlap(fleet.intervals())
+        assert most == 1, (most, at)
+
+        fleet.silence("r5-n1", False)  # its shim is back: it pulls with the grant it kept
+        wait_for(lambda: conds(admin, "r5-web").get("Available") == "True/AllNodesCurrent", 30, "every node current")
+        ro = rollout_status(admin, "r5-web")
+        assert ro["phase"] == "Complete" and ro["granted"] == [] and "staleGranted" not in ro, ro
+        assert fleet.requests("r5-n1") > 0
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r5-web", nodes)
 
 
 def test_the_api_server_refuses_a_bad_rollout_with_a_readable_message(control_plane, admin) -> None:

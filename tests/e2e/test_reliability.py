@@ -21,13 +21,12 @@ import asyncio
 import base64
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable, Coroutine
 
 import grpc
 import pytest
 
 from tests.support import cri
-from tests.support.cri import until_ok
+from tests.support.cri import timed, until_ok
 from tests.support.containerd import Containerd, hosts_toml
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
 from tests.support.registry import free_port
@@ -47,21 +46,6 @@ def gauges(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return {n: float(v) for n, _, v in (line.partition(" ") for line in text.splitlines())
             if n in ("cri_shim_pulls_in_flight", "cri_shim_pull_queue_length")}
-
-
-def timed(start: Callable[[], Awaitable[object]]) -> Coroutine[None, None, tuple[grpc.StatusCode, float, str]]:
-    """Start the call now and time it from before it was made: grpc.aio fixes a call's deadline when the call
-    object is built, so a clock started later (when the coroutine first runs) reads less than the deadline."""
-    t0 = time.monotonic()
-    call = start()
-
-    async def finish() -> tuple[grpc.StatusCode, float, str]:
-        try:
-            await call
-            return grpc.StatusCode.OK, time.monotonic() - t0, ""
-        except grpc.aio.AioRpcError as e:
-            return e.code(), time.monotonic() - t0, e.details() or ""
-    return finish()
 
 
 async def until(predicate, timeout: float = 15.0) -> None:
@@ -94,9 +78,9 @@ async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, ma
         t_kill = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*calls), 30)
         slowest = time.monotonic() - t_kill
-        codes = [code for code, _, _ in results]
+        codes = [r.code for r in results]
         print(f"\n[{engine}] containerd killed with 2 pulls in flight (5 callers) and 2 queued (3 callers): "
-              f"{[c.name for c in codes]}, all answered within {slowest:.3f}s; details: {results[0][2]!r}")
+              f"{[c.name for c in codes]}, all answered within {slowest:.3f}s; details: {results[0].details!r}")
         assert codes == [grpc.StatusCode.UNAVAILABLE] * len(calls)
         assert slowest < PROMPT
         await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0})
@@ -121,10 +105,10 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
         pull = ch.unary_unary(PULL)
         storm = [timed(lambda i=i: pull(cri.pull_image_request(images[i % 3].ref), timeout=60)) for i in range(9)]
         results = await asyncio.wait_for(asyncio.gather(*storm), 30)
-        assert [c for c, _, _ in results] == [grpc.StatusCode.UNAVAILABLE] * 9
-        assert max(s for _, s, _ in results) < PROMPT
-        print(f"\n[{engine}] no containerd yet: 9 pulls UNAVAILABLE within {max(s for _, s, _ in results):.3f}s: "
-              f"{results[0][2]!r}")
+        assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE] * 9
+        assert max(r.seconds for r in results) < PROMPT
+        print(f"\n[{engine}] no containerd yet: 9 pulls UNAVAILABLE within {max(r.seconds for r in results):.3f}s: "
+              f"{results[0].details!r}")
 
         proxy.reset()
         await asyncio.to_thread(ctd.start)
@@ -134,10 +118,10 @@ async def test_shim_before_containerd_mid_storm(containerd_factory, make_image, 
         results = await asyncio.gather(*storm)
         stats = proxy.stats()
         print(f"[{engine}] containerd up: Version through the shim after {t_version:.3f}s, first pull done "
-              f"{t_version + t_first:.3f}s; storm of 9 -> {[c.name for c, _, _ in results].count('OK')} OK, "
+              f"{t_version + t_first:.3f}s; storm of 9 -> {[r.code.name for r in results].count('OK')} OK, "
               f"manifest GETs per image {[stats.manifest_requests_for(i.repository, i.tag) for i in images]}, "
               f"at most {stats.max_concurrent_images} images at once")
-        assert [c for c, _, _ in results] == [grpc.StatusCode.OK] * 9
+        assert [r.code for r in results] == [grpc.StatusCode.OK] * 9
         assert stats.max_concurrent_images <= 2
         assert t_version < 5.0
 
@@ -157,8 +141,7 @@ async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_imag
         await until(lambda: proxy.stats().inflight_blob_gets > 0)
         others = await asyncio.gather(timed(lambda: pull(cri.pull_image_request(a.ref), timeout=0.5)),  # joined
                                       timed(lambda: pull(cri.pull_image_request(b.ref), timeout=0.5)))  # queued
-        code, seconds, _ = await first
-        results = [(code, seconds)] + [(c, s) for c, s, _ in others]
+        results = [(r.code, r.seconds) for r in (await first, *others)]
         print(f"\n[{engine}] registry stuck: in flight (1.5s), joined (0.5s), queued (0.5s) -> "
               + ", ".join(f"{c.name} after {s:.2f}s" for c, s in results))
         assert [c for c, _ in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
@@ -266,11 +249,11 @@ async def test_keepalive_client_keeps_its_connection_while_the_shim_answers(cont
         held = asyncio.ensure_future(timed(lambda: ch.unary_unary(PULL)(cri.pull_image_request(img.ref), timeout=60)))
         await until(lambda: proxy.stats().inflight_blob_gets > 0)
         for _ in range(15):  # 1.5 s of keepalive PINGs, calls answered by the shim meanwhile
-            code, _, details = await timed(lambda: ch.unary_unary("/runtime.v1.ImageService/ListImages")(b"", timeout=10))
+            code, _, details, _ = await timed(lambda: ch.unary_unary("/runtime.v1.ImageService/ListImages")(b"", timeout=10))
             assert code is grpc.StatusCode.OK, details
             await asyncio.sleep(0.1)
         proxy.release_blobs()
-        code, _, details = await held
+        code, _, details, _ = await held
         assert code is grpc.StatusCode.OK, details
         assert (await timed(lambda: ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
 
@@ -281,9 +264,9 @@ async def test_oversized_request_leaves_the_connection_serving(containerd, shim_
     async with grpc.aio.insecure_channel(shim.endpoint, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
         for size in (65537, 4 << 20):
             big = cri.pull_image_request("reg.example.com/a:1", annotations={"big": "x" * size})
-            code, _, details = await timed(lambda: ch.unary_unary(PULL)(big, timeout=10))
+            code, _, details, _ = await timed(lambda: ch.unary_unary(PULL)(big, timeout=10))
             assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "65536" in details, details
             for method, request in ((VERSION, b""), ("/runtime.v1.ImageService/ListImages", b""),
                                     ("/runtime.v1.ImageService/ImageFsInfo", b"")):
-                code, _, details = await timed(lambda: ch.unary_unary(method)(request, timeout=10))
+                code, _, details, _ = await timed(lambda: ch.unary_unary(method)(request, timeout=10))
                 assert code is grpc.StatusCode.OK, (method, details)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
 
 import grpc
 import pytest
 
 from shim.proto.runtime.v1 import api_pb2
-from tests.support.cri import until_ok
+from tests.support.cri import Timed, timed, until_ok
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
@@ -30,24 +29,6 @@ PROMPT = 2.0  # seconds: "promptly", for an answer that needs no waiting at all
 
 def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
-
-
-Timed = tuple[grpc.StatusCode, float, bytes | None]
-
-
-def timed(start: Callable[[], Awaitable[bytes]]) -> Coroutine[None, None, Timed]:
-    """(code, seconds, response) of one call, started now and timed from before it is built: grpc.aio
-    fixes a call's deadline then, so a clock started when the coroutine first runs reads less."""
-    t0 = time.monotonic()
-    call = start()
-
-    async def finish() -> Timed:
-        try:
-            response = await call
-            return grpc.StatusCode.OK, time.monotonic() - t0, response
-        except grpc.aio.AioRpcError as e:
-            return e.code(), time.monotonic() - t0, None
-    return finish()
 
 
 async def wait_for(predicate, timeout: float = 10.0) -> None:
@@ -79,8 +60,8 @@ async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) ->
 
                 rt.kill()
                 results = await asyncio.wait_for(asyncio.gather(*calls), 10)
-                codes = [code for code, _, _ in results]
-                slowest = max(seconds for _, seconds, _ in results) - 0.2  # minus the wait before the kill
+                codes = [r.code for r in results]
+                slowest = max(r.seconds for r in results) - 0.2  # minus the wait before the kill
                 print(f"\n[{engine}] runtime killed: {len(results)} waiting callers -> "
                       f"{sorted({c.name for c in codes})}, slowest answer {slowest:.3f}s after the kill")
                 assert codes == [grpc.StatusCode.UNAVAILABLE] * len(calls)
@@ -88,7 +69,7 @@ async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) ->
                 await wait_for(lambda: sched.queued == 0 and sched.in_flight == 0, 5)
 
                 # While it is down: every call fails at once, nothing waits for it.
-                code, seconds, _ = await timed(lambda: pull(pull_request("reg/e:1"), timeout=30))
+                code, seconds, _, _ = await timed(lambda: pull(pull_request("reg/e:1"), timeout=30))
                 assert code is grpc.StatusCode.UNAVAILABLE and seconds < PROMPT
 
                 # Restarted: the same client channel is served again within seconds.
@@ -111,8 +92,8 @@ async def test_shim_started_before_the_runtime(tmp_path, engine: str) -> None:
                 storm = [timed(lambda i=i: pull(pull_request(f"reg/img{i % 3}:1"), timeout=30)) for i in range(9)]
                 storm.append(timed(lambda: ch.unary_unary(VERSION)(b"", timeout=30)))
                 results = await asyncio.wait_for(asyncio.gather(*storm), 10)
-                assert [code for code, _, _ in results] == [grpc.StatusCode.UNAVAILABLE] * len(storm)
-                assert max(seconds for _, seconds, _ in results) < PROMPT
+                assert [r.code for r in results] == [grpc.StatusCode.UNAVAILABLE] * len(storm)
+                assert max(r.seconds for r in results) < PROMPT
                 assert shim.app.scheduler.queued == 0 and shim.app.scheduler.in_flight == 0
 
                 rt.start()
@@ -125,9 +106,10 @@ async def test_shim_started_before_the_runtime(tmp_path, engine: str) -> None:
                       f"{t_version:.3f}s, PullImage after {t_pull:.3f}s (a 0.3s pull); storm of 9 pulls -> "
                       f"{rt.pulls_started() - 1} runtime pulls")
                 assert t_version < 2.0 and t_pull < 2.0
-                assert [code for code, _, _ in results] == [grpc.StatusCode.OK] * 9
-                for i, (_, _, response) in enumerate(results):
-                    assert api_pb2.PullImageResponse.FromString(response).image_ref == f"reg/img{i % 3}:1@pulled"
+                assert [r.code for r in results] == [grpc.StatusCode.OK] * 9
+                for i, r in enumerate(results):
+                    assert r.response is not None
+                    assert api_pb2.PullImageResponse.FromString(r.response).image_ref == f"reg/img{i % 3}:1@pulled"
                 assert rt.pulls_started() == 1 + 3  # collapsed: one runtime pull per image
     finally:
         rt.kill()
@@ -184,15 +166,15 @@ async def test_slow_runtime_calls_respect_their_deadlines(tmp_path, engine: str)
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in stream:
                         pass
-                results.append((e.value.code(), time.monotonic() - t0, None))
+                results.append(Timed(e.value.code(), time.monotonic() - t0, e.value.details() or "", None))
                 print(f"\n[{engine}] slow runtime, 0.3s deadlines: "
-                      + ", ".join(f"{code.name} in {s:.3f}s" for code, s, _ in results))
-                for code, seconds, _ in results:
+                      + ", ".join(f"{r.code.name} in {r.seconds:.3f}s" for r in results))
+                for code, seconds, _, _ in results:
                     assert code is grpc.StatusCode.DEADLINE_EXCEEDED
                     assert 0.29 < seconds < 1.0
                 # The flight the joined caller left is still going for the first caller ...
                 assert not survivor.done()
-                code, seconds, _ = await survivor
+                code, seconds, _, _ = await survivor
                 assert code is grpc.StatusCode.DEADLINE_EXCEEDED and seconds < 2.0
                 # ... and every call the runtime was given was cancelled there, nothing left running.
                 await wait_for(lambda: slow.cancelled == slow.started, 5)

@@ -12,8 +12,9 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 import grpc.aio
@@ -337,3 +338,26 @@ async def until_ok(ch: grpc.aio.Channel, method: str, request: bytes, timeout: f
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"{method} still failing after {timeout}s: {e.code().name} {e.details()}")
         await asyncio.sleep(0.05)
+
+
+class Timed(NamedTuple):
+    code: grpc.StatusCode
+    seconds: float  # from before the call object was built
+    details: str  # the error's details ("" when OK)
+    response: bytes | None  # the answer (None on an error)
+
+
+def timed(start: Callable[[], Awaitable[bytes]]) -> Coroutine[None, None, Timed]:
+    """Start the call now and time it from before it is made: grpc.aio fixes a call's deadline when
+    the call object is built, so a clock started later (when the coroutine first runs) reads less
+    than the deadline. ``start`` builds the call (``lambda: ch.unary_unary(M)(req, timeout=...)``)."""
+    t0 = time.monotonic()
+    call = start()
+
+    async def finish() -> Timed:
+        try:
+            response = await call
+            return Timed(grpc.StatusCode.OK, time.monotonic() - t0, "", response)
+        except grpc.aio.AioRpcError as e:
+            return Timed(e.code(), time.monotonic() - t0, e.details() or "", None)
+    return finish()

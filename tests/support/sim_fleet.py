@@ -13,6 +13,7 @@ when the row changes, as shim/cluster/node_report.py does.
     fleet = SimFleet(kubeconfig, registry.direct_host, "web", ["n1", "n2"]).start()
     ...
     fleet.intervals()   # node -> [(first request start, last request end)] per generation, at its proxy
+    fleet.silence("n1")  # its shim stops: no read, no write, no fetch (silence("n1", False): back)
     fleet.stop()
 
 ``kind="PinnedImageSet"``: the nodes follow MCO's PinnedImageSet of that name instead (never paced;
@@ -98,6 +99,7 @@ class SimFleet:
             proxy.set_throttle(throttle_bps)
             self.nodes[n] = _Node(n, proxy)
         self.errors: list[str] = []
+        self.silent: set[str] = set()  # nodes whose shim is stopped
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="sim-fleet", daemon=True)
@@ -118,6 +120,20 @@ class SimFleet:
         """Per node, when it fetched from the registry: one (first start, last end) per attempt,
         from its proxy's records (the registry side's clock, time.monotonic)."""
         return {name: merge([(r.start, r.end) for r in n.proxy.records()]) for name, n in self.nodes.items()}
+
+    def silence(self, node: str, silent: bool = True) -> None:
+        """Stop (or restart) a node's shim: a stopped one reads, writes and fetches nothing; its
+        pull in progress is cancelled. Restarted, it goes on from what it had written."""
+        def apply() -> None:
+            n = self.nodes[node]
+            if silent:
+                self.silent.add(node)
+                if n.task is not None:
+                    n.task.cancel()
+                n.in_force = n.current  # a restarted shim starts the generation again
+            else:
+                self.silent.discard(node)
+        self._loop.call_soon_threadsafe(apply)
 
     def requests(self, node: str) -> int:
         return len(self.nodes[node].proxy.records())
@@ -163,6 +179,8 @@ class SimFleet:
         gen = obj["metadata"]["generation"]
         refs = [i["name"] for i in obj["spec"].get(field, [])]
         for n in self.nodes.values():
+            if n.name in self.silent:
+                continue
             if n.in_force != gen and (not grant.paced(obj) or grant.granted(obj, n.name)):
                 if n.task is not None:
                     n.task.cancel()

@@ -27,8 +27,10 @@ def spec(**r: Any) -> rollout.Rollout:
 
 
 def decide(r: rollout.Rollout, reports: dict[str, NodeReading], previous: Previous = Previous(),
-           labels: dict[str, dict[str, str]] | None = None, resume: str = "", now: float = T0) -> grants.Decision:
-    return grants.decide(r, labels or {n: {} for n in reports}, reports, previous, resume=resume, now=now)
+           labels: dict[str, dict[str, str]] | None = None, resume: str = "", now: float = T0,
+           granted_at: dict[str, float] | None = None) -> grants.Decision:
+    return grants.decide(r, labels or {n: {} for n in reports}, reports, previous, resume=resume, now=now,
+                         granted_at=granted_at, stale_after=120)
 
 
 def test_at_most_max_concurrent_nodes_in_flight_and_grants_free_as_nodes_turn_current() -> None:
@@ -168,3 +170,51 @@ def test_truth_counts_waiting_nodes_and_a_granted_node_ages_from_its_grant() -> 
     t = truth.compute(image_set, nodes, statuses, now=T0 + 126, changed_at=T0, stale_after=120, paced=True,
                       granted={"c": T0 + 5})
     assert (t.waiting, t.progressing, t.stale, t.stale_nodes) == (1, 0, 2, ["b", "c"])
+
+
+def test_a_stale_granted_node_keeps_its_grant_but_frees_its_slot_and_a_deleted_one_leaves() -> None:
+    r = spec(maxConcurrentNodes=1)
+    waiting = {n: NodeReading(Report.WAITING, T0 + 120) for n in ("a", "b", "c")}
+    d = decide(r, waiting, now=T0 + 1)
+    assert d.granted == ("a",)
+    prev, at = Previous(granted=d.granted), {"a": T0 + 1}
+    # a's shim went silent before it saw its grant (still AwaitingGrant): it holds the slot until it
+    # is stale, 120 s after its grant (its old report's age is not counted against it) ...
+    d = decide(r, waiting, prev, now=T0 + 120.5, granted_at=at)
+    assert (d.granted, d.in_flight, d.stale_granted) == (("a",), 1, ())
+    # ... then it stops counting: b is granted; a keeps its grant, so it pulls when its shim is back
+    d = decide(r, waiting, prev, now=T0 + 121, granted_at=at)
+    assert (d.granted, d.new_grants, d.in_flight, d.stale_granted) == (("a", "b"), ("b",), 1, ("a",))
+    assert report.rollout_of(2, d)["staleGranted"] == ["a"]
+    # a grant not timed yet (a new leader's first look) counts in flight
+    assert decide(r, waiting, prev, now=T0 + 500, granted_at={}).new_grants == ()
+    # a behind granted node (no row for the generation) is the same
+    behind = {**waiting, "a": NodeReading(Report.BEHIND, T0 - 500)}
+    assert decide(r, behind, prev, now=T0 + 121, granted_at=at).stale_granted == ("a",)
+    # a returns and pulls: in flight again (its slot counts again), nobody new
+    prev = Previous(granted=("a", "b"))
+    d = decide(r, {**waiting, "a": P}, prev, now=T0 + 130, granted_at={"a": T0 + 1, "b": T0 + 121})
+    assert (d.granted, d.in_flight, d.new_grants, d.stale_granted) == (("b",), 2, (), ())
+    # a granted node whose Node is deleted is no longer selected: it leaves the list and frees its slot
+    d = decide(r, {n: waiting[n] for n in ("b", "c")}, Previous(granted=("a",)), now=T0 + 2, granted_at=at)
+    assert (d.granted, d.new_grants) == (("b",), ("b",))
+
+
+def test_the_status_counts_a_stale_granted_node_stale_and_says_it_holds_no_slot() -> None:
+    image_set = {"metadata": {"name": "s", "generation": 2}, "spec": {"rollout": {"maxConcurrentNodes": 1}}}
+    nodes = {n: {"metadata": {"name": n}} for n in "ab"}
+    row = {"name": "s", "desiredGeneration": "2", "currentGeneration": "1", "reason": "AwaitingGrant"}
+    statuses = {n: {"metadata": {"name": n, "managedFields": [{"manager": "cri-shim", "time": truth.format_time(T0)}]},
+                    "status": {"sets": [row]}} for n in "ab"}
+    reports = truth.read_reports(image_set, nodes, statuses, changed_at=T0, stale_after=120)
+    at = {"a": T0 + 10}
+    d = grants.decide(spec(maxConcurrentNodes=1), {n: {} for n in nodes}, reports, Previous(granted=("a",)),
+                      now=T0 + 131, granted_at=at, stale_after=120)
+    granted = {n: at.get(n, T0 + 131) for n in d.granted}
+    t = truth.compute(image_set, nodes, statuses, now=T0 + 131, changed_at=T0, stale_after=120, paced=True,
+                      granted=granted, reports=reports)
+    assert (t.stale, t.stale_nodes, t.progressing, d.granted) == (1, ["a"], 1, ("a", "b"))
+    st = report.status_of(image_set, t, started=T0, now=T0 + 131, decision=d)
+    assert st["rollout"]["staleGranted"] == ["a"] and st["rollout"]["inFlight"] == 1
+    progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
+    assert "1 granted node(s) stale, not holding a slot: a" in progressing["message"], progressing

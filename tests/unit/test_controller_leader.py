@@ -1,5 +1,7 @@
 """shim/controller/leader.py against an in-memory Lease: one winner, a standby waits for the
-lease duration of unchanged record, a leader that cannot renew stops acting by the deadline."""
+lease duration of unchanged record, a leader that cannot renew stops acting by the deadline; with
+the Lease watched, a standby tries at the instant the record it saw expires (a fake clock), so a
+killed leader is replaced within the lease duration of its last renewal."""
 
 from __future__ import annotations
 
@@ -14,12 +16,22 @@ from shim.controller.leader import LeaderElector
 
 
 class FakeLeases:
-    """read/create/replace of one Lease with resourceVersion checks; ``down`` fails every call."""
+    """read/create/replace of one Lease with resourceVersion checks; ``down`` fails every call.
+    Each write is sent to the ``watchers`` at once, as a watch event (leader.lease_event)."""
 
     def __init__(self) -> None:
         self.lease: dict[str, Any] | None = None
         self.rv = 0
         self.down = False
+        self.watchers: list[LeaderElector] = []
+        self.writes: list[tuple[str, float]] = []  # (holder, when), time.monotonic
+
+    def _written(self) -> None:
+        assert self.lease is not None
+        self.writes.append((self.lease["spec"]["holderIdentity"], time.monotonic()))
+        event = {"metadata": {"name": "l", "resourceVersion": str(self.rv)}, "spec": self.lease["spec"]}
+        for w in self.watchers:
+            w.lease_event("MODIFIED", None, event)
 
     def _check(self) -> None:
         if self.down:
@@ -40,18 +52,22 @@ class FakeLeases:
         if self.lease is not None:
             raise ApiException(status=409, reason="Conflict")
         self.lease, self.rv = body, self.rv + 1
+        self._written()
 
     async def replace_namespaced_lease(self, name: str, ns: str, body: dict[str, Any], **_: Any) -> None:
         self._check()
         if body["metadata"]["resourceVersion"] != str(self.rv):
             raise ApiException(status=409, reason="Conflict")
         self.lease, self.rv = body, self.rv + 1
+        self._written()
 
 
-def elector(leases: FakeLeases, identity: str) -> LeaderElector:
-    e = LeaderElector(SimpleNamespace(), namespace="ns", name="l", identity=identity,  # type: ignore[arg-type]
-                      lease_duration=0.6, renew_deadline=0.4, retry_period=0.1)
+def elector(leases: FakeLeases, identity: str, *, watch: bool = False, **timings: float) -> LeaderElector:
+    t = {"lease_duration": 0.6, "renew_deadline": 0.4, "retry_period": 0.1, **timings}
+    e = LeaderElector(SimpleNamespace(), namespace="ns", name="l", identity=identity, **t)  # type: ignore[arg-type]
     e.coord = leases  # type: ignore[assignment]
+    if watch:
+        leases.watchers.append(e)
     return e
 
 
@@ -104,3 +120,83 @@ async def _takeover() -> float:
 def test_standby_takes_over_after_the_lease_duration_of_its_own_clock() -> None:
     took = asyncio.run(_takeover())
     assert 0.6 <= took < 0.9, took
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _watched(holder: str, rv: str, duration: float = 15.0) -> dict[str, Any]:
+    return {"metadata": {"name": "l", "resourceVersion": rv},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration}}
+
+
+def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() -> None:
+    clock = Clock()
+    e = LeaderElector(SimpleNamespace(), namespace="ns", name="l", identity="b", clock=clock)  # type: ignore[arg-type]
+    assert e.next_try(next_poll=102.0) == 102.0  # nothing observed yet: the poll
+    e.lease_event("MODIFIED", None, _watched("a", "7"))  # a renewal, seen on the watch at 100
+    assert e.holder == "a"
+    assert e.next_try(next_poll=102.0) == 102.0  # the poll comes first
+    clock.t = 114.0
+    assert e.next_try(next_poll=116.0) == 115.0  # expiry before the next poll: tried at 115, not 116
+    clock.t = 114.5
+    e.lease_event("MODIFIED", None, _watched("a", "7"))  # the same record again (a re-delivery): no change
+    assert e.next_try(next_poll=116.0) == 115.0
+    e.lease_event("MODIFIED", None, _watched("a", "8"))  # renewed at 114.5: the lease runs from there
+    assert e.next_try(next_poll=116.0) == 116.0
+    clock.t = 129.0
+    assert e.next_try(next_poll=130.9) == 129.5
+    e._last_try = 129.6  # tried after that expiry and lost (a write raced it): wait for the poll, no spin
+    assert e.next_try(next_poll=131.0) == 131.0
+    clock.t = 129.8
+    e.lease_event("MODIFIED", None, _watched("", "9", 1))  # released: at once, whatever the poll
+    assert e.next_try(next_poll=131.0) == 129.8
+    e.lease_event("DELETED", _watched("", "9", 1), None)  # gone: the poll creates it
+    assert e.next_try(next_poll=131.0) == 131.0
+
+
+async def _killed_leader(watch: bool) -> dict[str, float]:
+    """a leads, b stands by (lease 1 s, retry 0.4 s); a is killed (its task cancelled: no release)."""
+    leases = FakeLeases()
+    timings = {"lease_duration": 1.0, "renew_deadline": 0.8, "retry_period": 0.4}
+    a = elector(leases, "a", watch=watch, **timings)
+    b = elector(leases, "b", watch=watch, **timings)
+    took: list[float] = []
+
+    async def idle() -> None:
+        await asyncio.Event().wait()
+
+    async def b_lead() -> None:
+        took.append(time.monotonic())
+        await idle()
+    ta = asyncio.create_task(a.run(idle))
+    await asyncio.sleep(0.05)
+    tb = asyncio.create_task(b.run(b_lead))
+    await asyncio.sleep(1.3)
+    assert a.leading and not took
+    # kill a right after a renewal: the worst case for polling, the standby's last look is the oldest
+    n = len(leases.writes)
+    while len(leases.writes) == n:
+        await asyncio.sleep(0.005)
+    ta.cancel()
+    killed = time.monotonic()
+    last_renewal = leases.writes[-1][1]
+    while not took:
+        await asyncio.sleep(0.01)
+    tb.cancel()
+    await asyncio.gather(ta, tb, return_exceptions=True)
+    acquired = next(t for h, t in leases.writes if h == "b")
+    return {"after_kill": took[0] - killed, "after_last_renewal": acquired - last_renewal}
+
+
+def test_watching_standby_takes_over_within_the_lease_duration_of_a_kill() -> None:
+    out = asyncio.run(_killed_leader(watch=True))
+    # never before the lease duration since the last renewal it saw (on its own clock) ...
+    assert out["after_last_renewal"] >= 1.0, out
+    # ... and at that instant, not at its next poll (up to 0.48 s later): a margin for the loop's wake-ups
+    assert out["after_kill"] < 1.0 + 0.15, out
