@@ -19,6 +19,7 @@ in force, see loader.py).
 
 from __future__ import annotations
 
+import logging
 import marshal
 import os
 import select
@@ -30,8 +31,10 @@ import threading
 from pathlib import Path
 from typing import IO, Sequence
 
+from ..observability import logs
 from .loader import EMPTY, ImageSet, SetFileError, known_names, parse_here, parse_text
 
+_log = logs.get("imagesets")
 IDLE_SECONDS = 30.0  # the child exits after this long without a request
 _LEN = struct.Struct(">I")
 _ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding the shim package
@@ -147,7 +150,11 @@ class ParseProcess:
             self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           close_fds=True)
         except OSError as e:
-            self.start_error = f"cannot start the YAML parser process: {e.strerror or e}"
+            error = f"cannot start the YAML parser process: {e.strerror or e}"
+            if error != self.start_error:
+                logs.log(_log, logging.WARNING, "image-set files are parsed in the shim's threads (relayed calls "
+                         "may wait while a large file is read)", error=error)
+            self.start_error = error
             return None
         self.start_error = ""
         self.started += 1

@@ -7,6 +7,7 @@ keeps its last valid version and says why, and a crash of the parser is a reason
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -111,13 +112,16 @@ def test_an_idle_child_exits_and_the_next_file_starts_another(tmp_path: Path) ->
         parser.close()
 
 
-def test_without_a_child_files_are_parsed_in_the_shim(tmp_path: Path) -> None:
+def test_without_a_child_files_are_parsed_in_the_shim(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="cri_shim")
     parser = ParseProcess(command=[str(tmp_path / "no-such-python")])
     (tmp_path / "a.yaml").write_text(own_set("a", "nginx:1"))
     (tmp_path / "bomb.yaml").write_text(alias_bomb())
     r = SetDirectory(str(tmp_path), parse=parser.parse).scan()
     assert set(r.sets) == {"a"} and "aliases (*name) are not allowed" in r.errors[str(tmp_path / "bomb.yaml")]
     assert "cannot start the YAML parser process" in parser.start_error and parser.started == 0
+    said = [r for r in caplog.records if r.getMessage().startswith("image-set files are parsed in the shim's threads")]
+    assert len(said) == 1  # once, not at every file
 
 
 def test_a_directory_read_through_the_child_keeps_a_bad_files_last_version(tmp_path: Path,
