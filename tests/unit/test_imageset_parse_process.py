@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 
 from shim.imagesets.loader import SetDirectory, SetFileError, parse_text
-from shim.imagesets.parse_process import ParseProcess
+from shim.imagesets.parse_process import NICE, ParseProcess
 from tests.unit.test_yaml_bounds import alias_bomb, own_set
 
 
@@ -60,6 +60,8 @@ def test_the_child_gives_the_sets_and_refusals_parsing_in_the_shim_gives(parser:
         assert says in str(e.value), str(e.value)
     assert parser.started == 1  # one child answered every one of them
     assert parser.pid is not None and parser.pid != os.getpid()
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, parser.pid) == min(19, ours + NICE)  # the shim's loop runs first
 
 
 def test_an_edited_file_gives_the_new_order_and_names(parser: ParseProcess) -> None:
