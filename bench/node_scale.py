@@ -13,7 +13,8 @@ Each run starts ``python -m shim serve`` in front of containerd, with ``image_se
 holding the sets (``kind: ImageSet``, one file per set), and a kubelet-like client
 (one gRPC channel, a thread) calling Version and ImageStatus through the shim every
 20 ms. Per phase it reports the relayed p50/p99/max of each, the shim's CPU (share of
-one core, from /proc) and RSS:
+one core, from /proc) and RSS, and those of its children (the YAML parser process of
+shim/imagesets/parse_process.py, while it runs):
 
 * ``no sets`` and ``no sets, again``: the same shim with an empty ``image_sets.dir`` (the
   baseline, first and last in the run: the machine's load moves);
@@ -197,6 +198,30 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _children_cpu(pid: int) -> tuple[float, dict[int, float]]:
+    """CPU seconds of the shim's children (the YAML parser process): those it has reaped
+    (cutime + cstime of its stat) and, per pid, those alive now."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    reaped = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+    alive: dict[int, float] = {}
+    for kid in _children(pid):
+        try:
+            alive[kid] = _cpu_seconds(kid)
+        except OSError:
+            pass
+    return reaped, alive
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():  # a child is listed under the thread that started it
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 def _rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -215,18 +240,28 @@ def measure(kubelet: Kubelet, pid: int, seconds: float, during: Any = None) -> d
     kubelet.take()
     kubelet.take_errors()
     cpu0, t0, load0 = _cpu_seconds(pid), time.monotonic(), os.getloadavg()[0]
+    reaped0, alive0 = _children_cpu(pid)
     end = t0 + seconds
     while time.monotonic() < end:
         if during is not None:
             during()
         time.sleep(min(EDIT_EVERY if during is not None else 0.5, max(0.0, end - time.monotonic())))
     cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+    reaped1, alive1 = _children_cpu(pid)
+    kids = (reaped1 - reaped0 + sum(c - alive0.get(k, 0.0) for k, c in alive1.items())) / (time.monotonic() - t0)
+    kids_rss = 0.0
+    for k in alive1:
+        try:
+            kids_rss += _rss_mib(k)
+        except OSError:
+            pass
     s = kubelet.take()
     return {"Version": {"p50": _pct(s["Version"], 0.5), "p99": _pct(s["Version"], 0.99),
                         "max": _pct(s["Version"], 1.0), "n": len(s["Version"])},
             "ImageStatus": {"p50": _pct(s["ImageStatus"], 0.5), "p99": _pct(s["ImageStatus"], 0.99),
                             "max": _pct(s["ImageStatus"], 1.0), "n": len(s["ImageStatus"])},
             "shim_cpu_percent": round(100 * cpu, 1), "shim_rss_mib": _rss_mib(pid),
+            "parser_cpu_percent": round(100 * kids, 1), "parser_rss_mib": round(kids_rss, 1),
             "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "errors": kubelet.take_errors()}
 
 
@@ -415,7 +450,8 @@ def main() -> None:
         if isinstance(v, dict) and "Version" in v:
             print(f"  {k}: Version p50 {v['Version']['p50']} ms p99 {v['Version']['p99']} ms max "
                   f"{v['Version']['max']} ms; ImageStatus p50 {v['ImageStatus']['p50']} p99 {v['ImageStatus']['p99']}"
-                  f" ms; shim CPU {v['shim_cpu_percent']} % of a core, RSS {v['shim_rss_mib']} MiB; "
+                  f" ms; shim CPU {v['shim_cpu_percent']} % of a core, RSS {v['shim_rss_mib']} MiB (its parser "
+                  f"process: {v['parser_cpu_percent']} %, {v['parser_rss_mib']} MiB); "
                   f"load {v['load_average']}")
         elif k not in ("sets", "per_set", "declared", "cores"):
             print(f"  {k}: {v}")

@@ -14,17 +14,23 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 
 def save(path: str, doc: dict[str, Any]) -> None:
     """Raises OSError when it cannot be written."""
+    save_text(path, [json.dumps(doc, separators=(",", ":"))])
+
+
+def save_text(path: str, chunks: Iterable[str]) -> None:
+    """``save`` of a document already encoded, in pieces (written as they come). Raises OSError."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)

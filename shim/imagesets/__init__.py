@@ -1,6 +1,5 @@
-"""Declared image sets: kept present (and pinned when asked), reconciling only the difference."""
+"""Declared image sets: kept present (and pinned when asked), reconciling only the difference.
 
-from .loader import ImageSet, SetFileError, parse_text
-from .manager import ImageSets
-
-__all__ = ["ImageSet", "ImageSets", "SetFileError", "parse_text"]
+Import from the modules (manager.ImageSets, loader.parse_text): importing the package stays
+light, so the YAML parser process (parse_process.py) loads only the loader.
+"""

@@ -31,7 +31,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
@@ -75,7 +75,7 @@ def normalize_ref(ref: str) -> str:
     return normalize_pattern(ref)
 
 
-def known_names(sets: list[ImageSet]) -> dict[str, str]:
+def known_names(sets: Sequence[ImageSet]) -> dict[str, str]:
     """spelled -> normalized for every image of ``sets`` (for parse_text: a re-read of a file of
     10,000 names normalizes only the ones it adds; built per read, kept nowhere)."""
     out: dict[str, str] = {}
@@ -209,6 +209,15 @@ def parse_text(text: str, source: str, known: Mapping[str, str] = EMPTY) -> list
     return out
 
 
+def parse_here(text: str, source: str, previous: Sequence[ImageSet] = ()) -> list[ImageSet]:
+    """``parse_text`` in the calling thread; ``previous``: the file's sets in force (their names are
+    not normalized again)."""
+    return parse_text(text, source, known_names(previous))
+
+
+Parse = Callable[[str, str, Sequence[ImageSet]], list[ImageSet]]  # parse_here, or ParseProcess.parse
+
+
 Stamp = tuple[int, int, int]  # (mtime_ns, size, inode) of the file (symlinks followed)
 UNREAD: Stamp = (0, 0, 0)  # a file in force from the state file while the directory cannot be read
 
@@ -237,11 +246,14 @@ class SetDirectory:
     Hidden files (``.x``, ConfigMap's ``..data`` links) and other suffixes are skipped.
     A file that turns bad keeps its previous sets in force; a removed file's sets go.
     ``restore`` (before the first scan) gives the previous content of each file across a restart.
+    ``parse``: how a file's text becomes sets (the shim's ImageSets uses a child process,
+    shim/imagesets/parse_process.py).
     """
 
-    def __init__(self, path: str, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+    def __init__(self, path: str, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, parse: Parse = parse_here) -> None:
         self.path = path
         self.max_file_bytes = max_file_bytes
+        self._parse = parse
         self.files: dict[str, FileState] = {}
         self.dir_error = ""
         self.dir_missing = False
@@ -297,7 +309,7 @@ class SetDirectory:
         if text is None:
             return [], None, ""
         try:
-            sets = parse_text(text, path)
+            sets = self._parse(text, path, ())
         except SetFileError as e:
             return [], None, f"; its saved version in {self._restored_from} is not valid either ({e})"
         return sets, text, f"; its last valid version, saved in {self._restored_from}, is in force"
@@ -322,7 +334,7 @@ class SetDirectory:
                 continue
             try:
                 text = safeyaml.read_capped(path, self.max_file_bytes)
-                sets = parse_text(text, path, known_names(old.sets) if old is not None else EMPTY)
+                sets = self._parse(text, path, old.sets if old is not None else ())
             except (safeyaml.TooBig, OSError, UnicodeDecodeError, SetFileError) as e:
                 err = (f"{path}: {e} (image_sets.max_file_bytes)" if isinstance(e, safeyaml.TooBig)
                        else str(e) if isinstance(e, SetFileError) else f"{path}: cannot read: {e}")

@@ -22,6 +22,7 @@ from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler
 from . import state
 from .loader import ImageSet, SetDirectory
+from .parse_process import ParseProcess
 from .reconciler import PinSink, Reconciler
 from .snapshot import Snapshot
 from .watcher import POLL_SECONDS, DirWatcher
@@ -41,7 +42,8 @@ class ImageSets:
                  poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes)
+        self.parser = ParseProcess()  # started at the first file to read: YAML never holds our GIL
+        self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes, self.parser.parse)
         self._on_pins = on_pins
         self._held_pins: list[tuple[str, str]] | None = None  # pins decided before the directory's first read
         self._declared_pins: list[tuple[str, str]] = []  # the reconciler's, from the sets in force
@@ -228,6 +230,7 @@ class ImageSets:
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
+        await asyncio.to_thread(self.parser.close)
         self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
         self.metrics.image_set_invalid.labels("file").set(0)  # ... and no file refused
 
@@ -267,6 +270,8 @@ class ImageSets:
             out["overrides"] = dict(self._overrides)
         if self.directory.dir_error:
             out["dir_error"] = self.directory.dir_error
+        if self.parser.start_error:
+            out["parser_error"] = self.parser.start_error + " (files are parsed in the shim's threads)"
         if self.cfg.state_file:
             out["state_file"] = self.cfg.state_file
             out["loaded_from_state"] = self.loaded_from_state

@@ -60,7 +60,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 import grpc
 
@@ -141,6 +141,30 @@ class _Book:
 
 def _keys(s: ImageSet) -> list[ImageKey]:
     return list(zip(s.refs, s.handlers or ("",) * len(s.refs)))
+
+
+def _edit(old: ImageSet, new: ImageSet) -> tuple[list[ImageKey], list[tuple[ImageKey, str]]]:
+    """What an edit of a set changes: the keys ``new`` drops, and (key, spelled) of those it adds,
+    in file order. Set and dict operations on the references (on (reference, handler) only when a
+    handler is declared): an edit of 2 names in a set of 10,000 runs no Python loop over the 10,000."""
+    if any(old.handlers) or any(new.handlers):
+        return _edit_of(_keys(old), _keys(new), new.spelled)
+    gone, added = _edit_of(old.refs, new.refs, new.spelled)
+    return [(r, "") for r in gone], [((r, ""), spelled) for r, spelled in added]
+
+
+_K = TypeVar("_K", bound=Hashable)
+EDIT_SCAN_MIN = 64  # names added by an edit above which one pass over the new set finds their places
+
+
+def _edit_of(old: Sequence[_K], new: Sequence[_K], spelled: Sequence[str]) -> tuple[list[_K], list[tuple[_K, str]]]:
+    olds, news = set(old), set(new)
+    added = news - olds
+    if len(added) <= EDIT_SCAN_MIN:  # a few: one C scan of ``new`` each finds where
+        at = sorted(map(new.index, added))
+    else:
+        at = [i for i, k in enumerate(new) if k in added]
+    return list(olds - news), [(new[i], spelled[i]) for i in at]
 
 
 def _host(img: _Image) -> str:
@@ -292,19 +316,16 @@ class Reconciler:
         if s.ignored:
             logs.log(_log, logging.INFO, "image set fields ignored on a single node", set=name,
                      fields=",".join(s.ignored))
-        new_keys = _keys(s)
-        old_keys: set[ImageKey] = set()
         if old is not None:
-            old_keys = set(_keys(old))
-            keep = set(new_keys)
-            for key in old_keys - keep:
+            gone, added = _edit(old, s)  # costs the change, not the set
+            for key in gone:
                 self._leave(key, name)
             self._declared -= len(old.refs)
         else:
             self._books[name] = _Book()
-        for key, spelled in zip(new_keys, s.spelled):
-            if key not in old_keys:
-                self._join(key, spelled, name, now)
+            added = list(zip(_keys(s), s.spelled))
+        for key, spelled in added:
+            self._join(key, spelled, name, now)
         self._declared += len(s.refs)
         self._books[name].pinned = None
         self.sets[name] = s

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # imported only when configured (docs/performance.md, "Memory
     from ..cluster.node_report import NodeReport
     from ..cluster.source import ClusterSource
     from ..credentials import Credential
-    from ..imagesets import ImageSets
+    from ..imagesets.manager import ImageSets
 
 
 class App:
@@ -154,7 +154,7 @@ class App:
             if not wanted:
                 self.declare_pins([])
         if wanted:
-            from ..imagesets import ImageSets
+            from ..imagesets.manager import ImageSets
 
             if cfg.image_sets.dir:  # the directory's first read sets the pins and opens the gate; the
                 self.images.expect_declared_pins()  # cluster's state file is read before serving (below)

@@ -131,6 +131,17 @@ def test_the_state_file_rejects_foreign_content(tmp_path: Path) -> None:
     assert state.load(str(tmp_path / "missing.json")) is None
 
 
+def test_the_state_file_is_the_json_of_every_text_in_force(tmp_path: Path) -> None:
+    """Saved one file's text at a time; read back exactly (quotes, newlines, non-ASCII, none at all)."""
+    p = tmp_path / "s.json"
+    files = {"/sets/a.yaml": 'kind: ImageSet\n  - name: "x"\n', "/sets/\u00e9 \"q\".yaml": "\u00e9\\\t\n" * 3,
+             "/sets/big.yaml": "".join(f"  - name: r.io/a:{i}\n" for i in range(20_000))}
+    for saved in (files, {}, {"/sets/a.yaml": ""}):
+        state.save(str(p), saved)
+        assert state.load(str(p)) == saved
+        assert json.loads(p.read_text()) == {"version": state.VERSION, "files": saved}
+
+
 # ---------------------------------------------------------------------- the manager
 
 

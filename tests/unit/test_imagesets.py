@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from shim.config import ImageSetsConfig
-from shim.imagesets import ImageSets
+from shim.imagesets.manager import ImageSets
 from shim.observability.metrics import Metrics
 from shim.images.pin_set import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler

@@ -66,7 +66,7 @@ async def test_declared_handlers_and_rules_reach_the_runtime_with_a_pod(runtime,
     ("spec:\n  images:\n  - {name: a:1, handler: x}\n", "spec.images[0].handler: unknown key"),
 ])
 def test_bad_handler_declarations_name_the_key(text: str, says: str) -> None:
-    from shim.imagesets import SetFileError, parse_text
+    from shim.imagesets.loader import SetFileError, parse_text
 
     with pytest.raises(SetFileError, match=says.replace("[", r"\[").replace("]", r"\]")):
         parse_text("apiVersion: cri-shim.io/v1\nkind: ImageSet\nmetadata: {name: s}\n" + text, "f.yaml")

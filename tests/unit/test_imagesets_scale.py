@@ -12,7 +12,7 @@ from shim.config import ImageSetsConfig
 from shim.credentials import DockerConfigFiles
 from shim.imagesets.due import DueQueue, RetryBudget
 from shim.imagesets.loader import ImageSet
-from shim.imagesets.reconciler import Reconciler
+from shim.imagesets.reconciler import Reconciler, _edit
 from shim.observability.metrics import Metrics
 from shim.pulls.scheduler import PullScheduler
 from tests.support.prefetch_store import FakeImages
@@ -118,6 +118,35 @@ def test_counts_follow_set_edits_and_shared_images_count_once_in_total() -> None
     rec.set_sets({"a": _set("a", ["r/x:1", "r/v:1"], "2")})
     snap = rec.snapshot()
     assert list(snap.sets) == ["a"] and snap.totals.declared == 2 and snap.totals.unknown == 2
+
+
+def test_an_edit_of_a_large_set_applies_exactly_what_changed() -> None:
+    """Order swapped, one name dropped, names added at the front and in the middle, a handler
+    declared on one: the counts follow, shared images stay, and the added ones come in file order."""
+    rec, _ = _reconciler()
+    names = [f"r/i{i}:1" for i in range(10_000)]
+    rec.set_sets({"a": _set("a", names), "b": _set("b", ["r/i5:1", "r/other:1"])})
+    edited = names[:]
+    edited[1], edited[-2] = edited[-2], edited[1]
+    del edited[5]  # r/i5:1 stays declared by b
+    edited.insert(0, "r/first:1")
+    edited.insert(5000, "r/middle:1")
+    rec.set_sets({"a": _set("a", edited, "2"), "b": _set("b", ["r/i5:1", "r/other:1"])})
+    snap = rec.snapshot()
+    assert snap.sets["a"].counts.declared == 10_001 and snap.sets["a"].counts.unknown == 10_001
+    assert snap.totals.declared == 10_003  # 10,001 of a, r/i5:1 and r/other:1 of b
+    gone, added = _edit(_set("a", names), _set("a", edited))
+    assert gone == [("r/i5:1", "")] and added == [(("r/first:1", ""), "r/first:1"), (("r/middle:1", ""), "r/middle:1")]
+    many = [f"r/new{i}:1" for i in range(100)]  # above EDIT_SCAN_MIN: one pass finds their places
+    gone, added = _edit(_set("a", names), _set("a", many[:50] + names[1:] + many[50:]))
+    assert gone == [("r/i0:1", "")] and [spelled for _, spelled in added] == many
+    with_handler = ImageSet(name="a", kind="ImageSet", pin=False, refs=tuple(names), spelled=tuple(names),
+                            generation="3", source="/sets/a.yaml", handlers=("kata",) + ("",) * 9_999)
+    gone, added = _edit(_set("a", names), with_handler)
+    assert gone == [("r/i0:1", "")] and added == [(("r/i0:1", "kata"), "r/i0:1")]
+    rec.set_sets({"a": with_handler})
+    snap = rec.snapshot()
+    assert snap.sets["a"].counts.declared == 10_000 and list(snap.sets) == ["a"] and snap.totals.declared == 10_000
 
 
 def test_an_unchanged_set_is_not_diffed_again(caplog) -> None:
