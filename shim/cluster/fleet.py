@@ -6,17 +6,26 @@ controller is running, or it has not caught up.
 
 MCO's PinnedImageSets too, from the PinnedImageSetReports the controller writes for them (one more
 list), as ``PinnedImageSet/<name>``; their generation is the one the report is for (the
-PinnedImageSets themselves are not read)."""
+PinnedImageSets themselves are not read).
+
+A 429 (APF throttling, or ``storage is (re)initializing`` just after a CRD is installed or the API
+server restarts) is waited out as its Retry-After asks, for up to ``THROTTLED_MAX_SECONDS``; any
+other error is one line on stderr and exit status 1, never a traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from typing import Any
 
+import aiohttp
+
 from .objects import IMAGE_SET, PINNED_REPORT, Kind
+from .reachability import retry_after
 
 COUNTS = ("selected", "current", "progressing", "failing", "stale", "missing")
+THROTTLED_MAX_SECONDS = 30.0  # how long 429s are waited out before the command gives up
 
 
 def summarize(items: list[dict[str, Any]], reports: tuple[dict[str, Any], ...] | list[dict[str, Any]] = ()
@@ -52,10 +61,22 @@ async def _list(kubeconfig: str) -> tuple[list[dict[str, Any]], list[dict[str, A
 
     api = await new_client_from_config(config_file=kubeconfig, persist_config=False)
 
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + THROTTLED_MAX_SECONDS
+
     async def items(kind: Kind) -> list[dict[str, Any]]:
-        resp = await CustomObjectsApi(api).list_cluster_custom_object(kind.group, kind.version, kind.plural,
-                                                                      _request_timeout=60)
-        return list(resp.get("items") or [])
+        while True:
+            try:
+                resp = await CustomObjectsApi(api).list_cluster_custom_object(kind.group, kind.version, kind.plural,
+                                                                              _request_timeout=60)
+                return list(resp.get("items") or [])
+            except ApiException as e:
+                if e.status != 429:
+                    raise
+                wait = retry_after(e, 5.0) or 1.0
+                if loop.time() + wait > give_up:
+                    raise
+                await asyncio.sleep(wait)
     try:
         sets = await items(IMAGE_SET)
         try:
@@ -69,12 +90,29 @@ async def _list(kubeconfig: str) -> tuple[list[dict[str, Any]], list[dict[str, A
         await api.close()
 
 
+def _message(e: Any) -> str:
+    """The Status message of an API error's body (never the request: no credential in it)."""
+    try:
+        return str(json.loads(e.body).get("message", ""))[:300]
+    except (TypeError, ValueError, AttributeError):
+        return ""
+
+
 def _n(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
 def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
-    summary = summarize(*asyncio.run(_list(kubeconfig)))
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    try:
+        summary = summarize(*asyncio.run(_list(kubeconfig)))
+    except ApiException as e:
+        print(f"cri-shim fleet status: the API server answered {e.status} {e.reason}: {_message(e)}", file=sys.stderr)
+        return 1
+    except (TimeoutError, OSError, aiohttp.ClientError) as e:
+        print(f"cri-shim fleet status: cannot reach the API server: {e}", file=sys.stderr)
+        return 1
     if as_json:
         print(json.dumps(summary, indent=2))
         return 0
