@@ -16,6 +16,7 @@ whose text is the accepted outcomes, one per line, then the actual outcome on th
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -80,9 +81,20 @@ class H2specReport:
         self.failed.update(other.failed)
 
 
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def xml_text(raw: bytes) -> str:
+    """h2spec writes a frame's payload (a PING's opaque data) raw into its XML report: NULs, other
+    control bytes and invalid UTF-8 that no XML parser accepts (a run with both cores busy failed
+    on ``opaque_data:\\x00...``). Each such byte is written as a ``\\xNN`` escape instead."""
+    text = raw.decode("utf-8", errors="backslashreplace")
+    return _XML_INVALID.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def parse_junit(path: str | os.PathLike[str]) -> H2specReport:
     report = H2specReport()
-    root = ET.parse(path).getroot()
+    root = ET.fromstring(xml_text(Path(path).read_bytes()))
     for case in root.iter("testcase"):
         key = f"{case.get('package')} {case.get('classname')}"
         bad = case.find("failure")
