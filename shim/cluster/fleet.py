@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from .objects import IMAGE_SET, PINNED_REPORT, Kind
-from .reachability import retry_after
+from .reachability import describe, retry_after
 
 COUNTS = ("selected", "current", "progressing", "failing", "stale", "missing")
 THROTTLED_MAX_SECONDS = 30.0  # how long 429s are waited out before the command gives up
@@ -90,14 +90,6 @@ async def _list(kubeconfig: str) -> tuple[list[dict[str, Any]], list[dict[str, A
         await api.close()
 
 
-def _message(e: Any) -> str:
-    """The Status message of an API error's body (never the request: no credential in it)."""
-    try:
-        return str(json.loads(e.body).get("message", ""))[:300]
-    except (TypeError, ValueError, AttributeError):
-        return ""
-
-
 def _n(v: Any) -> str:
     return "-" if v is None else str(v)
 
@@ -108,7 +100,7 @@ def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
     try:
         summary = summarize(*asyncio.run(_list(kubeconfig)))
     except ApiException as e:
-        print(f"cri-shim fleet status: the API server answered {e.status} {e.reason}: {_message(e)}", file=sys.stderr)
+        print(f"cri-shim fleet status: the API server answered {describe(e)}", file=sys.stderr)
         return 1
     except (TimeoutError, OSError, aiohttp.ClientError) as e:
         print(f"cri-shim fleet status: cannot reach the API server: {e}", file=sys.stderr)

@@ -52,5 +52,5 @@ async def test_an_error_is_one_line_not_a_traceback(kube: FakeKube, tmp_path: Pa
     kube.fail(SETS, 403)
     rc, out, err = await fleet(kubeconfig(tmp_path, kube.url))
     assert rc == 1 and out == ""
-    assert err.startswith("cri-shim fleet status: the API server answered 403") and "Traceback" not in err
+    assert err.startswith("cri-shim fleet status: the API server answered HTTP 403") and "Traceback" not in err
     assert "secret-token" not in err
