@@ -43,6 +43,7 @@ PLUGIN_VERSIONS = ("credentialprovider.kubelet.k8s.io/v1", "credentialprovider.k
 TIMEOUT_SECONDS = 60.0
 CACHE_ENTRIES = 1000
 MAX_OUTPUT_BYTES = 1 << 20
+REAP_SECONDS = 5.0  # after a kill: how long its unread output is drained before it is left to the watcher
 
 _GO_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|µs|ns)")
 _GO_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -233,13 +234,11 @@ class PluginProviders:
             async with asyncio.timeout(self.timeout):
                 out = await _answer(proc, request.encode())
         except TimeoutError:
-            proc.kill()
-            await proc.wait()
+            await _kill(proc)
             self._failed(p, f"no answer within {self.timeout:g} s; killed")
             return "", None
         except asyncio.CancelledError:
-            proc.kill()
-            await proc.wait()
+            await _kill(proc)
             raise
         if out is None:
             self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed")
@@ -313,8 +312,28 @@ async def _answer(proc: asyncio.subprocess.Process, request: bytes) -> bytes | N
     while chunk := await proc.stdout.read(65536):
         out += chunk
         if len(out) > MAX_OUTPUT_BYTES:
-            proc.kill()
-            await proc.wait()
+            await _kill(proc)
             return None
     await proc.wait()
     return bytes(out)
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """Kill the plugin and reap it. asyncio's wait() returns only once the process has exited
+    and its pipes are closed, and a flood's stdout stops being read when the reader's buffer is
+    full, so the output left in the pipe is drained (discarded) first. A grandchild that keeps
+    the pipe open bounds this at REAP_SECONDS; the child watcher still reaps the plugin."""
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    try:
+        async with asyncio.timeout(REAP_SECONDS):
+            if proc.stdout is not None:
+                while await proc.stdout.read(65536):
+                    pass
+            await proc.wait()
+    except TimeoutError:
+        logs.log(_log, logging.WARNING, "credential provider killed, but its output pipe is still open "
+                 "(a process it started?); not waiting for it", pid=proc.pid)

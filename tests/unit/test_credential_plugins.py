@@ -158,6 +158,23 @@ async def test_a_plugin_that_prints_forever_is_killed_at_the_output_limit(tmp_pa
     assert SECRET not in caplog.text
 
 
+async def test_a_killed_flood_is_reaped_even_when_its_output_was_not_read(tmp_path: Path) -> None:
+    """The CI failure this guards: on a busy machine the flood filled the pipe faster than the
+    loop read it, asyncio stopped reading, and wait() after the kill (which also waits for the
+    pipes to close) hung until the 120 s timeout. Here nothing is read before the kill."""
+    import asyncio
+
+    from shim.credentials import plugins
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys\nwhile True: sys.stdout.buffer.write(b'x' * 65536)",
+        stdout=asyncio.subprocess.PIPE)
+    await asyncio.sleep(0.5)  # the pipe and asyncio's reader fill; asyncio pauses reading
+    async with asyncio.timeout(plugins.REAP_SECONDS):
+        await plugins._kill(proc)
+    assert proc.returncode == -9
+
+
 async def test_prefetch_uses_plugin_credentials(runtime, tmp_path: Path, bin_dir: Path, caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="cri_shim")
     store = FakeImages(runtime).install()
