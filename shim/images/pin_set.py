@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, cast
+from typing import Iterable, Mapping, cast
 
 from .. import reference
 from ..image_patterns import globs_regex, is_glob, normalize_pattern
@@ -53,19 +53,26 @@ _NAME_CACHE_SIZE = 1 << 17
 
 @dataclass(frozen=True)
 class PinSet:
-    """Immutable; build a new one on reload. ``source`` maps canonical pattern -> where it came from."""
+    """Immutable; build a new one on reload. ``source`` maps canonical pattern -> where it came from
+    (pins.images); ``declared``: the image sets' pins, normalized ref -> set name, a snapshot the
+    image-set reconciler keeps up to date by the change (shim/imagesets/declared_pins.py), used as
+    it is: a PinSet for 100,000 declared pins costs no pass over them."""
 
     exact: frozenset[str]
     globs: tuple[str, ...]
     source: dict[str, str]
     _regex: re.Pattern[str] | None  # every glob at once
+    declared: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     # runtime name -> the pin it matches, or None. A node's image names change slowly, so
     # repeated ListImages calls mostly hit; the cache lives and dies with this PinSet.
     _by_name: dict[str, str | None] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def build(cls, patterns: Iterable[str], declared: Iterable[tuple[str, str]] = ()) -> PinSet:
-        """``patterns`` from config (pins.images); ``declared``: (image ref, set name) from image sets."""
+    def build(cls, patterns: Iterable[str],
+              declared: Mapping[str, str] | Iterable[tuple[str, str]] = ()) -> PinSet:
+        """``patterns`` from config (pins.images); ``declared``: the image sets' pins, either a
+        Mapping of normalized ref -> set name (kept as it is, not copied or normalized again) or
+        (image ref, set name) pairs (normalized here; an invalid ref is skipped, the loader reports it)."""
         exact: set[str] = set()
         globs: list[str] = []
         source: dict[str, str] = {}
@@ -76,23 +83,27 @@ class PinSet:
             else:
                 exact.add(canon)
             source.setdefault(canon, f"pins.images entry {p!r}")
-        for ref, set_name in declared:
-            try:
-                canon = normalize_pattern(ref)
-            except ValueError:
-                continue
-            exact.add(canon)
-            source.setdefault(canon, f"image set {set_name!r}")  # 253 characters at most (loader)
+        if not isinstance(declared, Mapping):
+            normalized: dict[str, str] = {}
+            for ref, set_name in declared:
+                try:
+                    normalized.setdefault(normalize_pattern(ref), set_name)
+                except ValueError:
+                    continue
+            declared = normalized
         regex = globs_regex(globs, "pin")  # the outer group that matched names the glob: pin<i>
-        return cls(frozenset(exact), tuple(globs), source, regex)
+        return cls(frozenset(exact), tuple(globs), source, regex, declared)
 
     def __bool__(self) -> bool:
-        return bool(self.exact or self.globs)
+        return bool(self.exact or self.globs or self.declared)
+
+    def _exact(self, name: str) -> bool:
+        return name in self.exact or name in self.declared
 
     def match(self, names: Iterable[str]) -> str | None:
         """The pin (canonical pattern) protecting an image known by ``names``, or None."""
         for n in names:
-            if n in self.exact:
+            if self._exact(n):
                 return n
         if self._regex is not None:
             for n in names:
@@ -105,7 +116,7 @@ class PinSet:
         pin = self._by_name.get(name, _MISSING)
         if pin is _MISSING:
             n = _normal(name)
-            pin = n if n in self.exact else None
+            pin = n if self._exact(n) else None
             if (pin is None and self._regex is not None and (m := self._regex.match(n)) is not None
                     and m.lastgroup is not None):
                 pin = self.globs[int(m.lastgroup[3:])]
@@ -121,7 +132,7 @@ class PinSet:
         """
         if image_id:
             canon_id = reference.normalize_image_id(image_id) or image_id  # CRI-O reports bare hex
-            if canon_id in self.exact:
+            if self._exact(canon_id):
                 return canon_id
         for n in repo_tags:
             if (pin := self._match_name(n)) is not None:
@@ -132,4 +143,9 @@ class PinSet:
         return None
 
     def describe(self, pin: str) -> str:
-        return self.source.get(pin, pin)
+        """Where ``pin`` comes from: the pins.images entry first, else the image set (names are
+        253 characters at most, the loader checks)."""
+        if pin in self.source:
+            return self.source[pin]
+        set_name = self.declared.get(pin)
+        return f"image set {set_name!r}" if set_name is not None else pin

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, TypeVar
+from typing import Iterable, Iterator, Mapping, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -39,7 +39,7 @@ class ImageService:
     dedup_per_namespace: bool = False  # pulls.dedup_per_namespace
     pins_wait_seconds: float = 10.0  # image_sets.pins_wait_seconds
     pins: PinSet = field(init=False)  # the patterns and the declared pins, in force
-    declared_pins: tuple[tuple[str, str], ...] = field(default=(), init=False)  # (image ref, image-set name)
+    declared_pins: Mapping[str, str] = field(default_factory=dict, init=False)  # normalized ref -> image-set name
     # set while declared_pins are those of the configured image_sets.dir (or image sets are off)
     declared_read: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
@@ -67,16 +67,15 @@ class ImageService:
         logs.log(_log, logging.INFO, "pins in force", patterns=len(self.pin_patterns),
                  declared=len(self.declared_pins), mode="enforce" if self.pins_enforce else "mark-only")
 
-    def set_declared_pins(self, declared: Iterable[tuple[str, str]]) -> None:
-        """The images of declared image sets that pin: (image ref, set name). Replaces the previous list.
-
-        A ref that is not a valid reference is skipped (the image-set loader reports it). The
-        process's interception table depends on the pins: App.declare_pins calls this and
-        re-evaluates it, in one call.
+    def set_declared_pins(self, declared: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
+        """The images of declared image sets that pin, replacing the previous ones: the
+        reconciler's snapshot (normalized ref -> set name, kept as it is), or (image ref, set
+        name) pairs (normalized; a ref that is not a valid reference is skipped, the image-set
+        loader reports it). The process's interception table depends on the pins:
+        App.declare_pins calls this and re-evaluates it, in one call.
         """
-        declared = tuple(declared)
         self.pins = PinSet.build(self.pin_patterns, declared)
-        self.declared_pins = declared
+        self.declared_pins = self.pins.declared
         self.declared_read.set()
 
     def expect_declared_pins(self) -> None:

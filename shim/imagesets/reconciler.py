@@ -60,7 +60,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import grpc
 
@@ -81,6 +81,7 @@ from ..pulls.progress import human_bytes
 from ..pulls.scheduler import PullScheduler
 from ..pulls.slots import Priority
 from ..reference import InvalidReference, normalize, split_domain
+from .declared_pins import DeclaredPins
 from .due import DueQueue, RetryBudget
 from .loader import ImageSet
 from .snapshot import COUNTED, Counts, SetSnapshot, Snapshot, State
@@ -92,7 +93,7 @@ DISK_RECHECK_SECONDS = 30.0  # while short of space
 PROBE_MAX = 64  # up to this many newly declared images: ImageStatus each, not a full ListImages
 PROGRESS_STEPS = (25, 50, 75, 100)
 
-PinSink = Callable[[list[tuple[str, str]]], None]
+PinSink = Callable[[Mapping[str, str]], None]  # normalized ref -> the set pinning it (declared_pins.py)
 HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
 SetCredentials = Callable[[frozenset[str]], "list[tuple[str, Credential]]"]  # set names -> their pull secrets' entries
 ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
@@ -222,7 +223,8 @@ class Reconciler:
         self._need_list = True
         self._list_failures = 0
         self._next_list = 0.0
-        self._declared_pins: list[tuple[str, str]] | None = None
+        self._pin_index = DeclaredPins()
+        self._pins_sent: int | None = None  # the DeclaredPins version handed to on_pins last
         self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
         self._dirty: set[str] = set()  # sets whose gauges / progress line are due
         self._gone: set[str] = set()  # removed sets whose gauge series are to be dropped
@@ -264,10 +266,10 @@ class Reconciler:
         nothing; an added, edited or removed set costs its size. Newly declared images are
         looked up (ImageStatus or one ListImages); what is no longer declared is cancelled."""
         now = self._clock()
-        pins_touched = False
         for name in [n for n in self.sets if n not in sets]:
             gone = self.sets.pop(name)
-            pins_touched |= gone.pin
+            if gone.pin:
+                self._pin_index.remove(name, gone.refs)
             for key in _keys(gone):
                 self._leave(key, name)
             self._declared -= len(gone.refs)
@@ -291,10 +293,11 @@ class Reconciler:
                 continue
             if self._refused.pop(name, None) is not None:
                 logs.log(_log, logging.INFO, "image set accepted again", set=name, generation=s.generation)
-            pins_touched |= s.pin or (old is not None and old.pin)
+            self._repin(s, old)
             self._apply(s, old, now)
-        if pins_touched or self._declared_pins is None:
-            self._update_pins()
+        if self._pins_sent != self._pin_index.version:
+            self._pins_sent = self._pin_index.version
+            self._on_pins(self._pin_index.snapshot())
         if self._unknown:
             self._need_list = True
         self._wake.set()
@@ -308,6 +311,19 @@ class Reconciler:
                      generation=s.generation, images=len(s.refs), declared=total, max_images=self.cfg.max_images,
                      kept=old.generation if old is not None else "")
         self._refused[s.name] = (s.generation, why)
+
+    def _repin(self, s: ImageSet, old: ImageSet | None) -> None:
+        """The pins of an added or edited set: an edit of a set that pins both before and after
+        costs the names it changes (set operations in C), not the set."""
+        if old is not None and old.pin and s.pin:
+            olds, news = set(old.refs), set(s.refs)
+            self._pin_index.remove(s.name, olds - news)
+            self._pin_index.add(s.name, news - olds)
+            return
+        if old is not None and old.pin:
+            self._pin_index.remove(s.name, old.refs)
+        if s.pin:
+            self._pin_index.add(s.name, s.refs)
 
     def _apply(self, s: ImageSet, old: ImageSet | None, now: float) -> None:
         name = s.name
@@ -457,13 +473,7 @@ class Reconciler:
     @property
     def pins_declared(self) -> bool:
         """Whether the pins of the sets in force have been handed out once."""
-        return self._declared_pins is not None
-
-    def _update_pins(self) -> None:
-        pins = [(ref, s.name) for s in self.sets.values() if s.pin for ref in s.refs]
-        if pins != self._declared_pins:
-            self._declared_pins = pins
-            self._on_pins(pins)
+        return self._pins_sent is not None
 
     # ------------------------------------------------------------------ the loop
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from .. import config as config_mod
 from ..config import Config, ConfigError
@@ -104,8 +104,8 @@ class App:
         self.progress.configure(cfg.pulls)
         self.lease.configure(cfg.pulls.no_progress_timeout_seconds)
 
-    def declare_pins(self, declared: Iterable[tuple[str, str]]) -> None:
-        """The pins of the declared image sets changed (image ref, set name): the image service
+    def declare_pins(self, declared: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
+        """The pins of the declared image sets changed (ref -> set name, or pairs): the image service
         and the interception table (which intercepts image listing only while something pins) take them."""
         self.images.set_declared_pins(declared)
         self.router.set_table(self.table())

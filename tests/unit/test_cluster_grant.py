@@ -39,7 +39,7 @@ def sets_dir(tmp_path: Path) -> Path:
 
 
 def pins(h: Any) -> set[str]:
-    return {ref.rsplit("/", 1)[-1] for ref, _ in h.pin_updates[-1]} if h.pin_updates else set()
+    return {ref.rsplit("/", 1)[-1] for ref in h.pin_updates[-1]} if h.pin_updates else set()
 
 
 async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pulled(runtime, store,

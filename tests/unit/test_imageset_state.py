@@ -170,7 +170,7 @@ async def test_restart_with_an_invalid_file_keeps_its_pins_from_the_first_update
     caplog.set_level(logging.ERROR, logger="cri_shim")
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
         await eventually(lambda: bool(h.pin_updates))
-        assert sorted(h.pin_updates[0]) == [(A1, "alpha"), (B1, "alpha")]  # the first pins include alpha's
+        assert sorted(h.pin_updates[0].items()) == [(A1, "alpha"), (B1, "alpha")]  # the first pins include alpha's
         st = h.status()
         assert st["loaded_from_state"] == 1 and "last valid version, saved in " + str(path) in st["file_errors"][str(a)]
         assert "state_error" not in st
@@ -183,7 +183,7 @@ async def test_restart_with_an_invalid_file_keeps_its_pins_from_the_first_update
     a.unlink()  # deleted while the shim was down: a deletion
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
         await eventually(lambda: bool(h.pin_updates))
-        assert h.pin_updates[0] == [] and "alpha" not in h.status().get("sets", {})
+        assert h.pin_updates[0] == {} and "alpha" not in h.status().get("sets", {})
         await eventually(lambda: len(saves) == 3)
     assert json.loads(path.read_text())["files"] == {}
 

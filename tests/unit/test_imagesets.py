@@ -10,7 +10,7 @@ import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 import grpc
 import pytest
@@ -65,7 +65,7 @@ class Harness:
     sets: ImageSets
     scheduler: PullScheduler
     metrics: Metrics
-    pin_updates: list[list[tuple[str, str]]]
+    pin_updates: list[Mapping[str, str]]
     disk: dict[str, int]
     upstream: Upstream
 
@@ -77,7 +77,7 @@ class Harness:
 
     @property
     def pins(self) -> PinSet:
-        return PinSet.build((), self.pin_updates[-1] if self.pin_updates else [])
+        return PinSet.build((), self.pin_updates[-1] if self.pin_updates else {})
 
     def gauge(self, name: str, state: str) -> float | None:
         return self.metrics.registry.get_sample_value("cri_shim_image_set_images", {"set": name, "state": state})
@@ -94,7 +94,7 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
     upstream = Upstream(runtime.endpoint, 16 << 20)
     metrics = Metrics()
     scheduler = PullScheduler(scheduler_cap, config.max_parallel, observers=[metrics])
-    pin_updates: list[list[tuple[str, str]]] = []
+    pin_updates: list[Mapping[str, str]] = []
     disk = {"free": free_bytes}
 
     def statvfs(path: str) -> SimpleNamespace:
@@ -141,7 +141,7 @@ async def test_only_missing_images_are_pulled_as_declared_without_auth(runtime, 
         s = await reconciled(h, "warm", 4)
         assert sorted(store.pulls) == ["busybox:1.36", f"quay.io/x/y@sha256:{'b' * 64}"]
         assert all(not r.HasField("auth") and not r.HasField("sandbox_config") for r in store.pull_requests)
-        assert "pinned" not in s and h.pin_updates[-1] == []  # keep-present set: nothing pinned
+        assert "pinned" not in s and h.pin_updates[-1] == {}  # keep-present set: nothing pinned
         assert h.metrics.registry.get_sample_value("cri_shim_pull_requests_total", {"priority": "background"}) == 2
 
 
@@ -361,5 +361,5 @@ async def test_sets_removed_and_restored_share_images(runtime, store, tmp_path) 
         assert store.pulls == ["registry.local/shared:1"]  # one image, one pull, whatever declares it
         (tmp_path / "a.yaml").unlink()
         await eventually(lambda: "alpha" not in h.status()["sets"])
-        assert h.pin_updates[-1] == [] and h.set_status("beta")["present"] == 1
+        assert h.pin_updates[-1] == {} and h.set_status("beta")["present"] == 1
         await eventually(lambda: h.gauge("alpha", "declared") is None, what="removed set's gauge series to go")
