@@ -106,7 +106,8 @@ def push_images(reg: RegistryWithProxy, busybox_layer: Any, count: int, total_by
 
 
 def scrape(address: str, name: str) -> float:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:  # closed now, not at the next GC
+        text = response.read().decode()
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
                if line.startswith(name + " ") or line.startswith(name + "{"))
 

@@ -39,7 +39,8 @@ METHODS = ("ListStatuses", "List", "Read", "Abort")
 
 
 def calls_by_method(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # closed now, not at the next GC
+        text = response.read().decode()
     out = dict.fromkeys(METHODS, 0.0)
     for line in text.splitlines():
         for m in METHODS:

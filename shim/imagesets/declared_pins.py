@@ -24,12 +24,26 @@ _ABSENT = object()
 
 
 class PinsSnapshot(Mapping[str, str]):
-    """ref -> the set pinning it, as of when it was taken. Never changes."""
+    """ref -> the set pinning it, as of when it was taken. Never changes. ``index`` and
+    ``version``: the DeclaredPins it was taken from and its version then (every name a set had
+    pinned by that version is in it)."""
 
-    __slots__ = ("_base", "_changes", "_len")
+    __slots__ = ("_base", "_changes", "_len", "index", "version")
 
-    def __init__(self, base: dict[str, str], changes: dict[str, str | None], length: int) -> None:
+    def __init__(self, base: dict[str, str], changes: dict[str, str | None], length: int,
+                 index: DeclaredPins, version: int) -> None:
         self._base, self._changes, self._len = base, changes, length
+        self.index, self.version = index, version
+
+    def with_extra(self, pairs: Iterable[tuple[str, str]]) -> PinsSnapshot:
+        """This snapshot plus (ref, set) pairs it does not hold (pins a source holds for sets it
+        has not declared yet): costs the pairs and this snapshot's changes, not the base."""
+        changes, length = dict(self._changes), self._len
+        for ref, set_name in pairs:
+            if ref not in self and changes.get(ref) is None:
+                changes[ref] = set_name
+                length += 1
+        return PinsSnapshot(self._base, changes, length, self.index, self.version)
 
     def get(self, ref: str, default: str | None = None) -> str | None:  # type: ignore[override]
         v = self._changes.get(ref, _ABSENT)
@@ -104,4 +118,4 @@ class DeclaredPins:
         """ref -> the set that protects it, as of now (see the module's docstring for the cost)."""
         if len(self._changes) > max(COMPACT_MIN, len(self._base) // 4):
             self._base, self._changes = dict(self._owner), {}
-        return PinsSnapshot(self._base, dict(self._changes), len(self._owner))
+        return PinsSnapshot(self._base, dict(self._changes), len(self._owner), self, self.version)

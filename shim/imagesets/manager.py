@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from ..config import ImageSetsConfig
 from ..cri.upstream import Upstream
@@ -21,6 +21,7 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..pulls.scheduler import PullScheduler
 from . import state
+from .declared_pins import DeclaredPins, PinsSnapshot
 from .loader import ImageSet, SetDirectory
 from .parse_process import ParseProcess
 from .reconciler import PinSink, Reconciler
@@ -45,8 +46,8 @@ class ImageSets:
         self.parser = ParseProcess()  # started at the first file to read: YAML never holds our GIL
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes, self.parser.parse)
         self._on_pins = on_pins
-        self._held_pins: Mapping[str, str] | None = None  # pins decided before the directory's first read
-        self._declared_pins: Mapping[str, str] = {}  # the reconciler's, from the sets in force (ref -> set)
+        self._held_pins: PinsSnapshot | None = None  # pins decided before the directory's first read
+        self._declared_pins = DeclaredPins().snapshot()  # the reconciler's, from the sets in force (ref -> set)
         self._waiting_pins: dict[str, list[tuple[str, str]]] = {}  # source -> pins of sets held (not pulled)
         self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=self._pins_out, pins=pins,
                                      **reconciler_options)
@@ -120,20 +121,15 @@ class ImageSets:
         self.state_error = error
         self.metrics.image_sets_state_file_error.set(1 if error else 0)
 
-    def _pins_out(self, declared: Mapping[str, str]) -> None:
+    def _pins_out(self, declared: PinsSnapshot) -> None:
         """The declared pins reach the image service only once the directory (when there is one)
         has been read: until then the pins in force stay and removals wait (pins_wait_seconds),
         even when another source (the cluster's state file) has declared its sets already.
-        Pins of sets a source holds (a paced generation without its grant) are added (a copy of
-        the declared ones is made only then)."""
+        Pins of sets a source holds (a paced generation without its grant) are added."""
         self._declared_pins = declared
         pins = declared
         if self._waiting_pins:
-            merged = dict(declared)
-            for held in self._waiting_pins.values():
-                for ref, set_name in held:
-                    merged.setdefault(ref, set_name)
-            pins = merged
+            pins = declared.with_extra(p for held in self._waiting_pins.values() for p in held)
         if self.cfg.dir and self.scans == 0:
             self._held_pins = pins
             return

@@ -60,7 +60,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 import grpc
 
@@ -81,7 +81,7 @@ from ..pulls.progress import human_bytes
 from ..pulls.scheduler import PullScheduler
 from ..pulls.slots import Priority
 from ..reference import InvalidReference, normalize, split_domain
-from .declared_pins import DeclaredPins
+from .declared_pins import DeclaredPins, PinsSnapshot
 from .due import DueQueue, RetryBudget
 from .loader import ImageSet
 from .snapshot import COUNTED, Counts, SetSnapshot, Snapshot, State
@@ -93,7 +93,7 @@ DISK_RECHECK_SECONDS = 30.0  # while short of space
 PROBE_MAX = 64  # up to this many newly declared images: ImageStatus each, not a full ListImages
 PROGRESS_STEPS = (25, 50, 75, 100)
 
-PinSink = Callable[[Mapping[str, str]], None]  # normalized ref -> the set pinning it (declared_pins.py)
+PinSink = Callable[[PinsSnapshot], None]  # normalized ref -> the set pinning it (declared_pins.py)
 HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
 SetCredentials = Callable[[frozenset[str]], "list[tuple[str, Credential]]"]  # set names -> their pull secrets' entries
 ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
@@ -225,6 +225,7 @@ class Reconciler:
         self._next_list = 0.0
         self._pin_index = DeclaredPins()
         self._pins_sent: int | None = None  # the DeclaredPins version handed to on_pins last
+        self._pinned_at: dict[str, int] = {}  # pinning set -> the index version holding its names in force
         self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
         self._dirty: set[str] = set()  # sets whose gauges / progress line are due
         self._gone: set[str] = set()  # removed sets whose gauge series are to be dropped
@@ -270,6 +271,7 @@ class Reconciler:
             gone = self.sets.pop(name)
             if gone.pin:
                 self._pin_index.remove(name, gone.refs)
+                del self._pinned_at[name]
             for key in _keys(gone):
                 self._leave(key, name)
             self._declared -= len(gone.refs)
@@ -319,11 +321,15 @@ class Reconciler:
             olds, news = set(old.refs), set(s.refs)
             self._pin_index.remove(s.name, olds - news)
             self._pin_index.add(s.name, news - olds)
-            return
-        if old is not None and old.pin:
-            self._pin_index.remove(s.name, old.refs)
+        else:
+            if old is not None and old.pin:
+                self._pin_index.remove(s.name, old.refs)
+            if s.pin:
+                self._pin_index.add(s.name, s.refs)
         if s.pin:
-            self._pin_index.add(s.name, s.refs)
+            self._pinned_at[s.name] = self._pin_index.version
+        else:
+            self._pinned_at.pop(s.name, None)
 
     def _apply(self, s: ImageSet, old: ImageSet | None, now: float) -> None:
         name = s.name
@@ -839,11 +845,17 @@ class Reconciler:
         self._dirty.clear()
 
     def _pinned(self, s: ImageSet, book: _Book, pins: PinSet | None) -> int | None:
-        """Images of a pinning set that the pins in force match: counted once per pins object
-        and set generation (pins change when sets do), not at every snapshot."""
+        """Images of a pinning set that the pins in force match. When those pins hold a snapshot
+        of this reconciler's index taken after the set's names went in, that is all of them (no
+        count). Otherwise (the pins not handed out yet, or not ours) they are counted once per
+        pins object and set generation, not at every snapshot."""
         if not s.pin:
             return None
         if pins is None:
+            return len(s.refs)
+        declared = pins.declared
+        if (isinstance(declared, PinsSnapshot) and declared.index is self._pin_index
+                and declared.version >= self._pinned_at.get(s.name, declared.version + 1)):
             return len(s.refs)
         cached = book.pinned
         if cached is not None and cached[0] is pins and cached[1] == s.generation:

@@ -61,7 +61,8 @@ def metric(port: int, name: str, labels: dict[str, str] | None = None) -> float 
     """One sample from the shim's Prometheus endpoint (None when the series does not exist)."""
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:  # closed now, not at the next GC
+        text = response.read().decode()
     want = ",".join(f'{k}="{v}"' for k, v in sorted((labels or {}).items()))
     for line in text.splitlines():
         if line.startswith("#"):

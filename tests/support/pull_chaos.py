@@ -138,7 +138,8 @@ async def storm(endpoint: str, *, callers: int | None = None, seconds: float | N
 
 
 def gauges(metrics_port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:  # closed now, not at the next GC
+        text = response.read().decode()
     out = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
