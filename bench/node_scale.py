@@ -284,6 +284,8 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
     # the import at about 120 images a second here
     ctd_dir = Path(tempfile.mkdtemp(prefix="bench-scale-ctd-", dir="/dev/shm"))
     registry = RegistryWithProxy(str(workdir / "registry")).start()
+    assert registry.proxy is not None
+    registry.proxy.idle_seconds = 2.0  # thousands of failed pulls: see CountingProxy.idle_seconds
     ctd: Containerd | None = None
     out: dict[str, Any] = Progress({"sets": sets, "per_set": per_set, "declared": sets * per_set, "cores": os.cpu_count()})
     try:

@@ -116,6 +116,10 @@ class CountingProxy:
         self._link_free_at = 0.0
         #: Extra delay (seconds) before forwarding each manifest request.
         self.manifest_delay: float = 0.0
+        #: How long a kept-alive client connection waits for its next request (``None``: for ever).
+        #: containerd 1.6 makes a new HTTP transport per pull, so thousands of quickly failing pulls
+        #: leave as many idle connections (a thread and two fds each here) for its 90 s idle timeout.
+        self.idle_seconds: float | None = None
         #: repository -> where it hangs: ("manifest", 0) or ("blob", bytes sent first).
         self._hangs: dict[str, tuple[str, int]] = {}
         self._unhung = threading.Event()
@@ -383,6 +387,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence stderr
         pass
+
+    def handle_one_request(self) -> None:
+        idle = self.server.proxy.idle_seconds
+        if idle is not None:
+            self.connection.settimeout(idle)  # waiting for the request line; parse_request lifts it
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        if self.server.proxy.idle_seconds is not None:
+            self.connection.settimeout(None)
+        return super().parse_request()
 
     def do_GET(self) -> None:
         self._proxy()
