@@ -71,6 +71,8 @@ class PinsSnapshot(Mapping[str, str]):
 
 
 class DeclaredPins:
+    """The live index the reconciler edits (``add``, ``remove``) and snapshots (``snapshot``)."""
+
     def __init__(self) -> None:
         self._owner: dict[str, str] = {}  # ref -> the first set pinning it (live)
         self._more: dict[str, list[str]] = {}  # ref -> the other sets pinning it (rare: a ref in two pinning sets)
