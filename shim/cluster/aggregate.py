@@ -12,12 +12,14 @@ The rest is aggregated:
   ``invalid``, ``pullSecretUnavailable``); they add up to ``summary.sets``;
 * ``worst``: up to ``WORST`` problem sets without a row, worst first, each a row without its
   image counts and with its error cut to ``WORST_ERROR`` characters;
-* ``omitted``: ``sets`` (sets without a row), ``current`` (of those, how many are current) and
-  ``imageSets``: a digest of (name, desiredGeneration) over every cluster ``ImageSet`` on the
-  node, rows or not. ``cri-shim controller`` counts a set without a row or ``worst`` entry as
-  current on this node only when every omitted set is current and the digest equals the one it
-  computes from the ImageSets it sees selecting the node (so a node that has not yet seen a
-  generation is never called current at it). Absent when every set has a row.
+* ``omitted``: ``sets`` (sets without a row), ``current`` (of those, how many are current),
+  ``imageSets`` and ``pinnedImageSets``: digests of (name, desiredGeneration) over every cluster
+  ``ImageSet``, and every MCO ``PinnedImageSet``, on the node, rows or not. ``cri-shim
+  controller`` counts a set without a row or ``worst`` entry as current on this node only when
+  every omitted set is current and the digest of its kind equals the one it computes from the
+  sets it sees selecting the node (ImageSets by their selector, PinnedImageSets through the pools
+  listing them), so a node that has not yet seen a generation is never called current at it.
+  Absent when every set has a row.
 
 Worst case: rows of 253-character names with 1,024-character errors are about 1.7 KiB each, so
 the object stays under 200 KiB at the default cap (100) and under 240 KiB at the largest (120,
@@ -63,9 +65,10 @@ def digest(pairs: Iterable[tuple[str, str]]) -> str:
     return "sha256:" + h.hexdigest()[:32]
 
 
-def image_set_pairs(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+def cluster_set_pairs(rows: Iterable[Mapping[str, Any]], kind: str) -> list[tuple[str, str]]:
+    """(name, desiredGeneration) of the rows of cluster sets of ``kind`` (ImageSet, PinnedImageSet)."""
     return [(str(r["name"]), str(r.get("desiredGeneration", ""))) for r in rows
-            if r.get("source") == "cluster" and r.get("kind") == "ImageSet"]
+            if r.get("source") == "cluster" and r.get("kind") == kind]
 
 
 def bound(rows: list[dict[str, Any]], max_rows: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -83,6 +86,7 @@ def bound(rows: list[dict[str, Any]], max_rows: int) -> tuple[list[dict[str, Any
             out["worst"] = [{**{k: v for k, v in r.items() if k not in _NOT_IN_WORST},
                              **({"error": str(r["error"])[:WORST_ERROR]} if "error" in r else {})} for r in worst]
         out["omitted"] = {"sets": len(rest), "current": sum(1 for r in rest if states[id(r)] == "current"),
-                          "imageSets": digest(image_set_pairs(rows))}
+                          "imageSets": digest(cluster_set_pairs(rows, "ImageSet")),
+                          "pinnedImageSets": digest(cluster_set_pairs(rows, "PinnedImageSet"))}
     kept.sort(key=lambda r: r["name"])
     return kept, out

@@ -199,6 +199,11 @@ class PinnedReports:
 
     # ------------------------------------------------------------------ acting (leader only)
 
+    def _expected(self, node: str) -> str:
+        """The PinnedImageSets digest ``node`` writes once it has seen every set its pools list
+        (read only for a node whose report aggregates the set: it has more sets than rows)."""
+        return pools.expected_digest(self.sets, self.pools, truth.node_labels(self.nodes.items.get(node) or {}))
+
     async def reconcile(self, name: str) -> None:
         obj = self.sets.get(name)
         if obj is None:
@@ -216,7 +221,7 @@ class PinnedReports:
         self._started[name] = (gen, started)
         listing = pools.listing(name, self.pools)
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
-                          stale_after=self.stale_after, selection=pools.selection(listing))
+                          stale_after=self.stale_after, selection=pools.selection(listing), expected=self._expected)
         self.marks.schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now)
         body = report.pinned_report_body(obj, status, [str(p["metadata"]["name"]) for p in listing])

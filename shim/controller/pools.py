@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from ..cluster.objects import MACHINE_CONFIG_POOL, pool_listed, pool_sets
+from ..cluster.aggregate import digest
+from ..cluster.objects import MACHINE_CONFIG_POOL, generation_of, pool_listed, pool_sets
 from .truth import Selection
 
 
@@ -36,3 +37,10 @@ def spec_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any] | None) -
         spec = (p or {}).get("spec") or {}
         return spec.get("nodeSelector"), sorted(pool_listed(spec))
     return old is None or new is None or part(old) != part(new)
+
+
+def expected_digest(sets: Mapping[str, Mapping[str, Any]], pools: Iterable[Mapping[str, Any]],
+                    labels: Mapping[str, str]) -> str:
+    """The ``omitted.pinnedImageSets`` digest a node with these labels writes once it has seen
+    every PinnedImageSet its pools list (shim/cluster/aggregate.py)."""
+    return digest((name, generation_of(sets[name])) for name in sets_selecting(pools, labels) if name in sets)

@@ -45,7 +45,15 @@ from functools import partial
 from typing import Any, Callable, Mapping
 
 from ..cluster.aggregate import digest
-from ..cluster.objects import AWAITING_GRANT, FIELD_MANAGER, IMAGE_SET, SelectorError, check_selector, selects
+from ..cluster.objects import (
+    AWAITING_GRANT,
+    FIELD_MANAGER,
+    IMAGE_SET,
+    PINNED_IMAGE_SETS,
+    SelectorError,
+    check_selector,
+    selects,
+)
 from ..pulls.failure import REASONS
 
 MAX_LISTED = 20  # failing / stale / missing nodes named in the status, each
@@ -138,16 +146,21 @@ def expected_digest(sets: Mapping[str, Mapping[str, Any]], labels: Mapping[str, 
                   if selects_node(s, labels))
 
 
+_DIGEST_OF = {IMAGE_SET.kind: "imageSets", PINNED_IMAGE_SETS[0].kind: "pinnedImageSets"}  # aggregate.py's omitted.*
+
+
 def _row(status: Mapping[str, Any], name: Any, expected: Callable[[], str],
          kind: str = IMAGE_SET.kind) -> Mapping[str, Any] | None:
-    """The node's row for the set of that kind: its own, its ``worst`` entry, or (an ImageSet:
-    the aggregate's digest covers only those) one implied by the aggregate."""
+    """The node's row for the set of that kind: its own, its ``worst`` entry, or one implied by
+    the aggregate (every omitted set current, and the digest of the sets of that kind the node
+    has seen equal to ``expected()``: a shim that writes no digest for the kind implies nothing)."""
     for r in [*(status.get("sets") or []), *(status.get("worst") or [])]:
         if r.get("name") == name and r.get("kind", kind) == kind:
             return dict(r)
     omitted = status.get("omitted")
-    if (kind == IMAGE_SET.kind and isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
-            and omitted.get("imageSets") == expected()):
+    field = _DIGEST_OF.get(kind)
+    if (field is not None and isinstance(omitted, Mapping) and omitted.get("sets") == omitted.get("current")
+            and omitted.get(field) is not None and omitted.get(field) == expected()):
         return {"name": name, "implied": True}
     return None
 

@@ -4,8 +4,10 @@ the PinnedImageSetReport written for it (report.py); `fleet status` lists the re
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+from shim.cluster import aggregate
 from shim.cluster.fleet import summarize
 from shim.controller import pools, report, truth
 
@@ -72,7 +74,8 @@ def test_counts_from_rows_of_kind_pinned_image_set() -> None:
 
 
 def test_an_aggregated_node_without_a_row_is_behind_not_current() -> None:
-    """The aggregate's digest covers ImageSets only: it never implies a PinnedImageSet current."""
+    """An ImageSets digest never implies a PinnedImageSet current (nor does a shim writing no
+    PinnedImageSets digest, as shims before it did)."""
     agg = {"omitted": {"sets": 150, "current": 150, "imageSets": "sha256:x"}}
     t = truth.compute(PIS, {"w1": NODES["w1"]}, {"w1": nis("w1", **agg)}, now=T0 + 10, changed_at=T0,
                       stale_after=120, selection=pools.selection(pools.listing("warm", POOLS)),
@@ -81,6 +84,29 @@ def test_an_aggregated_node_without_a_row_is_behind_not_current() -> None:
     worst = nis("w1", worst=[row("3", "2", failedReasons={"auth": 1})], **agg)  # its worst entry is read
     t = compute([worst])
     assert (t.failing, t.failed_reasons) == (1, {"auth": 1})
+
+
+def test_an_aggregated_node_is_current_at_a_pinned_set_when_its_digest_matches_the_pools() -> None:
+    """A node with more sets than rows writes a digest of its PinnedImageSets (name, generation):
+    the controller calls a set without a row current there only when that digest equals the one
+    it computes from the sets the node's pools list, at their generations."""
+    sets = {"warm": PIS, "other": {"kind": "PinnedImageSet", "metadata": {"name": "other", "generation": 1}}}
+    rows = [{"name": n, "kind": "PinnedImageSet", "source": "cluster", "desiredGeneration": g, "currentGeneration": g}
+            for n, g in (("warm", "3"), ("other", "1"))]
+    rows += [{"name": f"is{i}", "kind": "ImageSet", "source": "cluster", "desiredGeneration": "1",
+              "currentGeneration": "1"} for i in range(3)]
+    kept, agg = aggregate.bound(rows, 2)  # the two PinnedImageSets sort after is0, is1: no row
+    assert {r["name"] for r in kept} == {"is0", "is1"} and agg["omitted"]["sets"] == 3
+    status = nis("w1", *kept, **agg)
+
+    def current(ps: list[dict[str, Any]], s: dict[str, Any]) -> int:
+        expected = partial(lambda node, sets: pools.expected_digest(sets, ps, truth.node_labels(NODES[node])),
+                           sets={**sets, "warm": s})
+        return truth.compute(s, {"w1": NODES["w1"]}, {"w1": status}, now=T0 + 10, changed_at=T0, stale_after=120,
+                             selection=pools.selection(pools.listing("warm", ps)), expected=expected).current
+    assert current(POOLS, PIS) == 1  # worker lists warm and other; the node has both at their generations
+    assert current(POOLS, {**PIS, "metadata": {**PIS["metadata"], "generation": 4}}) == 0  # not seen yet
+    assert current([pool("worker", WORKER, "warm")], PIS) == 0  # the node has one the controller does not expect
 
 
 def test_a_pool_selector_that_cannot_be_read_is_named() -> None:
