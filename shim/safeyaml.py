@@ -54,17 +54,25 @@ def _where(event: yaml.Event) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
 
 
+def _alias(event: Any) -> UnsafeYaml:
+    return UnsafeYaml(f"aliases (*name) are not allowed{_where(event)}")
+
+
+def _too_deep(event: Any) -> UnsafeYaml:
+    return UnsafeYaml(f"nested more than {MAX_DEPTH} levels deep{_where(event)}")
+
+
 def check(text: str) -> None:
     """Raise UnsafeYaml for an alias or nesting deeper than MAX_DEPTH, yaml.YAMLError for bad
     syntax. Stops at the first offending event, so the cost is bounded by the text read."""
     depth = 0
     for event in yaml.parse(text, Loader=_Loader):
         if isinstance(event, yaml.AliasEvent):
-            raise UnsafeYaml(f"aliases (*name) are not allowed{_where(event)}")
+            raise _alias(event)
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
             depth += 1
             if depth > MAX_DEPTH:
-                raise UnsafeYaml(f"nested more than {MAX_DEPTH} levels deep{_where(event)}")
+                raise _too_deep(event)
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
 
@@ -122,13 +130,13 @@ def _one_pass(text: str) -> list[Any]:
             if event.tag not in _COLLECTION_TAGS:
                 raise _TwoPasses  # !!omap, !!set, !!pairs, a local tag
             if len(stack) >= MAX_DEPTH:
-                raise UnsafeYaml(f"nested more than {MAX_DEPTH} levels deep{_where(event)}")
+                raise _too_deep(event)
             stack.append([{} if kind is yaml.MappingStartEvent else [], _NO_KEY])
             continue
         elif kind is yaml.MappingEndEvent or kind is yaml.SequenceEndEvent:
             value = stack.pop()[0]
         elif kind is yaml.AliasEvent:
-            raise UnsafeYaml(f"aliases (*name) are not allowed{_where(event)}")
+            raise _alias(event)
         elif kind is yaml.DocumentEndEvent:
             docs.append(root)
             root = None

@@ -39,8 +39,7 @@ class ImageService:
     dedup_per_namespace: bool = False  # pulls.dedup_per_namespace
     pins_wait_seconds: float = 10.0  # image_sets.pins_wait_seconds
     pins: PinSet = field(init=False)  # the patterns and the declared pins, in force
-    declared_pins: Mapping[str, str] = field(default_factory=dict, init=False)  # normalized ref -> image-set name
-    # set while declared_pins are those of the configured image_sets.dir (or image sets are off)
+    # set while the declared pins (pins.declared) are those of the configured image_sets.dir (or image sets are off)
     declared_read: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     def __post_init__(self) -> None:
@@ -56,7 +55,7 @@ class ImageService:
         """Apply a reload (pins.images, pins.mode, pulls.dedup_per_namespace,
         image_sets.pins_wait_seconds). Raises ValueError (nothing changed) on a bad pattern."""
         patterns = tuple(pin_patterns)
-        pins = PinSet.build(patterns, self.declared_pins)
+        pins = PinSet.build(patterns, self.pins.declared)
         changed = (patterns, pins_enforce) != (self.pin_patterns, self.pins_enforce)
         self.pins, self.pin_patterns, self.pins_enforce = pins, patterns, pins_enforce
         self.dedup_per_namespace, self.pins_wait_seconds = dedup_per_namespace, pins_wait_seconds
@@ -65,7 +64,7 @@ class ImageService:
 
     def _log_pins(self) -> None:
         logs.log(_log, logging.INFO, "pins in force", patterns=len(self.pin_patterns),
-                 declared=len(self.declared_pins), mode="enforce" if self.pins_enforce else "mark-only")
+                 declared=len(self.pins.declared), mode="enforce" if self.pins_enforce else "mark-only")
 
     def set_declared_pins(self, declared: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
         """The images of declared image sets that pin, replacing the previous ones: the
@@ -75,7 +74,6 @@ class ImageService:
         App.declare_pins calls this and re-evaluates it, in one call.
         """
         self.pins = PinSet.build(self.pin_patterns, declared)
-        self.declared_pins = self.pins.declared
         self.declared_read.set()
 
     def expect_declared_pins(self) -> None:
