@@ -11,6 +11,14 @@ pull; with none left, the image waits in its host's FIFO until one is earned. So
 failed images of one registry cost that registry at most ``retry_per_second`` retries a
 second, whatever their own backoff says, and a second registry is not held back by the
 first.
+
+The rate of a host adapts to how its prefetches end (``failed`` / ``succeeded``): each failed
+one halves it, down to a tenth of ``retry_per_second`` (``SLOWEST_SHARE``); each one that
+succeeds doubles it, up to ``retry_per_second``. A registry that answers every retry with an
+error (down, or every image missing) is therefore retried 10 times less often than a healthy
+one, and it is back at full rate after four of its prefetches succeed (a few seconds once it
+heals: each success also earns the next retry sooner). A slowed host is forgotten once it
+has had nothing to retry for ``FORGET_SECONDS``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from collections import deque
 from typing import Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
+
+SLOWEST_SHARE = 0.1  # the slowest a host's retries go, as a share of retry_per_second
+FORGET_SECONDS = 900.0  # a slowed host with nothing to retry for this long starts again at full rate
 
 
 class DueQueue(Generic[T]):
@@ -58,11 +69,13 @@ class DueQueue(Generic[T]):
 
 
 class _Bucket(Generic[T]):
-    __slots__ = ("tokens", "at", "waiting")
+    __slots__ = ("tokens", "at", "rate", "waiting", "outcome_at")
 
-    def __init__(self, tokens: float, at: float) -> None:
-        self.tokens = tokens
+    def __init__(self, rate: float, at: float) -> None:
+        self.rate = rate  # tokens a second now: retry_per_second, or less while retries fail
+        self.tokens = max(rate, 1.0)
         self.at = at
+        self.outcome_at = at  # when a prefetch of this host last ended
         self.waiting: deque[T] = deque()
 
 
@@ -74,21 +87,50 @@ class RetryBudget(Generic[T]):
         self._buckets: dict[str, _Bucket[T]] = {}
 
     def configure(self, per_second: float) -> None:
-        """A reload (image_sets.retry_per_second): buckets refill at the new rate from now on."""
-        self.per_second = per_second
+        """A reload (image_sets.retry_per_second): buckets refill at the new rate from now on
+        (a slowed host keeps its share of it)."""
+        old, self.per_second = self.per_second, per_second
+        for b in self._buckets.values():
+            b.rate = per_second if old <= 0 else min(per_second, max(self._slowest, b.rate / old * per_second))
+
+    @property
+    def _slowest(self) -> float:
+        return self.per_second * SLOWEST_SHARE
+
+    def _bucket(self, host: str, now: float) -> _Bucket[T]:
+        b = self._buckets.get(host)
+        if b is None:
+            b = self._buckets[host] = _Bucket(self.per_second, now)
+        return b
 
     def _refill(self, b: _Bucket[T], now: float) -> None:
-        burst = max(self.per_second, 1.0)
-        b.tokens = min(burst, b.tokens + (now - b.at) * self.per_second)
+        b.tokens = min(max(b.rate, 1.0), b.tokens + (now - b.at) * b.rate)
         b.at = now
+
+    def failed(self, host: str, now: float) -> None:
+        """A prefetch from ``host`` failed: its retries slow down (halved, to the slowest)."""
+        if self.per_second <= 0:
+            return
+        b = self._bucket(host, now)
+        self._refill(b, now)
+        b.rate = max(self._slowest, b.rate / 2.0)
+        b.tokens = min(b.tokens, max(b.rate, 1.0))
+        b.outcome_at = now
+
+    def succeeded(self, host: str, now: float) -> None:
+        """A prefetch from ``host`` succeeded: its retries speed up again (doubled, to the full rate)."""
+        b = self._buckets.get(host)
+        if b is None:
+            return
+        self._refill(b, now)
+        b.rate = min(self.per_second, b.rate * 2.0)
+        b.outcome_at = now
 
     def admit(self, host: str, item: T, now: float) -> bool:
         """True: go now (a token taken). False: ``item`` waits for ``release``."""
         if self.per_second <= 0:
             return True
-        b = self._buckets.get(host)
-        if b is None:
-            b = self._buckets[host] = _Bucket(max(self.per_second, 1.0), now)
+        b = self._bucket(host, now)
         self._refill(b, now)
         if not b.waiting and b.tokens >= 1.0:
             b.tokens -= 1.0
@@ -99,23 +141,34 @@ class RetryBudget(Generic[T]):
     def release(self, now: float) -> list[T]:
         """Waiting items that have earned a token by ``now``, oldest first per host."""
         out: list[T] = []
+        if self.per_second <= 0:  # reloaded to no limit: everything waiting goes now
+            out = self.items()
+            self._buckets.clear()
+            return out
         for host in list(self._buckets):
             b = self._buckets[host]
             self._refill(b, now)
             while b.waiting and b.tokens >= 1.0:
                 b.tokens -= 1.0
                 out.append(b.waiting.popleft())
-            if not b.waiting and b.tokens >= max(self.per_second, 1.0):
-                del self._buckets[host]  # full and idle: forget the host
+            if (not b.waiting and b.tokens >= max(b.rate, 1.0)
+                    and (b.rate >= self.per_second or now - b.outcome_at >= FORGET_SECONDS)):
+                del self._buckets[host]  # full and idle (and not slowed, or slowed long ago): forget it
         return out
 
     def next_at(self) -> float | None:
         """When the next waiting item earns its token."""
-        times = [b.at + (1.0 - b.tokens) / self.per_second for b in self._buckets.values() if b.waiting]
+        if self.per_second <= 0:
+            return 0.0 if any(b.waiting for b in self._buckets.values()) else None
+        times = [b.at + (1.0 - b.tokens) / b.rate for b in self._buckets.values() if b.waiting]
         return min(times) if times else None
 
     def waiting(self) -> dict[str, int]:
         return {host: len(b.waiting) for host, b in sorted(self._buckets.items()) if b.waiting}
+
+    def slowed(self) -> dict[str, float]:
+        """Hosts whose retries run below ``per_second`` because they failed: their rate now."""
+        return {host: round(b.rate, 3) for host, b in sorted(self._buckets.items()) if b.rate < self.per_second}
 
     def items(self) -> list[T]:
         """Every waiting item, oldest first per host."""

@@ -14,10 +14,10 @@ nothing new starts and status says why.
 A failed image is retried after ``retry_initial_seconds``, doubling up to
 ``retry_max_seconds``; it never holds the others back. Retries wait in a due-time queue
 (due.py) and then for a token of their registry host's retry budget
-(``image_sets.retry_per_second``). An image dropped from every set is forgotten: its
-queued or running prefetch is cancelled (the scheduler drops the flight unless a CRI
-client joined it, whose pull goes on), its pin is released, and the image itself is left
-to kubelet's garbage collection.
+(``image_sets.retry_per_second``, down to a tenth of it while that host's prefetches fail).
+An image dropped from every set is forgotten: its queued or running prefetch is cancelled
+(the scheduler drops the flight unless a CRI client joined it, whose pull goes on), its pin
+is released, and the image itself is left to kubelet's garbage collection.
 
 Work costs the change: ``set_sets`` diffs each set whose spec changed against its previous
 version (an unchanged set costs nothing, an edited one its size); counts by state per set
@@ -799,6 +799,8 @@ class Reconciler:
             break
         img.task = None
         if error is not None:
+            if error.code is not grpc.StatusCode.CANCELLED:
+                self._budget.failed(_host(img), self._clock())
             if self._images.get(img.key) is not img or img.state is not State.PULLING:
                 return  # dropped (or halted) meanwhile
             now = self._clock()
@@ -807,6 +809,7 @@ class Reconciler:
                      sets=",".join(sorted(img.sets)), code=error.code.name, error=error.details, attempts=img.attempts,
                      retry_in=round(delay, 3))
             return
+        self._budget.succeeded(_host(img), self._clock())
         self._present.add(img.ref)
         if self._images.get(img.key) is img:
             self._now_present(img, self._clock())
@@ -922,7 +925,8 @@ class Reconciler:
             "failed": [{"image": i.ref, **({"runtime_handler": i.handler} if i.handler else {}),
                         "sets": sorted(i.sets), "attempts": i.attempts, "error": i.error, "reason": i.reason,
                         "retry_in_seconds": round(max(0.0, i.retry_at - now), 3)} for i in failed],
-            "retry_budget": {"per_second": self.cfg.retry_per_second, "waiting": self._budget.waiting()},
+            "retry_budget": {"per_second": self.cfg.retry_per_second, "waiting": self._budget.waiting(),
+                             "slowed": self._budget.slowed()},
             "disk": {"min_free_bytes": self.cfg.min_free_bytes, "free_bytes": self.free_bytes,
                      "mountpoints": list(self._mounts), "blocked": self.disk_blocked},
             "runtime_error": self.runtime_error,

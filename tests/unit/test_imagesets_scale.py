@@ -11,7 +11,7 @@ from typing import Mapping
 
 from shim.config import ImageSetsConfig
 from shim.credentials import DockerConfigFiles
-from shim.imagesets.due import DueQueue, RetryBudget
+from shim.imagesets.due import FORGET_SECONDS, DueQueue, RetryBudget
 from shim.imagesets.loader import ImageSet
 from shim.imagesets.reconciler import Reconciler, _edit
 from shim.observability.metrics import Metrics
@@ -71,6 +71,43 @@ def test_retry_budget_zero_is_no_limit() -> None:
     assert all(b.admit("a.io", i, 0.0) for i in range(1000))
 
 
+def test_retry_budget_slows_a_failing_host_to_a_tenth_and_speeds_up_as_it_heals() -> None:
+    b: RetryBudget[str] = RetryBudget(per_second=4.0)
+    for i in range(10):
+        b.failed("down.io", float(i))
+    assert b.slowed() == {"down.io": 0.4}  # halved per failure, never below a tenth
+    assert b.admit("down.io", "d0", 10.0) is True  # the one token it holds
+    assert b.admit("down.io", "d1", 10.0) is False
+    assert b.next_at() == 12.5  # one token every 2.5 s, not every 0.25 s
+    assert b.admit("up.io", "u0", 10.0) and b.slowed() == {"down.io": 0.4}  # another host keeps its rate
+    b.succeeded("down.io", 10.0)
+    b.succeeded("down.io", 10.0)
+    b.succeeded("down.io", 10.0)
+    assert b.slowed() == {"down.io": 3.2}
+    b.succeeded("down.io", 10.0)  # the fourth success
+    assert b.slowed() == {} and b.next_at() == 10.25  # full rate again
+    assert b.release(10.25) == ["d1"]
+
+
+def test_retry_budget_forgets_a_slowed_host_only_after_it_was_idle_long() -> None:
+    b: RetryBudget[str] = RetryBudget(per_second=2.0)
+    b.failed("down.io", 0.0)
+    assert b.release(60.0) == [] and b.slowed() == {"down.io": 1.0}  # idle, but slowed recently: kept
+    b.release(FORGET_SECONDS + 1.0)
+    assert b.slowed() == {}
+    assert [b.admit("down.io", f"x{i}", FORGET_SECONDS + 1.0) for i in range(3)] == [True, True, False]
+
+
+def test_retry_budget_reload_keeps_a_slowed_hosts_share_and_no_limit_frees_the_waiting() -> None:
+    b: RetryBudget[str] = RetryBudget(per_second=4.0)
+    b.failed("down.io", 0.0)
+    b.configure(8.0)
+    assert b.slowed() == {"down.io": 4.0}  # half of the new rate
+    assert [b.admit("down.io", x, 0.0) for x in "abw"] == [True, True, False]  # its burst was halved to 2
+    b.configure(0.0)
+    assert b.next_at() == 0.0 and b.release(0.0) == ["w"] and b.waiting() == {} and b.next_at() is None
+
+
 async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(runtime, tmp_path) -> None:
     store = FakeImages(runtime).install()
     slow = [f"slow.local/app{i}:1" for i in range(5)]
@@ -87,6 +124,8 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
         assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
         s = h.set_status("warm")
         assert s["failed"] == 5 and s["failed_reasons"] == {"notFound": 5}
+        # slow.local failed every pull: slowed; fast.local failed once, then succeeded: full rate
+        assert list(h.status()["retry_budget"]["slowed"]) == ["slow.local"]
 
 
 # ------------------------------------------------------------------ counts kept as they change
