@@ -14,6 +14,7 @@ from .config import ConfigError
 from .observability import logs
 
 DEFAULT_CONFIG = "/etc/cri-shim/config.yaml"
+GIL_SWITCH_SECONDS = 0.0005  # how long a thread may hold the GIL while the event loop waits for it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,6 +129,10 @@ def _serve(args: argparse.Namespace) -> int:
     logs.setup(cfg.log.level, cfg.log.format, cfg.log.max_repeats, cfg.log.repeat_window_seconds)
     if not os.path.exists(args.config):
         logs.log(logs.get("cli"), logging.WARNING, "config file not found; using defaults", config=args.config)
+    # The event loop relays every call; CPU work handed to a thread (the runtime's list of
+    # 100,000 names, a state file) would otherwise keep it from the GIL 5 ms at a time
+    # (Python's default): each call then waits up to 5 ms per turn of the loop.
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     if cfg.server.uvloop:
         try:
             import uvloop

@@ -172,6 +172,13 @@ def _host(img: _Image) -> str:
     return split_domain(img.ref)[0]
 
 
+def _normal_or_spelled(name: str) -> str:
+    try:
+        return normalize(name)
+    except InvalidReference:
+        return name
+
+
 async def _wait(event: asyncio.Event, timeout: float) -> None:
     """Wait for ``event`` at most ``timeout`` seconds. (Not asyncio.wait_for: on 3.11 it can
     swallow a cancellation that arrives as the event is set, and the task would never stop.)"""
@@ -633,22 +640,18 @@ class Reconciler:
         self._list_failures = 0
 
     def _present_names(self, raw: bytes) -> tuple[set[str], int]:
-        """Every normalized tag and digest the runtime has (thread: no loop work)."""
+        """Every normalized tag and digest the runtime has (thread: no loop work). Names seen at
+        the last pass keep their normal form (``_norm_cache``): when the runtime's names did not
+        change, nothing is normalized again."""
         resp = api_pb2.ListImagesResponse.FromString(raw)
-        cache, new_cache = self._norm_cache, {}
-        names: set[str] = set()
+        spelled: set[str] = set()
         for image in resp.images:
-            for n in (*image.repo_tags, *image.repo_digests):
-                c = cache.get(n)
-                if c is None:
-                    try:
-                        c = normalize(n)
-                    except InvalidReference:
-                        c = n
-                new_cache[n] = c
-                names.add(c)
-        self._norm_cache = new_cache
-        return names, len(resp.images)
+            spelled.update(image.repo_tags)
+            spelled.update(image.repo_digests)
+        cache = self._norm_cache
+        if cache.keys() != spelled:
+            cache = self._norm_cache = {n: cache.get(n) or _normal_or_spelled(n) for n in spelled}
+        return set(cache.values()), len(resp.images)
 
     async def _refresh_fs(self) -> None:
         try:

@@ -15,6 +15,7 @@ from shim.imagesets.due import FORGET_SECONDS, DueQueue, RetryBudget
 from shim.imagesets.loader import ImageSet
 from shim.imagesets.reconciler import Reconciler, _edit
 from shim.observability.metrics import Metrics
+from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
 from tests.support.prefetch_store import FakeImages
 from tests.unit.test_imagesets import eventually, image_sets, own, reconciled, write
@@ -302,3 +303,20 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
         assert status["summary"]["declared"] == 2 and status["summary"]["failed"] == 1
         degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "True" and "huge" in degraded["message"] and "max_images 3" in degraded["message"]
+
+
+def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> None:
+    rec, _ = _reconciler()
+
+    def listed(*images: tuple[list[str], list[str]]) -> bytes:
+        r = api_pb2.ListImagesResponse()
+        for tags, digests in images:
+            r.images.add(id="sha256:" + "a" * 64, repo_tags=tags, repo_digests=digests)
+        return r.SerializeToString()
+    d = "sha256:" + "b" * 64
+    first = listed((["busybox:1", "docker.io/library/busybox:1"], [f"busybox@{d}"]), (["Not A Name"], []))
+    names, count = rec._present_names(first)
+    assert count == 2 and names == {"docker.io/library/busybox:1", f"docker.io/library/busybox@{d}", "Not A Name"}
+    assert rec._present_names(first)[0] == names  # unchanged: served from the names' normal forms kept
+    names, count = rec._present_names(listed((["quay.io/x/y:2"], [])))
+    assert count == 1 and names == {"quay.io/x/y:2"} and list(rec._norm_cache) == ["quay.io/x/y:2"]
