@@ -14,7 +14,9 @@ holding the sets (``kind: ImageSet``, one file per set), and a kubelet-like clie
 (one gRPC channel, a thread) calling Version and ImageStatus through the shim every
 20 ms. Per phase it reports the relayed p50/p99/max of each, the shim's CPU (share of
 one core, from /proc) and RSS, and those of its children (the YAML parser process of
-shim/imagesets/parse_process.py, while it runs):
+shim/imagesets/parse_process.py, while it runs). A second client calls containerd
+directly the same way in every window (``direct``): what the runtime itself answers in
+that window, so that a phase's relayed latency can be told from the runtime's own:
 
 * ``no sets`` and ``no sets, again``: the same shim with an empty ``image_sets.dir`` (the
   baseline, first and last in the run: the machine's load moves);
@@ -236,9 +238,14 @@ def _pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2)
 
 
+_DIRECT: list[Kubelet] = []  # the client calling containerd directly, while a run lasts
+
+
 def measure(kubelet: Kubelet, pid: int, seconds: float, during: Any = None) -> dict[str, Any]:
     kubelet.take()
     kubelet.take_errors()
+    for k in _DIRECT:
+        k.take()
     cpu0, t0, load0 = _cpu_seconds(pid), time.monotonic(), os.getloadavg()[0]
     reaped0, alive0 = _children_cpu(pid)
     end = t0 + seconds
@@ -256,13 +263,15 @@ def measure(kubelet: Kubelet, pid: int, seconds: float, during: Any = None) -> d
         except OSError:
             pass
     s = kubelet.take()
+    direct = {name: {"p50": _pct(v, 0.5), "p99": _pct(v, 0.99)} for k in _DIRECT for name, v in k.take().items()}
     return {"Version": {"p50": _pct(s["Version"], 0.5), "p99": _pct(s["Version"], 0.99),
                         "max": _pct(s["Version"], 1.0), "n": len(s["Version"])},
             "ImageStatus": {"p50": _pct(s["ImageStatus"], 0.5), "p99": _pct(s["ImageStatus"], 0.99),
                             "max": _pct(s["ImageStatus"], 1.0), "n": len(s["ImageStatus"])},
             "shim_cpu_percent": round(100 * cpu, 1), "shim_rss_mib": _rss_mib(pid),
             "parser_cpu_percent": round(100 * kids, 1), "parser_rss_mib": round(kids_rss, 1),
-            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "errors": kubelet.take_errors()}
+            "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)], "errors": kubelet.take_errors(),
+            "direct": direct}
 
 
 def wait_metric(port: int, shim: ShimProcess, want: float, state: str, sets: list[str], timeout: float) -> float:
@@ -293,6 +302,7 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
         ctd.start()
         [base, *extra] = image_fleet.push_fleet(registry, "scale", 1 + add)
         image_fleet.pull_into(str(ctd.socket), [base.ref])
+        _DIRECT.append(Kubelet(ctd.socket, base.ref))
         host = registry.host
         present = [[f"{host}/present/s{k}:i{i}" for i in range(per_set)] for k in range(sets)]
         n_missing = per_set if missing_per_set is None else missing_per_set
@@ -395,6 +405,8 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
         anchor("no sets, again")
         return out
     finally:
+        while _DIRECT:
+            _DIRECT.pop().close()
         if ctd is not None:
             ctd.stop()
         registry.stop()
@@ -454,7 +466,7 @@ def main() -> None:
                   f"{v['Version']['max']} ms; ImageStatus p50 {v['ImageStatus']['p50']} p99 {v['ImageStatus']['p99']}"
                   f" ms; shim CPU {v['shim_cpu_percent']} % of a core, RSS {v['shim_rss_mib']} MiB (its parser "
                   f"process: {v['parser_cpu_percent']} %, {v['parser_rss_mib']} MiB); "
-                  f"load {v['load_average']}")
+                  f"load {v['load_average']}; direct to containerd: {v['direct']}")
         elif k not in ("sets", "per_set", "declared", "cores"):
             print(f"  {k}: {v}")
 
