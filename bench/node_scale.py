@@ -20,7 +20,10 @@ that window, so that a phase's relayed latency can be told from the runtime's ow
 
 * ``no sets`` and ``no sets, again``: the same shim with an empty ``image_sets.dir`` (the
   baseline, first and last in the run: the machine's load moves);
-* ``present, at rest`` / ``missing, at rest``: after the first pass (all images known);
+* ``present, at rest``: after the first pass (all images known);
+* ``missing, right after the first pass``, then ``missing, at rest``: the window that follows
+  the first pass (the runtime still busy with the thousands of pulls that just failed), then
+  the next one;
 * ``present, editing``: one set's file of ``--per-set`` rewritten every 2 s (the same names,
   two of them swapped: a new text and content hash, so the whole file is re-read and diffed);
 * ``+N to a 20,000-image set``: two sets' names in one file, ``--add`` images (pushed,
@@ -393,6 +396,7 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
             try:
                 out["missing, first pass seconds"] = wait_metric(port, shim, sets * n_missing, "failed",
                                                                  list(files), first_pass_timeout)
+                out["missing, right after the first pass"] = measure(kubelet, shim.pid or 0, seconds)
                 phase = "missing, at rest"
             except TimeoutError as e:
                 out["missing, first pass"] = str(e).splitlines()[0]
