@@ -105,6 +105,13 @@ def forward_metadata(context: Context) -> Metadata:
     return forwardable(tuple(context.invocation_metadata() or ()))
 
 
+def _ended_by(context: Context) -> grpc.StatusCode:
+    """What a call cancelled under its handler ended with for its client: its deadline
+    (DEADLINE_EXCEEDED, which grpc.aio also delivers as a cancel) or its own cancel."""
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+
+
 async def _fail(context: Context, e: RpcError) -> None:
     await context.abort(e.code, e.details, e.trailing_metadata)
 
@@ -273,7 +280,7 @@ class Proxy(grpc.GenericRpcHandler):
                     context.set_trailing_metadata(trailers)
                 return response
             except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+                code = _ended_by(context)
                 raise
             finally:
                 tracing.end(span, code, details)
@@ -305,7 +312,7 @@ class Proxy(grpc.GenericRpcHandler):
                 code, details = e.code(), e.details()
                 await _fail(context, RpcError.from_aio(e))
             except (asyncio.CancelledError, GeneratorExit):
-                code = grpc.StatusCode.CANCELLED
+                code = _ended_by(context)
                 raise
             finally:
                 call.cancel()

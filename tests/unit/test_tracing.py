@@ -198,6 +198,23 @@ async def test_passthrough_continues_caller_trace(engine: str, runtime: FakeRunt
     assert parse_traceparent(traced.metadata["traceparent"])[:2] == (KUBELET_TRACE, spans[0].span_id)
 
 
+async def test_passthrough_span_of_a_call_past_its_deadline_says_so(runtime: FakeRuntime, collector: OtlpCollector):
+    """grpc engine: a traced passthrough call whose client deadline runs out while the runtime
+    is still working ends its span with DEADLINE_EXCEEDED, not CANCELLED."""
+    async def slow(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await asyncio.sleep(30)
+        return b""
+    runtime.unary[VERSION] = slow
+    async with running_shim(runtime.endpoint, engine="grpc") as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await ch.unary_unary(VERSION)(b"", metadata=(("traceparent", traceparent()),), timeout=0.5)
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    [span] = collector.named("runtime.v1.RuntimeService/Version")
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert span.status_message.startswith("DEADLINE_EXCEEDED")
+
+
 async def test_passthrough_from_unsampled_caller_is_forwarded_as_sent(engine: str, runtime: FakeRuntime,
                                                                       collector: OtlpCollector):
     runtime.unary[VERSION] = b"\x0a\x020.1"
