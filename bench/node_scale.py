@@ -290,7 +290,8 @@ def wait_metric(port: int, shim: ShimProcess, want: float, state: str, sets: lis
 
 
 def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int | None = None,
-        max_parallel: int = 2, tags_per_image: int = 100, first_pass_timeout: float = 1800) -> dict[str, Any]:
+        max_parallel: int = 2, tags_per_image: int = 100, first_pass_timeout: float = 1800,
+        pulls: dict[str, Any] | None = None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-scale-", dir="/tmp"))
     # containerd's root in memory: its metadata commits (one fsync each) would otherwise bound
     # the import at about 120 images a second here
@@ -325,7 +326,7 @@ def run(sets: int, per_set: int, seconds: float, add: int, missing_per_set: int 
             shim = ShimProcess(d.parent, upstream=ctd.socket, log_level="info",
                                config={"image_sets": {"dir": str(d), "max_file_bytes": 16 << 20,
                                                       "max_parallel": max_parallel},
-                                       "pulls": {"max_parallel": max_parallel + 1},
+                                       "pulls": {"max_parallel": max_parallel + 1, **(pulls or {})},
                                        "metrics": {"address": f"127.0.0.1:{port}"}})
             shim.start(timeout=60)
             return shim, d, port
@@ -455,10 +456,12 @@ def main() -> None:
                    help="names per distinct image in containerd for the present run (see tag_many)")
     p.add_argument("--missing-timeout", type=float, default=1800,
                    help="seconds to wait for the all-missing first pass before measuring anyway")
+    p.add_argument("--pulls", type=json.loads, default={}, metavar="JSON",
+                   help='more pulls.* settings for every shim of the run, e.g. \'{"progress_interval_seconds": 0}\'')
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     out = run(a.sets, a.per_set, a.seconds, a.add, a.missing_per_set, a.max_parallel,
-              a.tags_per_image, a.missing_timeout)
+              a.tags_per_image, a.missing_timeout, a.pulls)
     if a.json:
         print(json.dumps(out, indent=2))
         return
