@@ -1,7 +1,8 @@
 """One poller for the progress of every upstream pull, and the stall guard.
 
 While at least one pull is running upstream, every ``pulls.progress_interval_seconds``
-the poller asks the runtime, whatever the number of pulls:
+the poller asks the runtime, whatever the number of pulls (the first time one interval
+after a pull starts, so a pull that ends sooner costs no poll):
 
 1. ``Content/ListStatuses``: every ingest in progress (blob digest, offset, total);
 2. at most one ``Content/List`` (filters OR-ed): the manifests that may be a new pull's,
@@ -226,7 +227,12 @@ class ProgressPoller(PullEvents):
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="pull-progress")
 
     async def _loop(self) -> None:
-        while (self.running or self.cleanups) and self.enabled and not self._closed:
+        # The first poll comes one interval after the first pull started: a pull that ends
+        # sooner (most failed ones, an image the runtime already has) costs the runtime none.
+        while True:
+            await asyncio.sleep(self.cfg.progress_interval_seconds)
+            if not ((self.running or self.cleanups) and self.enabled and not self._closed):
+                return
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -235,7 +241,6 @@ class ProgressPoller(PullEvents):
                 logs.log(_log, logging.DEBUG, "pull progress poll failed", code=e.code.name, error=e.details)
             except Exception:  # a bug of ours must not stop pulls
                 _log.exception("pull progress poll failed")
-            await asyncio.sleep(self.cfg.progress_interval_seconds)
 
     async def close(self) -> None:
         self._closed = True
