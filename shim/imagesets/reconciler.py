@@ -80,7 +80,7 @@ from ..pulls.key import pull_key
 from ..pulls.progress import human_bytes
 from ..pulls.scheduler import PullScheduler
 from ..pulls.slots import Priority
-from ..reference import InvalidReference, normalize, split_domain
+from ..reference import pull_name, split_domain
 from .declared_pins import DeclaredPins, PinsSnapshot
 from .due import DueQueue, RetryBudget
 from .loader import ImageSet
@@ -170,13 +170,6 @@ def _edit_of(old: Sequence[_K], new: Sequence[_K], spelled: Sequence[str]) -> tu
 
 def _host(img: _Image) -> str:
     return split_domain(img.ref)[0]
-
-
-def _normal_or_spelled(name: str) -> str:
-    try:
-        return normalize(name)
-    except InvalidReference:
-        return name
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
@@ -650,7 +643,7 @@ class Reconciler:
             spelled.update(image.repo_digests)
         cache = self._norm_cache
         if cache.keys() != spelled:
-            cache = self._norm_cache = {n: cache.get(n) or _normal_or_spelled(n) for n in spelled}
+            cache = self._norm_cache = {n: cache.get(n) or pull_name(n) for n in spelled}
         return set(cache.values()), len(resp.images)
 
     async def _refresh_fs(self) -> None:
