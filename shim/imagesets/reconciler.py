@@ -5,9 +5,11 @@ names of the last pass: only images whose name appeared or went, and images decl
 since, change state. A few newly declared images (up to ``PROBE_MAX``) are looked up
 one by one with ImageStatus instead, so adding ten images to a 20,000-image set costs ten
 lookups, not a list of the whole runtime. A full pass still runs every ``RESYNC_SECONDS``
-(GC, crictl rmi). Pulls go through the node-wide scheduler at background priority, at most
-``image_sets.max_parallel`` of ours at a time; each lane pauses ``cooldown_seconds`` after a
-pull. Before each pull starts, the free space of the runtime's image filesystem
+(GC, crictl rmi), as a task of its own: images declared while it is on its way (a 100,000-image
+list takes about half a second) are looked up at once, not after it, and what the list says
+never overrides a state decided after it was asked for. Pulls go through the node-wide
+scheduler at background priority, at most ``image_sets.max_parallel`` of ours at a time; each
+lane pauses ``cooldown_seconds`` after a pull. Before each pull starts, the free space of the runtime's image filesystem
 (ImageFsInfo mountpoint + statvfs) is checked against ``min_free_bytes``; when short,
 nothing new starts and status says why.
 
@@ -221,6 +223,8 @@ class Reconciler:
         self._lanes: dict[asyncio.Task[None], _Image] = {}
         self._wake = asyncio.Event()
         self._need_list = True
+        self._listing: asyncio.Task[None] | None = None  # the full pass on its way
+        self._list_started = 0.0
         self._list_failures = 0
         self._next_list = 0.0
         self._pin_index = DeclaredPins()
@@ -488,9 +492,8 @@ class Reconciler:
         try:
             while True:
                 self._wake.clear()
-                now = self._clock()
-                if self.sets and (self._need_list or now >= self._next_list):
-                    await self._list()
+                if self.sets:
+                    await self._look()
                 self._enqueue_due()
                 self._feed()
                 self._report()
@@ -502,12 +505,15 @@ class Reconciler:
 
     async def drain(self) -> None:
         """Wait for cancelled prefetches to finish unwinding."""
-        if self._lanes:
-            await asyncio.gather(*list(self._lanes), return_exceptions=True)
+        tasks = [*self._lanes, *([self._listing] if self._listing is not None else [])]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def halt(self) -> None:
         """Stop every prefetch of ours (shutdown, or image sets turned off)."""
         now = self._clock()
+        if self._listing is not None:
+            self._listing.cancel()
         for task, img in list(self._lanes.items()):
             task.cancel()
             if img.state is State.PULLING and self._images.get(img.key) is img:
@@ -524,7 +530,7 @@ class Reconciler:
     def _next_wake(self) -> float:
         now = self._clock()
         t = now + 3600.0
-        if self.sets:
+        if self.sets and self._listing is None:
             t = min(t, self._next_list)
         due = self._due.next_at(self._due_alive)
         if due is not None:
@@ -536,17 +542,52 @@ class Reconciler:
             t = min(t, self._disk_checked_at + self.disk_recheck_seconds)
         return t
 
-    async def _list(self) -> None:
+    async def _look(self) -> None:
         """Learn which images the runtime has: ImageStatus for a few newly declared ones, else
-        one ListImages (and ImageFsInfo when the disk guard is on)."""
+        a full pass (one ListImages, and ImageFsInfo when the disk guard is on) in a task of its
+        own. While that pass is on its way, images declared since it was asked for are looked
+        up at once when they are few; when many, another pass follows it."""
+        if self._listing is not None and self._listing.done():
+            done, self._listing = self._listing, None
+            if not done.cancelled():
+                done.result()  # a bug in the pass ends the loop, as it did inline
         now = self._clock()
-        if self._need_list and now < self._next_list and 0 < len(self._unknown) <= PROBE_MAX:
-            self._need_list = False
-            if await self._probe(list(self._unknown)):
+        if self._listing is None:
+            if not (self._need_list or now >= self._next_list):
                 return
-        started = self._clock()
+            if (self._need_list and now < self._next_list and 0 < len(self._unknown) <= PROBE_MAX
+                    and self._can_probe()):
+                self._need_list = False
+                await self._probe(list(self._unknown))
+                return
+            self._need_list = False
+            self._list_started = now
+            self._listing = asyncio.get_running_loop().create_task(self._list(now), name="image sets: ListImages")
+            self._listing.add_done_callback(lambda _: self._wake.set())
+        elif self._need_list and self._can_probe():
+            since = self._declared_since(self._list_started)
+            if 0 < len(since) <= PROBE_MAX:
+                self._need_list = False
+                await self._probe(since)
+
+    def _declared_since(self, started: float) -> list[_Image]:
+        """The images that became unknown after ``started``, newest last; at most PROBE_MAX + 1
+        (more means a full pass). ``_unknown`` is in the order they became unknown."""
+        newest: list[_Image] = []
+        for img in reversed(self._unknown):
+            if img.since < started or len(newest) > PROBE_MAX:
+                break
+            newest.append(img)
+        newest.reverse()
+        return newest
+
+    def _can_probe(self) -> bool:
+        return not (self.cfg.min_free_bytes > 0 and not self._mounts)  # the disk guard needs a full pass
+
+    async def _list(self, started: float) -> None:
+        """One full pass: what the runtime holds, against the last pass. An image whose state
+        was decided after the list was asked for (pulled, probed, declared) keeps it."""
         wall = time.time()
-        self._need_list = False
         try:
             raw = await self.upstream.unary(LIST_IMAGES, b"",
                                             deadline=Deadline.after(self.cfg.runtime_timeout_seconds))
@@ -561,15 +602,17 @@ class Reconciler:
         appeared, went = present - self._present, self._present - present
         for name in appeared:
             for img in self._named(name):
-                if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
+                if img.since <= started and img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
                     self._now_present(img, now)
         for name in went:
             for img in self._named(name):
                 if img.state is State.PRESENT and img.since >= started:
-                    present.add(name)  # pulled while the list was on its way: newer than the list
+                    present.add(name)  # pulled or probed while the list was on its way: newer than it
                 elif img.state in (State.UNKNOWN, State.PRESENT):
                     self._queue_up(img, now)
         for img in list(self._unknown):
+            if img.since > started:
+                continue  # declared while the list was on its way: probed, or the next pass's
             if img.ref in present:
                 self._now_present(img, now)
             else:
@@ -585,11 +628,8 @@ class Reconciler:
                  runtime_images=count, declared=len(self._images), missing=missing,
                  seconds=round(now - started, 3))
 
-    async def _probe(self, images: list[_Image]) -> bool:
-        """ImageStatus for each of a few newly declared images. False: fall back to ListImages."""
-        if self.cfg.min_free_bytes > 0 and not self._mounts:
-            return False  # the disk guard needs ImageFsInfo, which a full pass reads
-
+    async def _probe(self, images: list[_Image]) -> None:
+        """ImageStatus for each of a few newly declared images."""
         async def one(img: _Image) -> bool:
             req = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
             raw = await self.upstream.unary(IMAGE_STATUS, req,
@@ -600,7 +640,7 @@ class Reconciler:
             found = await asyncio.gather(*(one(img) for img in images))
         except RpcError as e:
             self._list_failed(e, "ImageStatus")
-            return True
+            return
         self._runtime_ok()
         now = self._clock()
         for img, here in zip(images, found):
@@ -612,7 +652,6 @@ class Reconciler:
             else:
                 self._queue_up(img, now)
         self.passes += 1
-        return True
 
     def _list_failed(self, e: RpcError, method: str = "ListImages") -> None:
         self._list_failures += 1

@@ -320,3 +320,28 @@ def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> 
     assert rec._present_names(first)[0] == names  # unchanged: served from the names' normal forms kept
     names, count = rec._present_names(listed((["quay.io/x/y:2"], [])))
     assert count == 1 and names == {"quay.io/x/y:2"} and list(rec._norm_cache) == ["quay.io/x/y:2"]
+
+
+async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for_it(runtime, tmp_path) -> None:
+    """The periodic ListImages of a large runtime takes a while: a set edited meanwhile is
+    looked up and pulled at once, and the list's older answer does not undo what was learnt."""
+    import asyncio
+
+    store = FakeImages(runtime).install()
+    store.add("reg.local/old:1")
+    (tmp_path / "a.yaml").write_text(own("big", ["reg.local/old:1"]))
+    async with image_sets(runtime, tmp_path) as h:
+        await reconciled(h, "big", 1)
+        store.list_gate = asyncio.Event()  # the next full pass hangs in the runtime
+        lists = store.lists
+        h.sets.resync()
+        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1", "reg.local/here:1"]))
+        store.add("reg.local/here:1")  # pulled by someone else: found by its ImageStatus
+        await eventually(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
+        assert store.lists == lists + 1 and h.set_status("big")["present"] == 3
+        store.remove("reg.local/here:1")
+        passes = h.sets.reconciler.passes
+        store.list_gate.set()  # the list answers without it: but it was found after the list was asked for
+        await eventually(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
+        assert h.set_status("big")["present"] == 3 and store.pulls == ["reg.local/new:1"]
