@@ -225,6 +225,7 @@ class Reconciler:
         self._need_list = True
         self._listing: asyncio.Task[None] | None = None  # the full pass on its way
         self._list_started = 0.0
+        self._probe_failed_at = 0.0  # a lookup while the full pass is on its way failed: not again until it lands
         self._list_failures = 0
         self._next_list = 0.0
         self._pin_index = DeclaredPins()
@@ -492,6 +493,7 @@ class Reconciler:
         try:
             while True:
                 self._wake.clear()
+                self._collect_list()
                 if self.sets:
                     await self._look()
                 self._enqueue_due()
@@ -508,6 +510,7 @@ class Reconciler:
         tasks = [*self._lanes, *([self._listing] if self._listing is not None else [])]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._listing = None
 
     def halt(self) -> None:
         """Stop every prefetch of ours (shutdown, or image sets turned off)."""
@@ -547,10 +550,6 @@ class Reconciler:
         a full pass (one ListImages, and ImageFsInfo when the disk guard is on) in a task of its
         own. While that pass is on its way, images declared since it was asked for are looked
         up at once when they are few; when many, another pass follows it."""
-        if self._listing is not None and self._listing.done():
-            done, self._listing = self._listing, None
-            if not done.cancelled():
-                done.result()  # a bug in the pass ends the loop, as it did inline
         now = self._clock()
         if self._listing is None:
             if not (self._need_list or now >= self._next_list):
@@ -565,10 +564,19 @@ class Reconciler:
             self._listing = asyncio.get_running_loop().create_task(self._list(now), name="image sets: ListImages")
             self._listing.add_done_callback(lambda _: self._wake.set())
         elif self._need_list and self._can_probe():
-            since = self._declared_since(self._list_started)
+            since = self._declared_since(max(self._list_started, self._probe_failed_at))
             if 0 < len(since) <= PROBE_MAX:
                 self._need_list = False
-                await self._probe(since)
+                if not await self._probe(since):
+                    self._probe_failed_at = now  # not again while this list is on its way ...
+                    self._need_list = True  # ... but once it has landed (it skips them)
+
+    def _collect_list(self) -> None:
+        """Forget the full pass once it has landed; a bug in it ends the loop, as it did inline."""
+        if self._listing is not None and self._listing.done():
+            done, self._listing = self._listing, None
+            if not done.cancelled():
+                done.result()
 
     def _declared_since(self, started: float) -> list[_Image]:
         """The images that became unknown after ``started``, newest last; at most PROBE_MAX + 1
@@ -600,10 +608,16 @@ class Reconciler:
         present, count = await asyncio.to_thread(self._present_names, raw)
         now = self._clock()
         appeared, went = present - self._present, self._present - present
+        unseen: set[str] = set()  # appeared, but an image of that name was not decided by this list
         for name in appeared:
             for img in self._named(name):
-                if img.since <= started and img.state in (State.UNKNOWN, State.QUEUED, State.FAILED):
+                if img.state not in (State.UNKNOWN, State.QUEUED, State.FAILED):
+                    if img.state is State.PULLING:
+                        unseen.add(name)
+                elif img.since <= started:
                     self._now_present(img, now)
+                else:
+                    unseen.add(name)
         for name in went:
             for img in self._named(name):
                 if img.state is State.PRESENT and img.since >= started:
@@ -617,7 +631,7 @@ class Reconciler:
                 self._now_present(img, now)
             else:
                 self._queue_up(img, now)
-        self._present = present
+        self._present = present - unseen  # the next pass sees those names appear again
         self._next_list = now + self.resync_seconds
         self.passes += 1
         self.metrics.image_set_reconciles.inc()
@@ -627,9 +641,11 @@ class Reconciler:
         logs.log(_log, logging.DEBUG if not missing else logging.INFO, "image sets reconciled",
                  runtime_images=count, declared=len(self._images), missing=missing,
                  seconds=round(now - started, 3))
+        self._report()  # the gauges say what status says from the moment the pass lands
 
-    async def _probe(self, images: list[_Image]) -> None:
-        """ImageStatus for each of a few newly declared images."""
+    async def _probe(self, images: list[_Image]) -> bool:
+        """ImageStatus for each of a few newly declared images. False: the runtime failed it
+        (recorded as the runtime error; the images stay unknown)."""
         async def one(img: _Image) -> bool:
             req = api_pb2.ImageStatusRequest(image=api_pb2.ImageSpec(image=img.spelled)).SerializeToString()
             raw = await self.upstream.unary(IMAGE_STATUS, req,
@@ -640,7 +656,7 @@ class Reconciler:
             found = await asyncio.gather(*(one(img) for img in images))
         except RpcError as e:
             self._list_failed(e, "ImageStatus")
-            return
+            return False
         self._runtime_ok()
         now = self._clock()
         for img, here in zip(images, found):
@@ -652,6 +668,7 @@ class Reconciler:
             else:
                 self._queue_up(img, now)
         self.passes += 1
+        return True
 
     def _list_failed(self, e: RpcError, method: str = "ListImages") -> None:
         self._list_failures += 1

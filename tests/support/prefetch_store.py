@@ -48,6 +48,7 @@ class FakeImages:
     hold_all: asyncio.Event | None = None  # when set: every pull waits for it
     list_error: grpc.StatusCode | None = None
     list_gate: asyncio.Event | None = None
+    list_as_asked: bool = False  # the ListImages answer is the images when it was asked, not when the gate opened
     lists: int = 0
     active: int = 0
     max_active: int = 0
@@ -85,12 +86,14 @@ class FakeImages:
 
     async def _list(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         self.lists += 1
+        asked = list(self.images.values())
         if self.list_gate is not None:
             await self.list_gate.wait()
         if self.list_error is not None:
             await context.abort(self.list_error, "fake runtime cannot list images")
         self.changed.set()
-        return api_pb2.ListImagesResponse(images=list(self.images.values())).SerializeToString()
+        images = asked if self.list_as_asked else list(self.images.values())
+        return api_pb2.ListImagesResponse(images=images).SerializeToString()
 
     async def _status(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         name = api_pb2.ImageStatusRequest.FromString(request).image.image

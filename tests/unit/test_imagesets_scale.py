@@ -4,10 +4,12 @@ image_sets.max_images refusing a set instead of growing the process."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Mapping
 
+import grpc
 
 from shim.config import ImageSetsConfig
 from shim.credentials import DockerConfigFiles
@@ -17,7 +19,7 @@ from shim.imagesets.reconciler import Reconciler, _edit
 from shim.observability.metrics import Metrics
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
-from tests.support.prefetch_store import FakeImages
+from tests.support.prefetch_store import SERVICE, FakeImages
 from tests.unit.test_imagesets import eventually, image_sets, own, reconciled, write
 
 
@@ -325,9 +327,7 @@ def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> 
 async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for_it(runtime, tmp_path) -> None:
     """The periodic ListImages of a large runtime takes a while: a set edited meanwhile is
     looked up and pulled at once, and the list's older answer does not undo what was learnt."""
-    import asyncio
-
-    store = FakeImages(runtime).install()
+    store = FakeImages(runtime, list_as_asked=True).install()
     store.add("reg.local/old:1")
     (tmp_path / "a.yaml").write_text(own("big", ["reg.local/old:1"]))
     async with image_sets(runtime, tmp_path) as h:
@@ -340,8 +340,70 @@ async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for
         store.add("reg.local/here:1")  # pulled by someone else: found by its ImageStatus
         await eventually(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
         assert store.lists == lists + 1 and h.set_status("big")["present"] == 3
-        store.remove("reg.local/here:1")
         passes = h.sets.reconciler.passes
-        store.list_gate.set()  # the list answers without it: but it was found after the list was asked for
+        store.list_gate.set()  # its answer is from before both: it neither re-pulls nor forgets them
         await eventually(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
         assert h.set_status("big")["present"] == 3 and store.pulls == ["reg.local/new:1"]
+
+
+async def test_a_probe_that_fails_while_the_full_pass_is_on_its_way_is_tried_again_after_it(runtime, tmp_path) -> None:
+    """ImageStatus fails once for an image declared while the list is on its way: the image is
+    looked up again once the list has landed (not at the next resync, a minute later), and the
+    failing lookup is not repeated at every wake of the loop meanwhile."""
+    store = FakeImages(runtime).install()
+    store.add("reg.local/old:1")
+    status = runtime.unary[SERVICE + "ImageStatus"]
+    failed: list[bytes] = []
+
+    async def flaky(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if not failed:
+            failed.append(request)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "transient")
+        return await status(request, context)
+
+    (tmp_path / "a.yaml").write_text(own("big", ["reg.local/old:1"]))
+    async with image_sets(runtime, tmp_path) as h:
+        await reconciled(h, "big", 1)
+        runtime.unary[SERVICE + "ImageStatus"] = flaky
+        store.list_gate = asyncio.Event()
+        lists = store.lists
+        h.sets.resync()
+        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1"]))
+        await eventually(lambda: bool(failed and h.status()["runtime_error"]), what="the lookup to fail")
+        for _ in range(5):  # wakes of the loop while the list is on its way
+            h.sets.reconciler.configure(h.sets.reconciler.cfg)
+            await asyncio.sleep(0.02)
+        assert len(failed) == 1 and store.pulls == []
+        store.list_gate.set()
+        await eventually(lambda: store.finished == ["reg.local/new:1"], what="new:1 pulled after the failed lookup")
+        await reconciled(h, "big", 2)
+
+
+async def test_a_failing_image_the_runtime_got_while_the_full_pass_was_on_its_way_turns_present(runtime,
+                                                                                                  tmp_path) -> None:
+    """A prefetch keeps failing (no credentials on the node) and kubelet pulls the image with the
+    pod's secret. The list that first shows it lands while its retry is on the way: it is not
+    decided by that list, and a later pass sees it appear (before: failed for good, retried and
+    failing every retry_max_seconds although the runtime had it)."""
+    store = FakeImages(runtime).install()
+    store.add("reg.local/old:1")
+    store.fail("reg.local/x:1", 10_000, grpc.StatusCode.UNAUTHENTICATED)
+    (tmp_path / "a.yaml").write_text(own("s", ["reg.local/old:1", "reg.local/x:1"]))
+    async with image_sets(runtime, tmp_path, retry_initial_seconds=0.2, retry_max_seconds=0.2) as h:
+        await eventually(lambda: h.status()["images"]["failed"] == 1, what="x failed")
+        store.add("reg.local/x:1")  # kubelet pulled it
+        store.list_gate = asyncio.Event()
+        lists, pulls = store.lists, len(store.pulls)
+        h.sets.resync()
+        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        await eventually(lambda: len(store.pulls) > pulls and h.status()["images"]["failed"] == 1,
+                         what="x retried (and failed again) while the list is on its way")
+        passes = h.sets.reconciler.passes
+        store.list_gate.set()
+        await eventually(lambda: h.sets.reconciler.passes > passes, what="the list to land")
+        store.list_gate = None
+        h.sets.reconciler.resync_seconds = 0.05  # later passes (one may land while a retry is pulling)
+        h.sets.resync()
+        await reconciled(h, "s", 2)
+        assert h.status()["images"]["failed"] == 0
