@@ -9,9 +9,9 @@ lookups, not a list of the whole runtime. A full pass still runs every ``RESYNC_
 list takes about half a second) are looked up at once, not after it, and what the list says
 never overrides a state decided after it was asked for. Pulls go through the node-wide
 scheduler at background priority, at most ``image_sets.max_parallel`` of ours at a time; each
-lane pauses ``cooldown_seconds`` after a pull. Before each pull starts, the free space of the runtime's image filesystem
-(ImageFsInfo mountpoint + statvfs) is checked against ``min_free_bytes``; when short,
-nothing new starts and status says why.
+lane pauses ``cooldown_seconds`` after a pull. Before each pull starts, the free space of the
+runtime's image filesystem (ImageFsInfo mountpoint + statvfs) is checked against
+``min_free_bytes``; when short, nothing new starts and status says why.
 
 A failed image is retried after ``retry_initial_seconds``, doubling up to
 ``retry_max_seconds``; it never holds the others back. Retries wait in a due-time queue
