@@ -611,13 +611,10 @@ class Reconciler:
         unseen: set[str] = set()  # appeared, but an image of that name was not decided by this list
         for name in appeared:
             for img in self._named(name):
-                if img.state not in (State.UNKNOWN, State.QUEUED, State.FAILED):
-                    if img.state is State.PULLING:
-                        unseen.add(name)
-                elif img.since <= started:
+                if img.state in (State.UNKNOWN, State.QUEUED, State.FAILED) and img.since <= started:
                     self._now_present(img, now)
-                else:
-                    unseen.add(name)
+                elif img.state is not State.PRESENT:
+                    unseen.add(name)  # pulling, or decided after the list was asked for
         for name in went:
             for img in self._named(name):
                 if img.state is State.PRESENT and img.since >= started:
