@@ -227,6 +227,8 @@ MIN_PROGRESS_INTERVAL = 0.1
 class PinsConfig:
     images: tuple[str, ...] = knob((), image_patterns(none_is_empty=True))
     mode: str = knob("enforce", text("enforce", "mark-only"))
+    # the pin ledger (which sets pin which images), loaded before serving; "" = kept in memory only
+    ledger_file: str = knob("/var/lib/cri-shim/pins.json", text())
 
 
 @dataclass(frozen=True)

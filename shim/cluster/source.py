@@ -130,7 +130,7 @@ class ClusterSource:
         self._own_raw = {o["metadata"]["name"]: o for o in own}
         self._pinned_raw = {o["metadata"]["name"]: o for o in pinned}
         self.labels = labels
-        self._select(labels, list(self._own_raw.values()), None, gate=False)  # every one was in force
+        self._select(labels, list(self._own_raw.values()), None, gate=False, read=False)  # every one was in force
         self.loaded_from_state = True
         logs.log(_log, logging.INFO, "cluster image sets loaded from the state file", file=self.cfg.state_file,
                  sets=len(self.selected))
@@ -163,9 +163,12 @@ class ClusterSource:
     # ------------------------------------------------------------------ selection
 
     def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
-                mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, *, gate: bool = True) -> bool:
+                mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, *, gate: bool = True,
+                read: bool = True) -> bool:
         """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed.
         ``gate``: hold a paced set's generation until granted (not for the state file's sets, all in force).
+        ``read``: ``own`` is what the API server holds now (not the state file's, nor kept while the
+        ImageSets cannot be listed): a set it no longer selects is confirmed gone (the pin ledger).
 
         A set whose newest version is refused (an invalid image name, an unreadable field) keeps
         its last valid version in force, and the state file keeps that version's object: an
@@ -176,13 +179,17 @@ class ClusterSource:
         own_raw: dict[str, dict[str, Any]] = {}
         by_own = {o["metadata"]["name"]: o for o in own}
         held: dict[str, Selected] = {}
+        kept_names: set[str] = set()  # in force as applied before, not as read now
         for name, obj in by_own.items():
             if name in selected:
                 if gate and grant.paced(obj) and self._hold(name, obj, previous, old_own, selected, own_raw, held):
+                    if name in selected:
+                        kept_names.add(name)
                     continue
                 own_raw[name] = _slim(obj)
             elif (err := errors.get(objects.source_of(obj))) is not None:
                 kept = self._keep(previous, name, "ImageSet", old_own, selected, own_raw)
+                kept_names.add(name)
                 refused[name] = objects.Refused(name, "ImageSet", objects.generation_of(obj), err, kept)
         if mco is not None:
             pinned, pools = mco
@@ -196,6 +203,7 @@ class ClusterSource:
         pinned_raw: dict[str, dict[str, Any]] = {}
         for name in sorted(undecided):  # a pool that cannot be read keeps what it gave
             self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
+            kept_names.add(name)
         for obj in pinned_objs:
             name = obj["metadata"]["name"]
             if name in selected:  # an ImageSet of that name is in force (a refused one with no valid version is not)
@@ -207,6 +215,7 @@ class ClusterSource:
             except SetFileError as e:
                 errors[objects.source_of(obj)] = str(e)
                 kept = self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
+                kept_names.add(name)
                 refused[name] = objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e), kept)
                 continue
             selected[name] = sel
@@ -241,8 +250,15 @@ class ClusterSource:
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
+        if mco is None:
+            kept_names.update(n for n, s in selected.items() if s.set.kind == "PinnedImageSet")
         self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
-                             held_pins=[(ref, n) for n, s in held.items() if s.set.pin for ref in s.set.refs])
+                             held={n: s.set for n, s in held.items()},
+                             uids={n: s.uid for n, s in (*selected.items(), *held.items())},
+                             fresh=frozenset((selected.keys() - kept_names) | held.keys()) if read else frozenset(),
+                             present=frozenset(selected.keys() | refused.keys() | held.keys() | undecided),
+                             decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
+                                           (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
         self.sets.set_overrides(**self._overrides())
         self._report()
         return changed
@@ -332,7 +348,7 @@ class ClusterSource:
         if labels != self.labels:
             logs.log(_log, logging.INFO, "node labels read", node=self.node_name, labels=len(labels))
         self.labels = labels
-        self._select(labels, own, mco)
+        self._select(labels, own, mco, read=own_inf.synced)
         self.applies += 1
         return True
 

@@ -1,5 +1,10 @@
 """Image sets: the directory, its watcher and the reconciler, started and stopped together.
 
+Pins come from the pin ledger (ledger.py) alone: after every change of the sets, the versions the
+reconciler accepted (and the newer versions a source holds back for a grant) are put in it, and
+an entry goes only when its source confirms the set is gone (``_gone``). The pins in force are
+handed to the image service (``on_pins``) once the directory, when there is one, has been read.
+
 The last valid content of each file of the directory is kept in ``image_sets.state_file``
 (shim/imagesets/state.py): loaded before the shim serves (``load_state``), saved when the
 content in force of a file changes. A state file that cannot be written is an error in the
@@ -12,23 +17,43 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Callable
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from ..config import ImageSetsConfig
 from ..cri.upstream import Upstream
 from ..images.pin_set import PinSet
 from ..observability import logs
 from ..observability.metrics import Metrics
+from ..pins.declared_pins import PinsSnapshot
+from ..pins.ledger import Entry, PinLedger
 from ..pulls.scheduler import PullScheduler
 from . import state
-from .declared_pins import DeclaredPins, PinsSnapshot
 from .loader import ImageSet, SetDirectory
 from .parse_process import ParseProcess
-from .reconciler import PinSink, Reconciler
+from .reconciler import Reconciler
 from .snapshot import Snapshot
 from .watcher import POLL_SECONDS, DirWatcher
 
 _log = logs.get("imagesets")
+PinSink = Callable[[PinsSnapshot], None]  # normalized ref -> the set pinning it (the ledger's snapshot)
+FILE_SOURCE = "file"
+
+
+@dataclass(frozen=True)
+class SourceSets:
+    """What a source other than the directory declares for this node (``ImageSets.set_source``)."""
+
+    sets: dict[str, ImageSet]  # in force: read now, or kept (a refused set's last valid version)
+    held: dict[str, ImageSet] = field(default_factory=dict)  # newer versions waiting for a grant: pinned, not pulled
+    uids: Mapping[str, str] = field(default_factory=dict)  # set -> its object's metadata.uid
+    fresh: frozenset[str] | None = None  # sets whose version was read now (not kept or from a state file); None: all
+    present: frozenset[str] = frozenset()  # every set the source still declares here, valid or not
+    decided: tuple[str, ...] = ()  # origins (prefixes) it read whole now: an entry of one of them not present is gone
+
+    def is_fresh(self, name: str) -> bool:
+        return self.fresh is None or name in self.fresh
 
 
 class ImageSets:
@@ -39,17 +64,18 @@ class ImageSets:
     """
 
     def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
-                 on_pins: PinSink, pins: Callable[[], PinSet] | None = None, use_inotify: bool = True,
-                 poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
+                 on_pins: PinSink, ledger: PinLedger | None = None, pins: Callable[[], PinSet] | None = None,
+                 use_inotify: bool = True, poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
+        """``ledger``: the node's pin ledger (the process's, loaded already); None: one in memory."""
         self.cfg = cfg
         self.metrics = metrics
         self.parser = ParseProcess()  # started at the first file to read: YAML never holds our GIL
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes, self.parser.parse)
         self._on_pins = on_pins
-        self._held_pins: PinsSnapshot | None = None  # pins decided before the directory's first read
-        self._declared_pins = DeclaredPins().snapshot()  # the reconciler's, from the sets in force (ref -> set)
-        self._waiting_pins: dict[str, list[tuple[str, str]]] = {}  # source -> pins of sets held (not pulled)
-        self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, on_pins=self._pins_out, pins=pins,
+        self.ledger = ledger if ledger is not None else PinLedger("")
+        self._ledgered: dict[str, ImageSet] = {}  # set -> the version put in the ledger last (by identity)
+        self._published = -1  # the ledger version handed to on_pins last
+        self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, pins=pins, pinned_fully=self.ledger.covers,
                                      **reconciler_options)
         self._use_inotify = use_inotify
         self._poll_seconds = poll_seconds
@@ -59,7 +85,8 @@ class ImageSets:
         self._tasks: list[asyncio.Task[None]] = []
         self._scanned = asyncio.Event()
         self._dir_sets: dict[str, ImageSet] = {}
-        self.sources: dict[str, dict[str, ImageSet]] = {}  # source name -> its sets
+        self.sources: dict[str, dict[str, ImageSet]] = {}  # source name -> its sets in force
+        self._views: dict[str, SourceSets] = {}  # source name -> what it declares (the ledger reads it)
         self.source_errors: dict[str, str] = {}  # set name -> why another source's set of that name is not used
         self._overrides: dict[str, Any] = {}  # ImageSetsConfig fields a source narrows (per-role overrides)
         self.state_error = ""  # why image_sets.state_file cannot be read or written; "" once a save succeeded
@@ -121,20 +148,15 @@ class ImageSets:
         self.state_error = error
         self.metrics.image_sets_state_file_error.set(1 if error else 0)
 
-    def _pins_out(self, declared: PinsSnapshot) -> None:
-        """The declared pins reach the image service only once the directory (when there is one)
-        has been read: until then the pins in force stay and removals wait (pins_wait_seconds),
-        even when another source (the cluster's state file) has declared its sets already.
-        Pins of sets a source holds (a paced generation without its grant) are added."""
-        self._declared_pins = declared
-        pins = declared
-        if self._waiting_pins:
-            pins = declared.with_extra(p for held in self._waiting_pins.values() for p in held)
-        if self.cfg.dir and self.scans == 0:
-            self._held_pins = pins
+    def _publish(self) -> None:
+        """The pins in force (the ledger's) reach the image service once the directory (when there
+        is one) has been read: until then the pins the process loaded from the ledger stay and
+        removals wait (pins_wait_seconds). The ledger is saved after every change."""
+        self.ledger.schedule_save()
+        if (self.cfg.dir and self.scans == 0) or self._published == self.ledger.version:
             return
-        self._held_pins = None
-        self._on_pins(pins)
+        self._published = self.ledger.version
+        self._on_pins(self.ledger.snapshot())
 
     async def start(self) -> None:
         """Returns at once: the first scan and reconcile run in the background."""
@@ -157,20 +179,13 @@ class ImageSets:
             self._overrides = overrides
             self.reconciler.configure(dataclasses.replace(self.cfg, **overrides))
 
-    def set_source(self, name: str, sets: dict[str, ImageSet], *,
-                   held_pins: list[tuple[str, str]] | None = None) -> None:
-        """Another source's sets changed: re-diff the union. ``held_pins``: (image, set) pinned
-        without being declared (never pulled): a paced set's images while it waits for its grant."""
+    def set_source(self, name: str, sets: dict[str, ImageSet], *, held: dict[str, ImageSet] | None = None,
+                   uids: Mapping[str, str] | None = None, fresh: frozenset[str] | None = None,
+                   present: frozenset[str] = frozenset(), decided: tuple[str, ...] = ()) -> None:
+        """Another source's sets changed: re-diff the union (see ``SourceSets`` for the arguments)."""
         self.sources[name] = dict(sets)
-        held = held_pins or []
-        changed = held != self._waiting_pins.get(name, [])
-        if held:
-            self._waiting_pins[name] = held
-        else:
-            self._waiting_pins.pop(name, None)
-        self._apply()  # first: a set granted now is declared before its held pins go
-        if changed and self.reconciler.pins_declared:
-            self._pins_out(self._declared_pins)
+        self._views[name] = SourceSets(self.sources[name], dict(held or {}), dict(uids or {}), fresh, present, decided)
+        self._apply()
 
     def _apply(self) -> None:
         merged = dict(self._dir_sets)
@@ -183,7 +198,67 @@ class ImageSets:
                     continue
                 merged[set_name] = s
         self.source_errors = errors
-        self.reconciler.set_sets(merged)
+        self.reconciler.set_sets(merged, first=self.ledger)  # the ledger's sets keep their room (max_images)
+        self._update_ledger()
+        self._publish()
+
+    # ------------------------------------------------------------------ the pin ledger
+
+    def _update_ledger(self) -> None:
+        """Put the versions in force (and held ones) in the ledger; drop the sets whose source
+        confirms they are gone. Costs the sets (an unchanged version is one identity check),
+        and the names of the versions that changed."""
+        ledger, done, accepted = self.ledger, self._ledgered, self.reconciler.sets
+        held: dict[str, tuple[str, SourceSets, ImageSet]] = {
+            n: (src, v, s) for src, v in self._views.items() for n, s in v.held.items()}
+        for set_name, s in accepted.items():
+            if set_name in held or done.get(set_name) is s:
+                continue
+            src, uid, fresh = self._whence(set_name, s)
+            if fresh or set_name not in ledger:  # a kept or saved version never replaces a newer one read before
+                ledger.put(set_name, src, s.source, uid, s.generation, s.refs, pin=s.pin)
+            done[set_name] = s
+        for set_name, (src, v, s) in held.items():  # pinned with the version in force until granted
+            if done.get(set_name) is not s:
+                in_force = accepted.get(set_name)
+                refs = s.refs if in_force is None or not in_force.pin else (*s.refs, *in_force.refs)
+                ledger.put(set_name, src, s.source, v.uids.get(set_name, ""), s.generation, refs,
+                           pin=s.pin or (in_force is not None and in_force.pin))
+                done[set_name] = s
+        for set_name in [n for n in done if n not in accepted and n not in held]:
+            del done[set_name]
+        for e in ledger:
+            if e.name not in accepted and e.name not in held and (why := self._gone(e)):
+                ledger.drop(e.name, e.source, why)
+
+    def _whence(self, set_name: str, s: ImageSet) -> tuple[str, str, bool]:
+        """(source, uid, whether this version was read now) of a set in force."""
+        if self._dir_sets.get(set_name) is s:
+            f = self.directory.files.get(s.source)
+            return FILE_SOURCE, "", f is not None and not f.error
+        for src, v in self._views.items():
+            if v.sets.get(set_name) is s:
+                return src, v.uids.get(set_name, ""), v.is_fresh(set_name)
+        return FILE_SOURCE, "", False
+
+    def _gone(self, e: Entry) -> str:
+        """Why the source of ``e`` confirms its set is gone, or "" when it does not (or cannot)."""
+        if e.source != FILE_SOURCE:
+            v = self._views.get(e.source)
+            if v is None or e.name in v.present or not e.origin.startswith(v.decided):
+                return ""
+            return f"{e.origin}: deleted, or no longer selecting this node"
+        d = self.directory
+        if not self.cfg.dir or self.scans == 0 or d.dir_error:
+            return ""  # no directory, not read yet, or unreadable (or missing): nothing is confirmed
+        if os.path.dirname(os.path.normpath(e.origin)) != os.path.normpath(self.cfg.dir):
+            return ""  # a file of another directory (image_sets.dir changed): nobody confirms it
+        f = d.files.get(e.origin)
+        if f is None:
+            return f"{e.origin}: file removed"
+        if not f.error and all(s.name != e.name for s in f.sets):
+            return f"{e.origin}: the file no longer declares the set"
+        return ""
 
     async def _watch(self) -> None:
         assert self.watcher is not None
@@ -214,8 +289,8 @@ class ImageSets:
         if result.changed or first:
             self._dir_sets = result.sets
             self._apply()
-        if first and self._held_pins is not None:
-            self._pins_out(self._declared_pins)
+        if first:
+            self._publish()
         self._scanned.set()
         if self.cfg.state_file and (result.accepted_changed or self._unsaved or (first and self.state_error)):
             await self._save()
@@ -283,4 +358,6 @@ class ImageSets:
         if self.state_write_failures:
             out["state_write_failures"] = self.state_write_failures
         out.update(self.reconciler.status())
+        kept = sorted(e.name for e in self.ledger if e.name not in self.reconciler.sets)
+        out["pin_ledger"] = {**self.ledger.status(), **({"pinned_not_in_force": kept} if kept else {})}
         return out

@@ -18,8 +18,9 @@ A failed image is retried after ``retry_initial_seconds``, doubling up to
 (due.py) and then for a token of their registry host's retry budget
 (``image_sets.retry_per_second``, down to a tenth of it while that host's prefetches fail).
 An image dropped from every set is forgotten: its queued or running prefetch is cancelled
-(the scheduler drops the flight unless a CRI client joined it, whose pull goes on), its pin
-is released, and the image itself is left to kubelet's garbage collection.
+(the scheduler drops the flight unless a CRI client joined it, whose pull goes on), and the
+image itself is left to kubelet's garbage collection. Pins are not decided here: the pin
+ledger (ledger.py) keeps them, from the versions this reconciler accepts.
 
 Work costs the change: ``set_sets`` diffs each set whose spec changed against its previous
 version (an unchanged set costs nothing, an edited one its size); counts by state per set
@@ -62,7 +63,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Container, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import grpc
 
@@ -83,7 +84,6 @@ from ..pulls.progress import human_bytes
 from ..pulls.scheduler import PullScheduler
 from ..pulls.slots import Priority
 from ..reference import pull_name, split_domain
-from .declared_pins import DeclaredPins, PinsSnapshot
 from .due import DueQueue, RetryBudget
 from .loader import ImageSet
 from .snapshot import COUNTED, Counts, SetSnapshot, Snapshot, State
@@ -95,9 +95,10 @@ DISK_RECHECK_SECONDS = 30.0  # while short of space
 PROBE_MAX = 64  # up to this many newly declared images: ImageStatus each, not a full ListImages
 PROGRESS_STEPS = (25, 50, 75, 100)
 
-PinSink = Callable[[PinsSnapshot], None]  # normalized ref -> the set pinning it (declared_pins.py)
 HandlerFor = Callable[[str], "tuple[str, str] | None"]  # image -> (handler, where the rule is), or None
 SetCredentials = Callable[[frozenset[str]], "list[tuple[str, Credential]]"]  # set names -> their pull secrets' entries
+# (the pins in force's declared part, set, generation) -> whether they hold every name of that version (ledger.covers)
+PinnedFully = Callable[[Mapping[str, str], str, str], bool]
 ImageKey = tuple[str, str]  # (canonical ref, declared runtime handler)
 PREFETCH_POD = api_pb2.PodSandboxConfig(metadata=api_pb2.PodSandboxMetadata(
     name="cri-shim-prefetch", uid="cri-shim-prefetch", namespace="cri-shim"))
@@ -186,7 +187,7 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
 
 class Reconciler:
     def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
-                 on_pins: PinSink, pins: Callable[[], PinSet] | None = None,
+                 pins: Callable[[], PinSet] | None = None, pinned_fully: PinnedFully | None = None,
                  handler_for: HandlerFor | None = None, credentials: DockerConfigFiles | None = None,
                  set_credentials: SetCredentials | None = None,
                  statvfs: Callable[[str], Any] = os.statvfs, clock: Callable[[], float] = time.monotonic,
@@ -195,8 +196,8 @@ class Reconciler:
         self.upstream = upstream
         self.scheduler = scheduler
         self.metrics = metrics
-        self._on_pins = on_pins
         self._pins = pins
+        self._pinned_fully = pinned_fully
         self._handler_for = handler_for
         self.credentials = credentials if credentials is not None else DockerConfigFiles(cfg.docker_config)
         self.set_credentials = set_credentials  # a set's own pull secrets (cluster sets), before the node's
@@ -228,9 +229,6 @@ class Reconciler:
         self._probe_failed_at = 0.0  # a lookup while the full pass is on its way failed: not again until it lands
         self._list_failures = 0
         self._next_list = 0.0
-        self._pin_index = DeclaredPins()
-        self._pins_sent: int | None = None  # the DeclaredPins version handed to on_pins last
-        self._pinned_at: dict[str, int] = {}  # pinning set -> the index version holding its names in force
         self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
         self._dirty: set[str] = set()  # sets whose gauges / progress line are due
         self._gone: set[str] = set()  # removed sets whose gauge series are to be dropped
@@ -267,16 +265,15 @@ class Reconciler:
             logs.log(_log, logging.ERROR, "credential provider config rejected; keeping the running providers",
                      error=str(e))
 
-    def set_sets(self, sets: dict[str, ImageSet]) -> None:
+    def set_sets(self, sets: dict[str, ImageSet], first: Container[str] = ()) -> None:
         """The declared sets changed. Costs the change: a set equal to the one in force costs
         nothing; an added, edited or removed set costs its size. Newly declared images are
-        looked up (ImageStatus or one ListImages); what is no longer declared is cancelled."""
+        looked up (ImageStatus or one ListImages); what is no longer declared is cancelled.
+        ``first``: sets that keep their room under ``max_images`` before any other (the pin
+        ledger's): a newcomer is refused before one of them, at a restart too."""
         now = self._clock()
         for name in [n for n in self.sets if n not in sets]:
             gone = self.sets.pop(name)
-            if gone.pin:
-                self._pin_index.remove(name, gone.refs)
-                del self._pinned_at[name]
             for key in _keys(gone):
                 self._leave(key, name)
             self._declared -= len(gone.refs)
@@ -288,7 +285,7 @@ class Reconciler:
                      set=name)
         for name in [n for n in self._refused if n not in sets]:
             del self._refused[name]
-        for name in sorted(sets):
+        for name in sorted(sets, key=lambda n: (n not in first, n)):
             s = sets[name]
             old = self.sets.get(name)
             if old is s or old == s:
@@ -300,11 +297,7 @@ class Reconciler:
                 continue
             if self._refused.pop(name, None) is not None:
                 logs.log(_log, logging.INFO, "image set accepted again", set=name, generation=s.generation)
-            self._repin(s, old)
             self._apply(s, old, now)
-        if self._pins_sent != self._pin_index.version:
-            self._pins_sent = self._pin_index.version
-            self._on_pins(self._pin_index.snapshot())
         if self._unknown:
             self._need_list = True
         self._wake.set()
@@ -318,23 +311,6 @@ class Reconciler:
                      generation=s.generation, images=len(s.refs), declared=total, max_images=self.cfg.max_images,
                      kept=old.generation if old is not None else "")
         self._refused[s.name] = (s.generation, why)
-
-    def _repin(self, s: ImageSet, old: ImageSet | None) -> None:
-        """The pins of an added or edited set: an edit of a set that pins both before and after
-        costs the names it changes (set operations in C), not the set."""
-        if old is not None and old.pin and s.pin:
-            olds, news = set(old.refs), set(s.refs)
-            self._pin_index.remove(s.name, olds - news)
-            self._pin_index.add(s.name, news - olds)
-        else:
-            if old is not None and old.pin:
-                self._pin_index.remove(s.name, old.refs)
-            if s.pin:
-                self._pin_index.add(s.name, s.refs)
-        if s.pin:
-            self._pinned_at[s.name] = self._pin_index.version
-        else:
-            self._pinned_at.pop(s.name, None)
 
     def _apply(self, s: ImageSet, old: ImageSet | None, now: float) -> None:
         name = s.name
@@ -480,11 +456,6 @@ class Reconciler:
         """Read the runtime's images again now (not at the next resync)."""
         self._need_list = True
         self._wake.set()
-
-    @property
-    def pins_declared(self) -> bool:
-        """Whether the pins of the sets in force have been handed out once."""
-        return self._pins_sent is not None
 
     # ------------------------------------------------------------------ the loop
 
@@ -897,17 +868,14 @@ class Reconciler:
         self._dirty.clear()
 
     def _pinned(self, s: ImageSet, book: _Book, pins: PinSet | None) -> int | None:
-        """Images of a pinning set that the pins in force match. When those pins hold a snapshot
-        of this reconciler's index taken after the set's names went in, that is all of them (no
-        count). Otherwise (the pins not handed out yet, or not ours) they are counted once per
-        pins object and set generation, not at every snapshot."""
+        """Images of a pinning set that the pins in force match. When the pin ledger says those
+        pins hold every name of this version (``pinned_fully``), that is all of them (no count).
+        Otherwise they are counted once per pins object and set generation, not at every snapshot."""
         if not s.pin:
             return None
         if pins is None:
             return len(s.refs)
-        declared = pins.declared
-        if (isinstance(declared, PinsSnapshot) and declared.index is self._pin_index
-                and declared.version >= self._pinned_at.get(s.name, declared.version + 1)):
+        if self._pinned_fully is not None and self._pinned_fully(pins.declared, s.name, s.generation):
             return len(s.refs)
         cached = book.pinned
         if cached is not None and cached[0] is pins and cached[1] == s.generation:

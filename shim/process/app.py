@@ -26,6 +26,7 @@ from ..images import image_status, list_images, pull_image, remove_image
 from ..images.service import ImageService
 from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
+from ..pins.ledger import PinLedger
 from ..pulls.lease import SlotLease
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
@@ -72,6 +73,8 @@ class App:
                                        pins_wait_seconds=cfg.image_sets.pins_wait_seconds)
         except ValueError as e:
             raise ConfigError("pins.images", str(e)) from None
+        # The node's pin ledger: loaded at start (before serving), kept across reloads, whatever image sets do.
+        self.ledger = PinLedger(cfg.pins.ledger_file)
         self.image_sets: ImageSets | None = None
         self.cluster: ClusterSource | None = None
         self.node_report: NodeReport | None = None
@@ -83,7 +86,8 @@ class App:
                             observe=self.observation.observe) if cfg.server.engine == "relay" else None)
         # `cri-shim status` sections beyond the built-in ones: name -> () -> JSON-able dict, no credentials.
         self.status_sources: dict[str, StatusSource] = {"image_sets": self.image_sets_status,
-                                                        "cluster": self.cluster_status}
+                                                        "cluster": self.cluster_status,
+                                                        "pin_ledger": self.ledger.status}
         if self.relay is not None:
             self.status_sources["relay"] = self.relay.status
 
@@ -150,16 +154,14 @@ class App:
         await self._stop_cluster()
         if current is not None:
             self.image_sets = None
-            await current.stop()  # its declared pins stay in force until the new sets are read
-            if not wanted:
-                self.declare_pins([])
+            await current.stop()  # the ledger's pins stay in force, with image sets off too
         if wanted:
             from ..imagesets.manager import ImageSets
 
             if cfg.image_sets.dir:  # the directory's first read sets the pins and opens the gate; the
                 self.images.expect_declared_pins()  # cluster's state file is read before serving (below)
             self.image_sets = ImageSets(cfg.image_sets, self.upstream, self.scheduler, self.metrics,
-                                        on_pins=self.declare_pins, pins=lambda: self.images.pins,
+                                        on_pins=self.declare_pins, ledger=self.ledger, pins=lambda: self.images.pins,
                                         handler_for=self.handlers.for_prefetch, set_credentials=self._set_credentials)
             self.image_sets.load_state()
             await self._start_cluster(cfg)
@@ -214,6 +216,9 @@ class App:
         if self.cfg.server.admin_socket:
             self.admin = AdminServer(self.cfg.server.admin_socket, self.status)
             await self.admin.start()
+        self.ledger.load()  # before serving: the pins of every set in the ledger hold from the first call
+        if len(self.ledger):
+            self.declare_pins(self.ledger.snapshot())
         await self._apply_image_sets(self.cfg)
 
     def status(self) -> dict[str, Any]:
@@ -223,6 +228,8 @@ class App:
 
     async def reload(self, cfg: Config) -> None:
         self._configure(cfg)
+        self.ledger.relocate(cfg.pins.ledger_file)
+        self.ledger.schedule_save()
         self.router.set_table(self.table())
         self.router.set_allowed_services(cfg.server.allowed_services)
         await self._apply_image_sets(cfg)
@@ -237,6 +244,7 @@ class App:
         await self._stop_cluster()
         if self.image_sets is not None:
             await self.image_sets.stop()
+        await self.ledger.flush()
         await self.progress.close()
         if self.admin is not None:
             await self.admin.close()

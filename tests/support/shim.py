@@ -86,11 +86,15 @@ def socket_accepts(path: str | os.PathLike[str], timeout: float = 0.5) -> bool:
 
 def with_state_file(settings: Mapping[str, Any], directory: str | os.PathLike[str]) -> dict[str, Any]:
     """``settings`` with ``image_sets.state_file`` in ``directory`` when it has an image-set
-    directory and no state file: a test shim never writes the node's /var/lib/cri-shim."""
+    directory and no state file, and ``pins.ledger_file`` there when it has none: a test shim
+    never reads or writes the node's /var/lib/cri-shim."""
     data = dict(settings)
     sets = data.get("image_sets")
     if isinstance(sets, Mapping) and sets.get("dir") and "state_file" not in sets:
         data["image_sets"] = {**sets, "state_file": str(Path(directory) / "file-sets.json")}
+    pins = data.get("pins")
+    if pins is None or (isinstance(pins, Mapping) and "ledger_file" not in pins):
+        data["pins"] = {**(pins or {}), "ledger_file": str(Path(directory) / "pins.json")}
     return data
 
 

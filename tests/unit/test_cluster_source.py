@@ -108,9 +108,11 @@ class FakeSets:
         self.overrides: dict[str, Any] = {}
         self.retries = 0
 
-    def set_source(self, name: str, sets: dict[str, Any], *, held_pins: list[tuple[str, str]] | None = None) -> None:
+    def set_source(self, name: str, sets: dict[str, Any], *, held: dict[str, Any] | None = None,
+                   **ledger_facts: Any) -> None:
         self.sources[name] = sets
-        self.held_pins = held_pins or []
+        self.held = held or {}
+        self.ledger_facts = ledger_facts  # uids, fresh, present, decided: what the pin ledger reads
 
     def set_overrides(self, **o: Any) -> None:
         self.overrides = o

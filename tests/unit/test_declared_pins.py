@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from shim.imagesets import declared_pins
-from shim.imagesets.declared_pins import DeclaredPins
+from shim.pins import declared_pins
+from shim.pins.declared_pins import DeclaredPins
 
 
 def test_a_name_two_sets_pin_stays_pinned_until_both_let_go() -> None:

@@ -28,7 +28,8 @@ async def start_runtime(tmp_path: Path) -> tuple[FakeRuntime, FakeImages]:
 
 def settings(directory: Path, **extra) -> dict:
     return {"image_sets": {"dir": str(directory), "debounce_seconds": 0.05, "retry_initial_seconds": 0.05,
-                           "retry_max_seconds": 0.1, "state_file": str(directory.parent / "file-sets.json"), **extra}}
+                           "retry_max_seconds": 0.1, "state_file": str(directory.parent / "file-sets.json"), **extra},
+            "pins": {"ledger_file": str(directory.parent / "pins.json")}}
 
 
 async def listed_pins(ch: grpc.aio.Channel) -> dict[str, bool]:
@@ -112,7 +113,8 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
             assert app.scheduler.background_max_parallel == 3
             assert app.image_sets is not None and app.image_sets.reconciler.cfg.cooldown_seconds == 0.5
 
-            # a new dir: the old declared pins stay until it is read, and removals wait for it
+            # a new dir: removals wait for it to be read; the old dir's sets stay in the pin ledger (no
+            # source confirms they are gone: a reload never unpins)
             scans = HeldScans(monkeypatch)
             await app.reload(config_mod.from_dict({**settings(second), "listen": shim.endpoint,
                                                    "upstream": rt.endpoint}))
@@ -124,12 +126,15 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
                 scans.release.set()
                 assert (await early)[0] is grpc.StatusCode.FAILED_PRECONDITION  # pinned by the new dir
             await eventually(lambda: "two" in app.image_sets_status().get("sets", {}))
-            assert app.images.pins.match(["registry.local/a:1"]) is None
+            assert app.images.pins.match(["registry.local/a:1"]) is not None  # "one", kept by the ledger
             assert app.images.pins.match(["registry.local/b:1"]) is not None
+            assert app.image_sets_status()["pin_ledger"]["pinned_not_in_force"] == ["one"]
 
-            await app.reload(config_mod.from_dict({"listen": shim.endpoint, "upstream": rt.endpoint}))
+            await app.reload(config_mod.from_dict({"listen": shim.endpoint, "upstream": rt.endpoint,
+                                                   "pins": settings(second)["pins"]}))
             assert app.image_sets_status() == {"enabled": False}
-            assert not app.images.pins  # nothing pinned any more
+            assert {e.name for e in app.ledger} == {"one", "two"}  # image sets off: the pins stay
+            assert app.images.pins.match(["registry.local/b:1"]) is not None
             assert store.has("registry.local/a:1") and store.has("registry.local/b:1")
     finally:
         await rt.stop()

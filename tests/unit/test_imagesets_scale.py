@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Mapping
 
 import grpc
 
@@ -133,13 +132,12 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
 
 # ------------------------------------------------------------------ counts kept as they change
 
-def _reconciler(**cfg: object) -> tuple[Reconciler, list[Mapping[str, str]]]:
+def _reconciler(**cfg: object) -> tuple[Reconciler, None]:
     config = ImageSetsConfig(docker_config=(), **cfg)  # type: ignore[arg-type]
-    pins: list[Mapping[str, str]] = []
     metrics = Metrics()
     rec = Reconciler(config, None, PullScheduler(4, 2, observers=[metrics]), metrics,  # type: ignore[arg-type]
-                     on_pins=pins.append, credentials=DockerConfigFiles(()))
-    return rec, pins
+                     credentials=DockerConfigFiles(()))
+    return rec, None
 
 
 def _set(name: str, refs: list[str], generation: str = "1", pin: bool = False) -> ImageSet:
@@ -161,33 +159,6 @@ def test_counts_follow_set_edits_and_shared_images_count_once_in_total() -> None
     rec.set_sets({"a": _set("a", ["r/x:1", "r/v:1"], "2")})
     snap = rec.snapshot()
     assert list(snap.sets) == ["a"] and snap.totals.declared == 2 and snap.totals.unknown == 2
-
-
-def test_pins_follow_pinned_set_edits_by_the_change() -> None:
-    """Two pinned sets share a name, a keep-present set declares another: the pins handed out are
-    exactly the pinned sets' names, each protected by a set that pins it; an edit changes only what
-    it changes (the index moves by the names added and dropped, not by the set's size); a change
-    that touches no pin hands nothing out."""
-    rec, pins = _reconciler()
-    big = [f"r/p{i}:1" for i in range(10_000)]
-    rec.set_sets({"a": _set("a", big, pin=True), "b": _set("b", ["r/p7:1", "r/b:1"], pin=True),
-                  "keep": _set("keep", ["r/k:1"])})
-    assert len(pins) == 1 and len(pins[-1]) == 10_001 and pins[-1]["r/p7:1"] == "a" and "r/k:1" not in pins[-1]
-    before = rec._pin_index.version
-    edited = big[10:] + ["r/new0:1", "r/new1:1"]  # 10 dropped (r/p7:1 among them), 2 added
-    rec.set_sets({"a": _set("a", edited, "2", pin=True), "b": _set("b", ["r/p7:1", "r/b:1"], pin=True),
-                  "keep": _set("keep", ["r/k:1"])})
-    assert rec._pin_index.version - before == 12  # 10 removed (one moving to b) + 2 added
-    latest = pins[-1]
-    assert len(latest) == 10_000 - 10 + 1 + 2 + 1  # r/p7:1 stays: b pins it
-    assert latest["r/p7:1"] == "b" and "r/p0:1" not in latest and latest["r/new1:1"] == "a"
-    assert pins[0]["r/p7:1"] == "a" and "r/new1:1" not in pins[0]  # what was handed out earlier does not move
-    count = len(pins)
-    rec.set_sets({"a": _set("a", edited, "3", pin=True), "b": _set("b", ["r/p7:1", "r/b:1"], pin=True),
-                  "keep": _set("keep", ["r/k:1", "r/k2:1"], "2")})
-    assert len(pins) == count  # a new generation with the same names, a keep-present edit: no new pins
-    rec.set_sets({"a": _set("a", edited, "4", pin=False), "keep": _set("keep", ["r/k:1"])})
-    assert pins[-1] == {}  # a stopped pinning, b removed
 
 
 def test_an_edit_of_a_large_set_applies_exactly_what_changed() -> None:
