@@ -276,6 +276,8 @@ class PinLedger:
                 await asyncio.to_thread(self.save_now)
             except OSError as e:
                 self._failed(e)
+                return
+            self.error = ""
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"file": self.path, "sets": len(self._entries), "images": len(self._index)}

@@ -1,8 +1,9 @@
 """image_sets.state_file across a restart of the shim process: a set declared in a file of
 image_sets.dir, the file made invalid while the shim was down, the shim started again: the
 set's pinned image is refused removal from the first RemoveImage, and `cri-shim status` names
-the file's error and says its saved version is in force. Without a state file the same
-restart loses the set and the image is removed (what the state file is for)."""
+the file's error and says its saved version is in force. Without a state file the pin ledger
+(pins.ledger_file) still keeps the pin, though the set is not in force (nothing is prefetched);
+without either, the same restart loses the set and the image is removed (what they are for)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ async def eventually(predicate: Any, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("keep_state", [True, False], ids=["state-file", "no-state-file"])
+@pytest.mark.parametrize("keep_state,keep_ledger", [(True, True), (False, True), (False, False)],
+                         ids=["state-file", "ledger-only", "neither"])
 async def test_restart_with_the_set_file_made_invalid_keeps_its_pins_from_the_first_call(
-        runtime: FakeRuntime, short_tmp: Path, keep_state: bool) -> None:
+        runtime: FakeRuntime, short_tmp: Path, keep_state: bool, keep_ledger: bool) -> None:
     store = FakeImageStore([StoredImage(image_id(1), [PINNED]), StoredImage(image_id(2), [OTHER])])
     store.install(runtime)
     sets, admin = short_tmp / "sets", short_tmp / "admin.sock"
@@ -70,7 +72,7 @@ async def test_restart_with_the_set_file_made_invalid_keeps_its_pins_from_the_fi
     state_file = short_tmp / "state" / "file-sets.json"  # its directory made by the shim
     settings = {"image_sets": {"dir": str(sets), "debounce_seconds": 0.05,
                                "state_file": str(state_file) if keep_state else ""},
-                "server": {"admin_socket": str(admin)}}
+                "server": {"admin_socket": str(admin)}, **({} if keep_ledger else {"pins": {"ledger_file": ""}})}
     shim = new_shim(runtime.endpoint, short_tmp / "w", settings)
     await shim.astart()
     try:
@@ -87,8 +89,13 @@ async def test_restart_with_the_set_file_made_invalid_keeps_its_pins_from_the_fi
         await shim.astart()
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             code, details = await remove(ch, PINNED)  # the first call after the start
-            if not keep_state:  # the gap the state file closes: the set is gone, its image removed
+            if not keep_ledger:  # the gap they close: the set is gone, its image removed
                 assert code is grpc.StatusCode.OK and store.resolve(PINNED) is None
+                return
+            if not keep_state:  # the ledger keeps the pin; the set itself is not in force
+                assert code is grpc.StatusCode.FAILED_PRECONDITION and "pinned by image set 'release'" in details
+                doc = json.loads(await cri_shim_status(admin, "--json"))["image_sets"]
+                assert "release" not in doc["sets"] and doc["pin_ledger"]["pinned_not_in_force"] == ["release"]
                 return
             assert code is grpc.StatusCode.FAILED_PRECONDITION and "pinned by image set 'release'" in details
             assert (await remove(ch, image_id(1)))[0] is grpc.StatusCode.FAILED_PRECONDITION  # by ID too
