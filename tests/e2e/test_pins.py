@@ -251,9 +251,9 @@ def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(cri_runtime:
     assert straddled >= RACE_TRIALS // 2, f"only {straddled} trials had a remove before and after the pull landed"
 
 
-def remove_all_unpinned_then(socket_path: str, names: list[str]) -> dict:
-    """(Runs as any uid.) RemoveImage, through the shim, of every image it lists unpinned (by ID),
-    then of each of ``names``; the answers as [code, details, response hex]. (grpc.aio: the
+def remove_all_unpinned_then(socket_path: str, first: list[str], names: list[str]) -> dict:
+    """(Runs as any uid.) RemoveImage, through the shim, of each of ``first``, of every image it then
+    lists unpinned (by ID), then of each of ``names``; the answers as [code, details, response hex]. (grpc.aio: the
     synchronous channel imports a module the other uid cannot read.)"""
     async def run() -> dict:
         async with grpc.aio.insecure_channel(cri.target(socket_path)) as ch:
@@ -264,11 +264,12 @@ def remove_all_unpinned_then(socket_path: str, names: list[str]) -> dict:
                     return [e.code().name, e.details(), ""]
                 return ["OK", "", response.hex()]
 
+            before = [await answer("RemoveImage", cri.remove_image_request(n)) for n in first]
             listed = await answer("ListImages", cri.list_images_request())
             images = cri.decode_list_images_response(bytes.fromhex(listed[2]))
             unpinned = [await answer("RemoveImage", cri.remove_image_request(i.id)) for i in images if not i.pinned]
             named = [await answer("RemoveImage", cri.remove_image_request(n)) for n in names]
-            return {"unpinned": unpinned, "named": named}
+            return {"before": before, "unpinned": unpinned, "named": named}
 
     return asyncio.run(run())
 
@@ -290,14 +291,17 @@ def test_empty_name_and_shortened_ids_never_remove_the_pinned_image(ctd_socket, 
     with shared_dir() as d:  # uid 65534 reaches the socket through its group
         shim = new_shim(ctd_socket, tmp_path / "shim", settings, listen_path=d / "shim.sock").start()
         try:
-            got = run_as(NOBODY, remove_all_unpinned_then, shim.path, names, timeout=60)
+            got = run_as(NOBODY, remove_all_unpinned_then, shim.path, [""], names, timeout=60)
         finally:
             shim.stop()
 
-    assert [code for code, _, _ in got["unpinned"]] == ["OK", "OK"], got
-    empty, short, short_sha, one_digit = got["named"]
     missing = cri.call(ctd_socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
-    assert missing.ok and (empty[0], empty[2]) == ("OK", (missing.response or b"").hex())  # as a missing image
+    assert missing.ok
+    as_missing = ["OK", "", (missing.response or b"").hex()]
+    assert got["before"] == [as_missing], got  # "" among three images (containerd: "ambiguous")
+    assert [code for code, _, _ in got["unpinned"]] == ["OK", "OK"], got  # both were still there
+    empty, short, short_sha, one_digit = got["named"]
+    assert empty == as_missing, got  # "" beside the pinned image alone
     for code, details, _ in (short, short_sha, one_digit):
         assert code == "FAILED_PRECONDITION" and pinned.image_id in details, got
     assert not present_at(ctd_socket, a.ref) and not present_at(ctd_socket, b.ref)
