@@ -12,7 +12,8 @@ The child imports only the loader (about 21 MiB RSS), runs ``NICE`` levels below
 busy node the CPU goes to the event loop first, so relayed calls do not queue behind a parse),
 keeps the normalized names of the last file it parsed (an edit of it normalizes only the names
 it adds), and exits after ``IDLE_SECONDS`` without a request (it is started again for the next
-changed file).
+changed file). A thread of the shim waits for each child (one, while it lives) and reaps it as it
+exits, closing its pipes: an idle exit (or any other) leaves no zombie and no open pipe behind.
 If it cannot be started, files are parsed in the calling thread, as without it. If it dies
 while parsing (libyaml's crash on hostile input, the OOM killer), the text is tried once more
 in a new child; a second death refuses the file with the reason (its previous content stays
@@ -165,7 +166,20 @@ class ParseProcess:
             return None
         self.start_error = ""
         self.started += 1
+        try:
+            threading.Thread(target=self._reap_when_it_exits, args=(self._proc,), name="yaml-parser-reaper",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to spare: reaped at its next use or at close, as a dead child is
+            pass
         return self._proc
+
+    def _reap_when_it_exits(self, proc: subprocess.Popen[bytes]) -> None:
+        """(The child's own thread.) Wait for it to exit (idle, killed, crashed), which reaps it; then
+        close its pipes, unless a parse or ``close`` has already (or a new child has taken its place)."""
+        proc.wait()
+        with self._lock:
+            if self._proc is proc:
+                self._reap()
 
     def _reap(self) -> int | None:
         """Close the pipes of the child (killed if still running); its exit status."""

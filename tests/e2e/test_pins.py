@@ -1,6 +1,7 @@
 """Pinned images end to end: the shim as a process in front of real containerd.
 
-A pinned image survives RemoveImage by tag, by digest and by ID, and ``crictl rmi``;
+A pinned image survives RemoveImage by tag, by digest and by ID, by a shortened ID and by
+``""`` (which containerd resolves to its only image), and ``crictl rmi``;
 ListImages/ImageStatus and ``crictl images --pinned`` show it pinned; an unpinned
 image is removable; a reload (SIGHUP or a change of the config file) that unpins
 makes it removable, and a bad new config keeps the pins in force.
@@ -8,12 +9,14 @@ makes it removable, and a bad new config keeps the pins in force.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -24,6 +27,8 @@ from tests.support.containerd import Containerd
 from tests.support.crictl import Crictl
 from tests.support.fixtures import CRIO, RUNTIMES, CriRuntime
 from tests.support.oci import PushedImage
+from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
+from tests.support.shim import new_shim
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
@@ -41,7 +46,11 @@ def pull(runtime: Containerd | CriRuntime, img: PushedImage) -> None:
 
 def present(runtime: Containerd | CriRuntime, name: str) -> bool:
     """Asked of the runtime itself, not through the shim."""
-    res = cri.call(runtime.socket, "ImageStatus", cri.image_status_request(name))
+    return present_at(runtime.socket, name)
+
+
+def present_at(socket_path: str | Path, name: str) -> bool:
+    res = cri.call(socket_path, "ImageStatus", cri.image_status_request(name))
     return cri.decode_image_status_response(res.unwrap()) is not None
 
 
@@ -240,3 +249,88 @@ def test_remove_racing_a_direct_pull_never_removes_the_pinned_image(cri_runtime:
             removed += not present(cri_runtime, img.ref)
     assert removed == 0, f"{removed} of {RACE_TRIALS} pulls removed"
     assert straddled >= RACE_TRIALS // 2, f"only {straddled} trials had a remove before and after the pull landed"
+
+
+def remove_all_unpinned_then(socket_path: str, first: list[str], names: list[str]) -> dict:
+    """(Runs as any uid.) RemoveImage, through the shim, of each of ``first``, of every image it then
+    lists unpinned (by ID), then of each of ``names``; the answers as [code, details, response hex]. (grpc.aio: the
+    synchronous channel imports a module the other uid cannot read.)"""
+    async def run() -> dict:
+        async with grpc.aio.insecure_channel(cri.target(socket_path)) as ch:
+            async def answer(method: str, request: bytes) -> list:
+                try:
+                    response = await ch.unary_unary(cri.method_path(method))(request, timeout=30)
+                except grpc.aio.AioRpcError as e:
+                    return [e.code().name, e.details(), ""]
+                return ["OK", "", response.hex()]
+
+            before = [await answer("RemoveImage", cri.remove_image_request(n)) for n in first]
+            listed = await answer("ListImages", cri.list_images_request())
+            images = cri.decode_list_images_response(bytes.fromhex(listed[2]))
+            unpinned = [await answer("RemoveImage", cri.remove_image_request(i.id)) for i in images if not i.pinned]
+            named = [await answer("RemoveImage", cri.remove_image_request(n)) for n in names]
+            return {"before": before, "unpinned": unpinned, "named": named}
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("ctd_socket", ["containerd-1.6", "containerd-2.x"], indirect=True)
+def test_empty_name_and_shortened_ids_never_remove_the_pinned_image(ctd_socket, make_image, tmp_path,
+                                                                    engine) -> None:
+    """issue 44: containerd (1.6 and 2.x) resolves a name that is no reference by its short-ID index,
+    where "" is a prefix of every ID: "ambiguous" while it holds two images, *the* image once it holds
+    one. A client of another uid removes the unpinned images (allowed), then asks for "" and for
+    shortened IDs of the pinned one: 0 pinned images removed; "" is answered as a missing image."""
+    require_root()
+    pinned, a, b = make_image(), make_image(), make_image()
+    for img in (pinned, a, b):
+        assert cri.call(ctd_socket, "PullImage", cri.pull_image_request(img.ref), timeout=60).ok
+    hex_ = pinned.image_id.removeprefix("sha256:")
+    names = ["", hex_[:12], f"sha256:{hex_[:12]}", hex_[:1]]
+    settings = {"server": {"engine": engine, "socket_group": str(NOBODY)}, "pins": {"images": [pinned.ref]}}
+    with shared_dir() as d:  # uid 65534 reaches the socket through its group
+        shim = new_shim(ctd_socket, tmp_path / "shim", settings, listen_path=d / "shim.sock").start()
+        try:
+            got = run_as(NOBODY, remove_all_unpinned_then, shim.path, [""], names, timeout=60)
+        finally:
+            shim.stop()
+
+    missing = cri.call(ctd_socket, "RemoveImage", cri.remove_image_request("example.invalid/nothing:here"))
+    assert missing.ok
+    as_missing = ["OK", "", (missing.response or b"").hex()]
+    assert got["before"] == [as_missing], got  # "" among three images (containerd: "ambiguous")
+    assert [code for code, _, _ in got["unpinned"]] == ["OK", "OK"], got  # both were still there
+    empty, short, short_sha, one_digit = got["named"]
+    assert empty == as_missing, got  # "" beside the pinned image alone
+    for code, details, _ in (short, short_sha, one_digit):
+        assert code == "FAILED_PRECONDITION" and pinned.image_id in details, got
+    assert not present_at(ctd_socket, a.ref) and not present_at(ctd_socket, b.ref)
+    assert present_at(ctd_socket, pinned.ref)  # 0 pinned images removed
+    # what the shim kept from happening: the runtime itself removes its only image for ""
+    assert cri.call(ctd_socket, "RemoveImage", cri.remove_image_request("")).ok
+    assert not present_at(ctd_socket, pinned.ref)
+
+
+@pytest.mark.parametrize("cri_runtime", [CRIO], indirect=True)
+def test_empty_name_and_a_shortened_id_on_crio(cri_runtime: CriRuntime, make_image, registry, shim_factory,
+                                               engine) -> None:
+    """CRI-O answers RemoveImage("") with an error and removes nothing; the shim (with pins) answers it as
+    a missing image without asking. A shortened ID of an unpinned image with two tags goes on as the full
+    ID: the whole image is removed, as CRI-O itself removes it for the prefix; of the pinned one: refused."""
+    pinned, two_tags = make_image(), make_image()
+    second = registry.push(two_tags.image, two_tags.repository, "v2")
+    for img in (pinned, two_tags, second):
+        pull(cri_runtime, img)
+    shim = shim_factory({"server": {"engine": engine}, "pins": {"images": [pinned.ref]}}, upstream=cri_runtime.socket)
+
+    direct = cri.call(cri_runtime.socket, "RemoveImage", cri.remove_image_request(""))
+    assert not direct.ok and "no image specified" in (direct.details or ""), direct
+    via = remove(shim, "")
+    assert via.ok and via.response == b"", via
+
+    short = cri_runtime.image_id(two_tags)[:12]
+    assert remove(shim, short).ok
+    assert not present(cri_runtime, two_tags.ref) and not present(cri_runtime, second.ref)
+    refused = remove(shim, cri_runtime.image_id(pinned)[:12])
+    assert refused.code is grpc.StatusCode.FAILED_PRECONDITION, refused
+    assert present(cri_runtime, pinned.ref)

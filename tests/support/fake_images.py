@@ -3,15 +3,20 @@ StreamImages and RemoveImage answer like containerd's CRI plugin does.
 
 ImageStatus resolves a tag, a digest reference or an ID (``nginx`` means
 ``docker.io/library/nginx:latest``); a missing image is an empty response, not an
-error. RemoveImage removes every name of the image; removing an unknown image
-succeeds. Responses are the runtime's own bytes: ``extra`` bytes (e.g. unknown
-fields) appended to an image's encoding are kept, so tests can check they survive.
+error. A name that finds no image that way goes, as in containerd's LocalResolve, to
+its short-ID index: a prefix of the hex digits of one ID (``""`` is a prefix of every
+one) is that image, of several an UNKNOWN error ("ambiguous"). RemoveImage removes
+every name of the image; removing an unknown image succeeds. Responses are the
+runtime's own bytes: ``extra`` bytes (e.g. unknown fields) appended to an image's
+encoding are kept, so tests can check they survive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+
+import grpc
 
 from shim import reference
 from shim.cri import protowire as wire
@@ -38,6 +43,10 @@ class StoredImage:
         return {self.id, *self.tags, *self.digests}
 
 
+class AmbiguousName(Exception):
+    """More than one image has an ID that starts with the name (containerd: ErrDigestAmbiguous)."""
+
+
 def image_id(n: int) -> str:
     return "sha256:" + f"{n:x}".rjust(64, "0")
 
@@ -60,7 +69,20 @@ class FakeImageStore:
         for img in self.images:
             if key in img.names() or name in img.names():
                 return img
-        return None
+        hex_prefix = name[len("sha256:"):] if name.startswith("sha256:") and name != "sha256:" else name
+        if not set(hex_prefix) <= set("0123456789abcdef"):
+            return None
+        by_prefix = [img for img in self.images if img.id.removeprefix("sha256:").startswith(hex_prefix)]
+        if len(by_prefix) > 1:
+            raise AmbiguousName(name)
+        return by_prefix[0] if by_prefix else None
+
+    async def _resolve_or_abort(self, name: str, context: Any) -> StoredImage | None:
+        try:
+            return self.resolve(name)
+        except AmbiguousName:
+            await context.abort(grpc.StatusCode.UNKNOWN, f'can not resolve "{name}" locally: ambiguous digest string')
+            raise
 
     def install(self, runtime: Any) -> None:
         runtime.unary[SVC + "ImageStatus"] = self._status
@@ -73,7 +95,7 @@ class FakeImageStore:
 
     async def _status(self, request: bytes, context: Any) -> bytes:
         req = api_pb2.ImageStatusRequest.FromString(request)
-        img = self.resolve(req.image.image)
+        img = await self._resolve_or_abort(req.image.image, context)
         if img is None:
             return b""
         info = b"".join(wire.len_field(2, wire.string_field(1, k) + wire.string_field(2, v))
@@ -85,7 +107,7 @@ class FakeImageStore:
 
     async def _remove(self, request: bytes, context: Any) -> bytes:
         req = api_pb2.RemoveImageRequest.FromString(request)
-        img = self.resolve(req.image.image)
+        img = await self._resolve_or_abort(req.image.image, context)
         if img is not None:
             self.images.remove(img)
         return b""

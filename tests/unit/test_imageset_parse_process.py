@@ -97,10 +97,44 @@ def test_a_dead_child_is_replaced_and_a_file_that_kills_it_twice_is_refused(tmp_
         parser.close()
 
 
+def idle_after(seconds: float) -> list[str]:
+    """A child that exits after ``seconds`` without a request."""
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.getcwd()!r}); "
+            f"from shim.imagesets.parse_process import serve; serve(idle_seconds={seconds})"]
+
+
+def child_state(pid: int) -> str | None:
+    """The state letter (``Z``: a zombie) of our child ``pid``; None once it is no child of ours."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    state, ppid = stat.rpartition(")")[2].split()[:2]
+    return state if int(ppid) == os.getpid() else None
+
+
+def test_an_idle_child_is_reaped_as_it_exits() -> None:
+    """issue 44: the child that exited when idle stayed a zombie until the next file. Nothing here asks
+    the parser anything after the first file: the child is gone by itself, its pipes closed."""
+    parser = ParseProcess(command=idle_after(0.2))
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        assert parser.parse(own_set("a", "nginx:1"), "a.yaml")[0].name == "a"
+        child = parser.pid
+        assert child is not None and child_state(child) not in (None, "Z")
+        deadline = time.monotonic() + 30
+        while (state := child_state(child)) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state is None, f"the idle child is still there, state {state}"
+        with pytest.raises(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)  # no child of ours to reap: reaped already
+        assert len(os.listdir("/proc/self/fd")) == fds  # its pipes closed too
+    finally:
+        parser.close()
+
+
 def test_an_idle_child_exits_and_the_next_file_starts_another(tmp_path: Path) -> None:
-    idle = [sys.executable, "-c", f"import sys; sys.path.insert(0, {os.getcwd()!r}); "
-            "from shim.imagesets.parse_process import serve; serve(idle_seconds=0.2)"]
-    parser = ParseProcess(command=idle)
+    parser = ParseProcess(command=idle_after(0.2))
     try:
         assert parser.parse(own_set("a", "nginx:1"), "a.yaml")[0].name == "a"
         first = parser.pid

@@ -165,6 +165,47 @@ async def test_unknown_image_is_answered_as_the_runtime_would_and_never_sent_on(
     assert store.resolve("ghost:1") is not None
 
 
+async def test_an_empty_name_is_answered_as_a_missing_image_and_never_sent_on(serve, runtime, store) -> None:
+    """containerd resolves "" by its short-ID index: *the* image while it holds one (issue 44). Through
+    the shim nothing is looked up or removed; sent to the runtime itself, the same request removes it."""
+    store.images[:] = [nginx()]  # pinned, and the only image left
+    async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            answer = await ch.unary_unary(REMOVE)(remove_request(""), timeout=5)
+        assert denied(shim) == 0
+    assert answer == b""  # as the runtime answers a missing image
+    assert runtime.calls("ImageStatus") == [] and runtime.calls("RemoveImage") == []
+    assert store.resolve(image_id(1)) is not None
+    async with grpc.aio.insecure_channel(runtime.endpoint) as ch:  # what the shim keeps from happening
+        await ch.unary_unary(REMOVE)(remove_request(""), timeout=5)
+    assert store.resolve(image_id(1)) is None
+
+
+PINNED_ID, FREE_ID = "sha256:" + "5e" * 32, "sha256:" + "5f" * 32
+
+
+async def test_a_shortened_id_is_checked_as_the_image_it_resolves_to(serve, runtime, store) -> None:
+    """A prefix of an ID (``crictl rmi 5e5e5e``): refused when it resolves to a pinned image, the
+    runtime's own error when it matches two, and removed by the full ID when it resolves to an unpinned one."""
+    store.images[:] = [StoredImage(PINNED_ID, ["quay.io/org/pinned:1"]), StoredImage(FREE_ID, ["quay.io/org/free:1"])]
+    async with serve(runtime.endpoint, {"pins": {"images": ["quay.io/org/pinned:1"]}}) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            for name in ("5e5e5e", "sha256:5e5e5e"):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await remove(ch, name)
+                assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+                assert PINNED_ID in refused.value.details() and "quay.io/org/pinned:1" in refused.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as ambiguous:
+                await remove(ch, "5")
+            assert (ambiguous.value.code(), ambiguous.value.details()) == \
+                (grpc.StatusCode.UNKNOWN, 'can not resolve "5" locally: ambiguous digest string')
+            await remove(ch, "5f5f")
+        assert denied(shim) == 2
+    sent = [api_pb2.RemoveImageRequest.FromString(r.request).image.image for r in runtime.calls("RemoveImage")]
+    assert sent == [FREE_ID]
+    assert store.resolve(PINNED_ID) is not None and store.resolve(FREE_ID) is None
+
+
 async def test_failed_lookup_removes_nothing(serve, runtime, store) -> None:
     runtime.unary[SVC + "ImageStatus"] = (grpc.StatusCode.UNAVAILABLE, "runtime restarting", ())
     async with serve(runtime.endpoint, {"pins": {"images": ["nginx"]}}) as shim:
@@ -361,6 +402,9 @@ async def test_request_with_a_group_field_is_still_checked(serve, runtime, store
     ("1" * 64, ["a:1"], "a:1", "1" * 64),  # CRI-O, the image's only tag: by ID
     ("1" * 64, ["a:1", "a:2"], "a:1", "a:1"),  # CRI-O untags one tag of several: the name stays
     ("1" * 64, ["a:1", "a:2"], f"a@{D_APP}", "1" * 64),  # a digest names the whole image
+    ("1" * 64, ["a:1", "a:2"], "1" * 12, "1" * 64),  # CRI-O deletes the image a shortened ID names: by ID
+    ("1" * 64, ["docker.io/library/111:latest", "a:2"], "111", "111"),  # a tag that looks like one stays a tag
+    (image_id(1), ["a:1", "a:2"], "0" * 12, image_id(1)),  # containerd: by ID as always
 ])
 def test_removal_names_the_checked_image_as_the_runtime_would_remove_it(image_id_, tags, name, sent) -> None:
     request = remove_request(name, runtime_handler="kata") + UNKNOWN_FIELD
