@@ -4,7 +4,16 @@ by that node's shim with server-side apply (field manager ``cri-shim``).
 Writes are coalesced: the document is rebuilt at most every ``cluster.status_interval_seconds``
 and sent only when it differs from the last one written, so a node at rest writes nothing and a
 busy node at most one request per interval. A failed write is retried at the next interval
-(the status catches up once the API server is back). The document is built once per interval at
+(the status catches up once the API server is back).
+
+The object is restored: the shim watches its own object (list + watch, ``fieldSelector
+metadata.name=<node>``) and, at the next interval, writes its document again when the object is
+gone (deleted by hand, or with its Node and then re-created) or holds other content than the API
+server answered to the last write (another writer changed it); so a node at rest is back within
+``cluster.status_interval_seconds``. A watch that RBAC refuses (403: an older role without
+``list``/``watch`` on ``nodeimagesetstatuses``) is said once, and the shim writes as before.
+Each write reads the API server's answer, 201 (created) as 200, so the object's uid is known from
+the first write on and the Events of that first write are sent. The document is built once per interval at
 most (costing the number of sets, never of images), not per image event. Failures also become
 Warning Events on the status object, at most one per set and reason every
 ``cluster.event_interval_seconds``, and bounded per node as kubelet's are (events.py).
@@ -33,10 +42,12 @@ waiting one, ``reason: AwaitingGrant`` (not a failure).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections import Counter
-from typing import Any, Callable
+from functools import partial
+from typing import Any, Callable, Mapping
 
 from kubernetes_asyncio.client import CoreV1Api, CustomObjectsApi
 
@@ -47,7 +58,7 @@ from ..pulls.poller import ProgressPoller
 from ..reference import pull_name
 from . import aggregate
 from .events import EventRecorder, timestamp
-from .informer import describe
+from .informer import Informer, describe, open_response
 from .objects import AWAITING_GRANT, FIELD_MANAGER, INVALID_SET, NODE_STATUS, Refused
 from .source import ClusterSource
 
@@ -62,6 +73,11 @@ _EVENT_REASON = {INVALID_SET: "ImageSetInvalid", SECRET_UNAVAILABLE: "ImageSetPu
 def _generation(value: str) -> int:
     """A generation as written in a row ("" or not a number: 0)."""
     return int(value) if value.isdigit() else 0
+
+
+def held(obj: Mapping[str, Any]) -> tuple[Any, Any]:
+    """What of a stored status object this node writes and compares: its status and owner."""
+    return obj.get("status"), (obj.get("metadata") or {}).get("ownerReferences")
 
 
 class NodeReport:
@@ -91,8 +107,12 @@ class NodeReport:
         self.write_errors = 0
         self.error = ""
         self.uid = ""
+        self.stored: dict[str, Any] | None = None  # the API server's answer to the last write
+        self.restores = 0  # writes again because the object was deleted or changed by another writer
+        self.own: Informer | None = None  # this node's own status object, watched
         self._event_at: dict[tuple[str, str], float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._own_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ the document
 
@@ -267,16 +287,39 @@ class NodeReport:
 
     # ------------------------------------------------------------------ writing
 
+    def restore_due(self) -> str:
+        """Why the last document written must be written again ("" when the API server holds it):
+        the object is gone, or another writer changed what this node wrote. Read from the watch of
+        the object (nothing known before it lists: "")."""
+        inf = self.own
+        if inf is None or not inf.synced or self.stored is None:
+            return ""
+        obj = inf.items.get(self.source.node_name)
+        if obj is None:
+            return "deleted"
+        rv = (obj.get("metadata") or {}).get("resourceVersion")
+        if rv == (self.stored.get("metadata") or {}).get("resourceVersion") or held(obj) == held(self.stored):
+            return ""
+        return "changed by another writer"
+
     async def write(self, custom: CustomObjectsApi) -> bool:
-        """Apply the document when it changed since the last write. True when written."""
+        """Apply the document when it changed since the last write, or when the object no longer
+        holds what was written (restore_due). True when written."""
         doc = self.document()
-        if doc == self.last_written:
+        restore = self.restore_due()
+        if doc == self.last_written and not restore:
             return False
         try:
-            resp = await custom.patch_cluster_custom_object(  # type: ignore[call-arg]  # .pyi lacks _content_type
+            # the answer read as it comes: the client's model has no type for 201 (created) and
+            # would return no body, leaving the object's uid unknown (no Event) after a first write
+            resp = await open_response(await custom.patch_cluster_custom_object(  # type: ignore[call-arg]
                 NODE_STATUS.group, NODE_STATUS.version, NODE_STATUS.plural, self.source.node_name, doc,
                 field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
-                _request_timeout=self.request_timeout)
+                _preload_content=False, _request_timeout=self.request_timeout))
+            try:
+                stored = json.loads(await resp.read())
+            finally:
+                resp.release()
         except Exception as e:
             self.write_errors += 1
             err = describe(e)
@@ -287,15 +330,21 @@ class NodeReport:
             return False
         if self.error:
             logs.log(_log, logging.INFO, "image set status written again")
+        elif restore:
+            self.restores += 1
+            logs.log(_log, logging.WARNING, "this node's image set status object was " + restore + "; written again",
+                     node=self.source.node_name)
         self.error = ""
-        self.written(doc, (resp.get("metadata") or {}).get("uid", "") if isinstance(resp, dict) else "")
+        self.written(doc, str((stored.get("metadata") or {}).get("uid") or ""), stored)
         self.writes += 1
         return True
 
-    def written(self, doc: dict[str, Any], uid: str) -> None:
-        """``doc`` (the last one built) is what the API server holds now, as object ``uid``."""
+    def written(self, doc: dict[str, Any], uid: str, stored: dict[str, Any] | None = None) -> None:
+        """``doc`` (the last one built) is what the API server holds now, as object ``uid``
+        (``stored``: the API server's answer, what restore_due compares the watched object with)."""
         self.last_written, self.rows_written = doc, self._rows
         self.uid = self.recorder.uid = uid
+        self.stored = stored
 
     async def events(self, core: CoreV1Api) -> None:
         """A Warning Event per set and failure reason, at most one every event_interval, through the
@@ -325,7 +374,21 @@ class NodeReport:
             del self._event_at[key]
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="cluster-status")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="cluster-status")
+        if self.source.api is not None and self.source.reach is not None:
+            cfg = self.source.cfg
+            custom = CustomObjectsApi(self.source.api)
+            self.own = Informer(self.source.api, "nodeimagesetstatus",
+                                partial(custom.list_cluster_custom_object, NODE_STATUS.group, NODE_STATUS.version,
+                                        NODE_STATUS.plural),
+                                kind=(NODE_STATUS.api_version, NODE_STATUS.kind),
+                                field_selector=f"metadata.name={self.source.node_name}", on_change=lambda: None,
+                                reach=self.source.reach, watch_timeout=cfg.watch_timeout_seconds,
+                                request_timeout=cfg.request_timeout_seconds,
+                                backoff_initial=cfg.backoff_initial_seconds, backoff_max=cfg.backoff_max_seconds,
+                                give_up_on=frozenset({403}))
+            self._own_task = loop.create_task(self.own.run(), name="cluster-watch-own-status")
 
     async def _loop(self) -> None:
         assert self.source.api is not None
@@ -363,13 +426,17 @@ class NodeReport:
             await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, self._own_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = self._own_task = None
 
     def status(self) -> dict[str, Any]:
+        own = self.own
         return {"writes": self.writes, "write_errors": self.write_errors, "events": self.recorder.created,
                 "event_requests": self.recorder.status(),
+                **({"restored": self.restores} if self.restores else {}),
+                **({"watch_error": own.error} if own is not None and own.error else {}),
                 **({"error": self.error} if self.error else {}),
                 **({"summary": self.last_written["status"]["summary"]} if self.last_written else {})}

@@ -2,6 +2,9 @@
 source's readers: list and watch of collections (JSON, chunked watch events), discovery
 documents, ``/readyz``; scripted answers (``fail``) and an outage (``down`` / ``up``) on the
 same port. Every request is recorded (``requests``), so tests count what a reader asked.
+Writers too, as the API server answers them: a server-side apply (PATCH) creates the object
+(201, with a uid) or replaces the fields it sends (200); a POST creates (201, ``generateName``
+honoured); a DELETE removes (200). ``remove`` deletes as an operator would.
 
     api = await FakeKube().start()
     client = api.client()                 # a kubernetes_asyncio ApiClient pointed at it
@@ -14,6 +17,7 @@ same port. Every request is recorded (``requests``), so tests count what a reade
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections import defaultdict
 from typing import Any
@@ -38,6 +42,8 @@ class FakeKube:
         self._log: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)  # (rv, event), replayed
         self._runner: web.AppRunner | None = None
         self._clients: list[ApiClient] = []
+        self._uids = itertools.count(1)
+        self.writes: list[tuple[str, str, int]] = []  # (method, path, status answered)
 
     # ------------------------------------------------------------------ scripting
 
@@ -52,6 +58,56 @@ class FakeKube:
         self._log[path].append((self.rv, {"type": kind, "object": obj}))
         for q in self._watchers[path]:
             q.put_nowait({"type": kind, "object": obj})
+
+    def remove(self, path: str, name: str) -> None:
+        """Delete an object of the collection at ``path``; watchers see it."""
+        obj = self.collections[path].pop(name)
+        self.rv += 1
+        obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
+        self._log[path].append((self.rv, {"type": "DELETED", "object": obj}))
+        for q in self._watchers[path]:
+            q.put_nowait({"type": "DELETED", "object": obj})
+
+    def _stored(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
+        """``put`` with what the API server adds to a new object (uid, creationTimestamp)."""
+        meta = obj.setdefault("metadata", {})
+        old = self.collections[path].get(meta["name"])
+        if old is None:
+            meta.setdefault("uid", f"uid-{next(self._uids)}")
+            meta.setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
+        else:
+            meta.update({k: old["metadata"][k] for k in ("uid", "creationTimestamp") if k in old["metadata"]})
+        self.put(path, obj)
+        return self.collections[path][meta["name"]]
+
+    async def _write(self, request: web.Request) -> web.Response:
+        path = request.path
+        self.requests.append((path, False))
+        if self._failures[path]:
+            status, headers = self._failures[path].pop(0)
+            self.writes.append((request.method, path, status))
+            return web.json_response({"kind": "Status", "code": status, "message": f"scripted {status}"},
+                                     status=status, headers=headers)
+        if request.method == "POST":
+            obj = json.loads(await request.read())
+            meta = obj.setdefault("metadata", {})
+            meta.setdefault("name", f"{meta.get('generateName', '')}{next(self._uids):05}")
+            self.writes.append(("POST", path, 201))
+            return web.json_response(self._stored(path, obj), status=201)
+        parent, _, name = path.rpartition("/")
+        if request.method == "DELETE":
+            if name not in self.collections[parent]:
+                return web.json_response({"kind": "Status", "code": 404}, status=404)
+            self.remove(parent, name)
+            self.writes.append(("DELETE", path, 200))
+            return web.json_response({"kind": "Status", "status": "Success"})
+        body = json.loads(await request.read())  # PATCH: apply (the fields sent replace the stored ones)
+        old = self.collections[parent].get(name)
+        status = 200 if old is not None else 201
+        obj = {**(old or {}), **body, "metadata": {**((old or {}).get("metadata") or {}), **body.get("metadata", {}),
+                                                   "name": name}}
+        self.writes.append(("PATCH", path, status))
+        return web.json_response(self._stored(parent, obj), status=status)
 
     def fail(self, path: str, status: int, *, times: int = 1, headers: dict[str, str] | None = None) -> None:
         """The next ``times`` requests to ``path`` (list or watch) answer ``status``."""
@@ -114,6 +170,8 @@ class FakeKube:
     async def up(self) -> None:
         app = web.Application()
         app.router.add_route("GET", "/{tail:.*}", self._handle)
+        for method in ("PATCH", "POST", "DELETE"):
+            app.router.add_route(method, "/{tail:.*}", self._write)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
