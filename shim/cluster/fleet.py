@@ -121,7 +121,9 @@ def print_fleet(kubeconfig: str, *, as_json: bool = False) -> int:
             print(f"  pools: {', '.join(s['machineConfigPools']) or 'none lists it'}")
         if "rollout" in s:  # a paced set
             ro, halted = s["rollout"], s["conditions"].get("Halted", {})
-            why = f" ({halted.get('reason')})" if halted.get("status") == "True" else ""
+            # halted, or not halted with nothing to grant (NoNodeToGrant): the reason, and why
+            why = (f" ({halted.get('reason')})"
+                   if halted.get("status") == "True" or halted.get("reason") == "NoNodeToGrant" else "")
             print(f"  rollout: {ro.get('phase')}{why}, {s.get('waiting', 0)} waiting for a grant, "
                   f"{ro.get('inFlight', 0)} of {ro.get('maxConcurrentNodes')} in flight")
         for f in s.get("failingNodes", []):

@@ -13,7 +13,10 @@ conditions.
   as a count, ``inFlight``, ``granted``, ``canaryNodes``, ``halted`` with ``haltReason``,
   ``toleratedFailures``, ``resumedWith``, ``staleGranted``: granted nodes counted stale, which
   hold no slot) and the condition ``Halted`` (True with the failing
-  nodes' typed reason). An invalid ``spec.rollout``: Halted True, ``InvalidRollout``.
+  nodes' typed reason; ``CanaryMatchesNoNode``, ``CanaryFailing``: halted by the canary until
+  its cause is gone). Not halted: ``NotHalted``, or ``NoNodeToGrant`` when nothing is in flight
+  and no node can be granted (the message says why). An invalid ``spec.rollout``: Halted True,
+  ``InvalidRollout``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..cluster.objects import IMAGE_SET, PINNED_REPORT
-from .grants import Decision
+from .grants import CANARY_FAILING, CANARY_MATCHES_NONE, Decision
 from .truth import MAX_LISTED, Truth, format_time, parse_time
 
 FIELD_MANAGER = "cri-shim-controller"
@@ -44,8 +47,15 @@ def _halted(d: Decision | None, rollout_error: str) -> tuple[str, str, str] | No
         return ("True", "InvalidRollout", f"{rollout_error}; no node is granted this generation")
     if d is None:
         return None
+    if d.halted and d.halt_reason == CANARY_MATCHES_NONE:
+        return ("True", "CanaryMatchesNoNode", f"{d.why}: no node is granted until a node it matches reports "
+                "(label one, or edit spec.rollout.canary); the canary is never skipped")
+    if d.halted and d.halt_reason == CANARY_FAILING:
+        return ("True", "CanaryFailing", f"{d.why}: no other node is granted until each canary node is current "
+                "(its shim retries: fix what fails; a resume does not pass a failing canary)")
     if not d.halted:
-        return ("False", "NotHalted", f"{d.failing} node(s) failing, {d.tolerated} tolerated")
+        tail = f"{d.failing} node(s) failing, {d.tolerated} tolerated"
+        return ("False", "NoNodeToGrant", f"{d.why}; {tail}") if d.why else ("False", "NotHalted", tail)
     nodes = ", ".join(d.halt_nodes[:5])
     return ("True", _REASON.get(d.halt_reason, d.halt_reason or "FailureThreshold"),
             f"{d.failing} node(s) failing ({nodes or 'none now'}) reached failureThreshold; no new grant until "

@@ -122,16 +122,17 @@ def test_halt_is_kept_until_resumed_and_granted_nodes_go_on() -> None:
     r = spec(maxConcurrentNodes=3, failureThreshold=2)
     reports = {"a": failing(), "b": W, "c": W, "d": W, "e": W}
     d = decide(r, reports, Previous(granted=("b",)))
-    assert not d.halted and d.new_grants == ("c",)  # one failing: below the threshold (a holds a slot: it retries)
+    # one failing: below the threshold, and its failure counted, it holds no slot (its shim retries)
+    assert not d.halted and d.new_grants == ("c", "d") and d.in_flight == 3
     reports.update(c=failing("auth"))
-    d = decide(r, reports, Previous(granted=("b",)))
-    assert d.halted and d.granted == ("b",) and d.new_grants == ()  # b was granted before: it goes on
+    d = decide(r, reports, Previous(granted=("b", "d")))
+    assert d.halted and d.granted == ("b", "d") and d.new_grants == ()  # granted before: they go on
     prev = Previous(granted=d.granted, halted=True, halt_reason=d.halt_reason)
-    reports.update(a=C, c=C)  # the failures clear: still halted until an operator resumes
+    reports.update(a=C, c=C, b=C, d=C)  # the failures clear: still halted until an operator resumes
     d = decide(r, reports, prev)
     assert d.halted and d.new_grants == ()
     d = decide(r, reports, prev, resume="1")
-    assert not d.halted and d.resumed_with == "1" and d.new_grants == ("d", "e")
+    assert not d.halted and d.resumed_with == "1" and d.new_grants == ("e",)
     # the same token does not resume a later halt; a new one does, tolerating the nodes failing then
     reports.update(d=failing(), e=failing())
     d = decide(r, reports, Previous(halted=False, resumed_with="1"), resume="1")
@@ -218,3 +219,84 @@ def test_the_status_counts_a_stale_granted_node_stale_and_says_it_holds_no_slot(
     assert st["rollout"]["staleGranted"] == ["a"] and st["rollout"]["inFlight"] == 1
     progressing = next(c for c in st["conditions"] if c["type"] == "Progressing")
     assert "1 granted node(s) stale, not holding a slot: a" in progressing["message"], progressing
+
+
+def halted_condition(d: grants.Decision) -> dict[str, Any]:
+    st = report.status_of({"metadata": {"generation": 2}}, _truth(), started=T0, now=T0, decision=d)
+    return next(c for c in st["conditions"] if c["type"] == "Halted")
+
+
+def test_failure_threshold_above_max_concurrent_nodes_halts() -> None:
+    """Issue 45: failureThreshold 3, maxConcurrentNodes 2, the image missing everywhere. A failing
+    node frees its slot once counted, so the third failure is reached and halts."""
+    r = spec(maxConcurrentNodes=2, failureThreshold=3)
+    reports = {f"n{i}": W for i in range(6)}
+    prev, rounds = Previous(), 0
+    while True:
+        d = decide(r, reports, prev)
+        if d.halted:
+            break
+        assert d.in_flight <= 2 and d.new_grants, d  # never wedged: two slots are always in use
+        for n in d.granted:  # each granted node pulls and fails
+            reports[n] = failing("notFound")
+        prev, rounds = Previous(granted=d.granted), rounds + 1
+    assert (d.phase, d.halt_reason, d.failing) == (grants.HALTED, "notFound", 4) and rounds == 2
+    assert sum(1 for v in reports.values() if v.report is Report.WAITING) == 2  # they keep the previous version
+    cond = halted_condition(d)
+    assert (cond["status"], cond["reason"]) == ("True", "NotFound") and "reached failureThreshold" in cond["message"]
+
+
+def test_a_resume_grants_again_even_with_the_failing_node_in_the_only_slot() -> None:
+    r = spec(maxConcurrentNodes=1)
+    reports = {"a": failing(), "b": W, "c": W}
+    d = decide(r, reports, Previous(halted=True, halt_reason="notFound"), resume="t1")
+    assert not d.halted and d.new_grants == ("b",) and d.tolerated == 1
+
+
+def test_a_canary_selector_matching_no_node_halts_with_its_reason_until_one_matches() -> None:
+    r = spec(maxConcurrentNodes=5, canary={"nodeSelector": {"matchLabels": {"canary": "yes"}}})
+    labels: dict[str, dict[str, str]] = {n: {} for n in "abcd"}
+    reports = {n: W for n in labels}
+    d = decide(r, reports, labels=labels)
+    assert (d.phase, d.halted, d.halt_reason, d.new_grants) == (grants.HALTED, True, grants.CANARY_MATCHES_NONE, ())
+    cond = halted_condition(d)
+    assert (cond["status"], cond["reason"]) == ("True", "CanaryMatchesNoNode")
+    assert "spec.rollout.canary.nodeSelector matches none of the 4 selected node(s)" in cond["message"]
+    written = report.rollout_of(2, d)
+    assert written["phase"] == "Halted" and written["haltReason"] == "canaryMatchesNoNode"
+    # a resume does not skip the canary
+    assert decide(r, reports, Previous.read({"rollout": written}, 2), labels=labels, resume="x").new_grants == ()
+    # it matches a node without any report: said so
+    labels["a"] = {"canary": "yes"}
+    d = decide(r, {**reports, "a": M}, labels=labels)
+    assert d.halted and d.halt_nodes == ("a",) and "matches 1 of the 4 selected node(s), none with a report" in d.why
+    # a reporting node labelled: the halt lifts by itself (not an operator's halt), the canary goes first
+    d = decide(r, reports, Previous.read({"rollout": written}, 2), labels=labels)
+    assert (d.phase, d.halted, d.new_grants) == (grants.CANARY, False, ("a",))
+
+
+def test_a_failing_canary_below_the_threshold_halts_and_a_resume_says_why_it_does_not_pass() -> None:
+    r = spec(maxConcurrentNodes=3, canary={"count": 1}, failureThreshold=3)
+    reports = {"a": failing(), "b": W, "c": W}
+    prev = Previous(canary_nodes=("a",))
+    d = decide(r, reports, prev)
+    assert (d.phase, d.halt_reason, d.new_grants) == (grants.HALTED, grants.CANARY_FAILING, ())
+    cond = halted_condition(d)
+    assert (cond["status"], cond["reason"]) == ("True", "CanaryFailing") and "a resume does not pass" in cond["message"]
+    assert "canary node(s) failing: a" in cond["message"]
+    d = decide(r, reports, prev, resume="t1")
+    assert d.halted and d.resumed_with == "t1" and d.new_grants == ()
+    # the canary's image fixed: current, the rollout goes on without an operator
+    reports["a"] = C
+    d = decide(r, reports, Previous(canary_nodes=("a",), resumed_with="t1"))
+    assert (d.phase, d.new_grants) == (grants.ROLLING, ("b", "c"))
+
+
+def test_nothing_to_grant_is_said_in_the_halted_condition() -> None:
+    r = spec(maxConcurrentNodes=2, failureThreshold=5)
+    d = decide(r, {"a": C, "b": failing(), "c": M, "d": B}, now=T0 + 121)  # d: behind, its shim silent
+    assert (d.phase, d.halted, d.in_flight, d.new_grants) == (grants.ROLLING, False, 0, ())
+    cond = halted_condition(d)
+    assert (cond["status"], cond["reason"]) == ("False", "NoNodeToGrant")
+    assert ("no node can be granted: the 3 not current are 1 without any report (missing), "
+            "1 behind with a silent shim (stale), 1 failing") in cond["message"], cond

@@ -54,3 +54,21 @@ async def test_an_error_is_one_line_not_a_traceback(kube: FakeKube, tmp_path: Pa
     assert rc == 1 and out == ""
     assert err.startswith("cri-shim fleet status: the API server answered HTTP 403") and "Traceback" not in err
     assert "secret-token" not in err
+
+
+async def test_a_rollout_says_why_it_halted_or_cannot_grant(kube: FakeKube, tmp_path: Path) -> None:  # noqa: F811
+    def paced(name: str, halted: tuple[str, str]) -> dict[str, Any]:
+        return {"metadata": {"name": name, "generation": 2}, "spec": {"rollout": {"maxConcurrentNodes": 1}},
+                "status": {"observedGeneration": 2, "selected": 3, "current": 1, "waiting": 2,
+                           "rollout": {"phase": "Halted" if halted[0] == "True" else "Rolling", "inFlight": 0,
+                                       "maxConcurrentNodes": 1},
+                           "conditions": [{"type": "Halted", "status": halted[0], "reason": halted[1]}]}}
+    kube.put(SETS, paced("canary", ("True", "CanaryMatchesNoNode")))
+    kube.put(SETS, paced("stuck", ("False", "NoNodeToGrant")))
+    kube.put(SETS, paced("fine", ("False", "NotHalted")))
+    kube.collections[REPORTS]  # noqa: B018  (served, none)
+    rc, out, err = await fleet(kubeconfig(tmp_path, kube.url))
+    assert rc == 0, err
+    assert "rollout: Halted (CanaryMatchesNoNode), 2 waiting for a grant, 0 of 1 in flight" in out
+    assert "rollout: Rolling (NoNodeToGrant), 2 waiting" in out
+    assert "rollout: Rolling, 2 waiting" in out
