@@ -201,3 +201,74 @@ def test_a_node_name_other_than_the_identity_is_said_at_start(control_plane, adm
                                     "the API server refuses this node's status writes (set cluster.node_name: node-b)")
     err = wait_for(lambda: shim_status(admin_sock)["watches"]["node"].get("error"), 30, "the Node watch refused")
     assert err.startswith("HTTP 403: Forbidden: ") and 'User "system:node:node-b"' in err, err
+
+
+def test_forged_events_about_another_node_are_refused_0_of_n(control_plane, admin, tmp_path) -> None:
+    """Issue 45: the object is matched whatever its apiVersion says (omitted, `v1`, another case or
+    version), its kind however spelled, and an update may not move an Event to another object nor
+    touch another node's. Every forgery is refused; the node's own Events still pass."""
+    a, b = as_node(control_plane, tmp_path, "node-a"), as_node(control_plane, tmp_path, "node-b")
+
+    def create(kc: Admin, body: dict[str, Any], **kw: Any) -> Any:
+        return kc.run(lambda api: CoreV1Api(api).create_namespaced_event("default", body, **kw))
+
+    refused(lambda: create(a, event(status_ref("node-b"))))  # the policy is in force
+    nis = {"kind": "NodeImageSetStatus", "name": "node-b"}
+    about = [nis, {**nis, "apiVersion": "v1"}, {**nis, "apiVersion": "CRI-SHIM.io/v1"},
+             {**nis, "apiVersion": "cri-shim.io/v2"}, {**nis, "apiVersion": "cri-shim.io"},
+             {**nis, "kind": "nodeimagesetstatus"}, {**nis, "kind": "NodeImageSetStatuses"},
+             {**nis, "kind": "nis"}, {**nis, "namespace": "default"},
+             {**nis, "apiVersion": "cri-shim.io/v1", "namespace": "kube-system"},
+             {"kind": "Node", "name": "node-b"}, {"kind": "node", "name": "node-b", "apiVersion": "v1"},
+             {"kind": "ImageSet", "name": "node-b", "apiVersion": "cri-shim.io/v1"},
+             {"kind": "NodeImageSetStatus", "name": "node-a", "namespace": "default"}]
+    attempts: list[tuple[str, Any]] = [(f"create {o}", lambda o=o: create(a, event(o))) for o in about]
+    attempts += [(f"events.k8s.io create {o}", lambda o=o: a.run(lambda api: EventsV1Api(api).create_namespaced_event(
+        "default", {"apiVersion": "events.k8s.io/v1", "kind": "Event",
+                    "metadata": {"generateName": "forged.", "namespace": "default"}, "regarding": o,
+                    "reason": "ImageSetAuthFailed", "type": "Warning", "note": "forged", "action": "Pull",
+                    "reportingController": "cri-shim", "reportingInstance": "node-a",
+                    "eventTime": "2026-01-01T00:00:00.000000Z"})))
+                 for o in (nis, {**nis, "apiVersion": "v1"})]
+
+    # node-b's own Event (allowed), then what node-a (or node-b) may not do to it
+    before = {e.metadata.name for e in admin.events()}
+    own = create(b, event(status_ref("node-b"))).metadata.name
+
+    def patch(kc: Admin, body: dict[str, Any]) -> Any:
+        return kc.run(lambda api: CoreV1Api(api).patch_namespaced_event(
+            own, "default", body, _content_type="application/merge-patch+json"))
+    attempts += [
+        ("node-a moves node-b's Event to itself", lambda: patch(a, {"involvedObject": status_ref("node-a")})),
+        ("node-a counts on node-b's Event", lambda: patch(a, {"count": 7})),
+        ("node-b moves its Event to its Node", lambda: patch(b, {"involvedObject": {"kind": "Node", "name": "node-b"}})),
+        ("node-a replaces node-b's Event", lambda: a.run(lambda api: CoreV1Api(api).replace_namespaced_event(
+            own, "default", {**event(status_ref("node-a")), "metadata": {
+                "name": own, "namespace": "default",
+                "resourceVersion": admin.run(lambda api: CoreV1Api(api).read_namespaced_event(
+                    own, "default")).metadata.resource_version}}))),
+    ]
+    accepted, answers = [], {}
+    for what, fn in attempts:
+        try:
+            fn()
+            accepted.append(what)
+        except ApiException as e:
+            answers[what] = (e.status, e.body)
+    print(f"\nforged Events accepted: {len(accepted)} of {len(attempts)}")
+    assert accepted == [], accepted
+    assert all(status == 403 and "ValidatingAdmissionPolicy 'cri-shim-node-own-events'" in body
+               for status, body in answers.values()), answers
+    assert "node node-a may not move an Event to another object" in answers["node-a moves node-b's Event to itself"][1]
+    assert "not about NodeImageSetStatus default/node-b" in answers[f"create {about[8]}"][1]
+    stored = admin.run(lambda api: CoreV1Api(api).read_namespaced_event(own, "default"))
+    assert stored.involved_object.name == "node-b" and stored.count == 1  # untouched
+    assert {e.metadata.name for e in admin.events()} - before == {own}  # nothing forged was stored
+
+    # the node's own: still allowed, however its apiVersion is written; a count on its own Event too
+    for o in ({"kind": "NodeImageSetStatus", "name": "node-a"}, status_ref("node-a"),
+              {"kind": "Node", "name": "node-a"}):
+        assert create(a, event(o), dry_run="All").involved_object.name == "node-a"
+    assert patch(b, {"count": 2}).count == 2
+    pod = {"apiVersion": "v1", "kind": "Pod", "namespace": "default", "name": "node-b"}  # a pod: not looked at
+    assert create(a, event(pod, "Pulled"), dry_run="All").involved_object.kind == "Pod"

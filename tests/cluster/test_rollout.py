@@ -247,3 +247,127 @@ def test_the_api_server_refuses_a_bad_rollout_with_a_readable_message(control_pl
         message = apply(**bad)
         assert says in message, (bad, message)
     print(f"\n422 from the API server: {message}")
+
+
+def halted_message(admin: Admin, name: str) -> str:
+    return next((c["message"] for c in set_status(admin, name).get("conditions", []) if c["type"] == "Halted"), "")
+
+
+def test_failure_threshold_above_max_concurrent_nodes_halts(control_plane, admin, controllers, registry) -> None:
+    """Issue 45: failureThreshold 3, maxConcurrentNodes 2, the image missing everywhere. A failing
+    node frees its slot once its failure is counted: the third failure is reached and halts; the
+    nodes never granted never fetch."""
+    nodes = [f"r6-n{i}" for i in range(1, 7)]
+    for n in nodes:
+        admin.create_node(n, {"r6-pool": "x"})
+    missing = f"{registry.host}/r6/never-pushed:v1"
+    admin.apply_custom(*SHIM, "imagesets", paced_set("r6-web", [missing], "r6-pool", maxConcurrentNodes=2,
+                                                     failureThreshold=3))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r6-web", nodes,
+                     retry_seconds=0.5).start()
+    try:
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        started = time.monotonic()
+        controllers("r6-a")
+        wait_for(lambda: conds(admin, "r6-web").get("Halted") == "True/NotFound", 40, "Halted, reason NotFound")
+        took = time.monotonic() - started
+        time.sleep(2)  # a few more batches: nobody new
+        st, ro = set_status(admin, "r6-web"), rollout_status(admin, "r6-web")
+        row = next(r["cells"] for r in table(control_plane)["rows"] if r["cells"][0] == "r6-web")
+        print(f"\nfailureThreshold 3 > maxConcurrentNodes 2: halted {took:.1f} s after the controller started; "
+              f"kubectl get imagesets: {row}")
+        assert ro["phase"] == "Halted" and ro["haltReason"] == "notFound" and st["failing"] >= 3, (st, ro)
+        assert "reached failureThreshold" in halted_message(admin, "r6-web")
+        fetched = [n for n in nodes if fleet.requests(n)]
+        assert 3 <= len(fetched) <= 4 and st["waiting"] == 6 - len(fetched), (fetched, st)
+        assert row[7] == "Halted", row
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r6-web", nodes)
+
+
+def test_a_canary_selector_matching_no_node_is_a_halt_with_its_reason(control_plane, admin, controllers,
+                                                                    registry, make_image) -> None:
+    nodes = [f"r7-n{i}" for i in range(1, 4)]
+    for n in nodes:
+        admin.create_node(n, {"r7-pool": "x"})
+    image = make_image()
+    admin.apply_custom(*SHIM, "imagesets", paced_set("r7-web", [image.ref], "r7-pool", maxConcurrentNodes=3,
+                                                     canary={"nodeSelector": {"matchLabels": {"r7-canary": "yes"}}}))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r7-web", nodes).start()
+    try:
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        controllers("r7-a")
+        wait_for(lambda: conds(admin, "r7-web").get("Halted") == "True/CanaryMatchesNoNode", 30,
+                 "Halted, reason CanaryMatchesNoNode")
+        message = halted_message(admin, "r7-web")
+        print(f"\ncanary matching no node: Halted: {message}")
+        assert "spec.rollout.canary.nodeSelector matches none of the 3 selected node(s)" in message
+        time.sleep(2)
+        ro = rollout_status(admin, "r7-web")
+        assert ro["phase"] == "Halted" and ro["granted"] == [] and ro["haltReason"] == "canaryMatchesNoNode", ro
+        assert {n: fleet.requests(n) for n in nodes} == {n: 0 for n in nodes}  # the canary is not dropped
+
+        admin.set_node_labels("r7-n2", {"r7-canary": "yes"})  # a canary now: it goes first, alone
+        wait_for(lambda: conds(admin, "r7-web").get("Available") == "True/AllNodesCurrent", 60, "every node current")
+        first = {n: fleet.nodes[n].started[0][1] for n in nodes}
+        assert first["r7-n2"] < min(first["r7-n1"], first["r7-n3"]), first
+        assert conds(admin, "r7-web")["Halted"] == "False/NotHalted"
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r7-web", nodes)
+
+
+def test_a_resume_grants_again_or_says_why_not(control_plane, admin, controllers, registry, make_image) -> None:
+    """maxConcurrentNodes 1, the failing node in the only slot: a resume grants the next node. A
+    failing canary: a resume says why it does not pass it, and once the canary is current the
+    rollout goes on."""
+    nodes = [f"r8-n{i}" for i in range(1, 4)]
+    for n in nodes:
+        admin.create_node(n, {"r8-pool": "x"})
+    missing = f"{registry.host}/r8/not-pushed-yet:v1"
+    admin.apply_custom(*SHIM, "imagesets", paced_set("r8-web", [missing], "r8-pool", maxConcurrentNodes=1))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r8-web", nodes,
+                     retry_seconds=0.5).start()
+
+    def resume(value: str) -> None:
+        admin.custom("patch", *SHIM, "imagesets", "r8-web", {"metadata": {"annotations": {
+            "cri-shim.io/resume-rollout": value}}}, _content_type="application/merge-patch+json")
+    try:
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        controllers("r8-a")
+        wait_for(lambda: conds(admin, "r8-web").get("Halted") == "True/NotFound", 30, "Halted, reason NotFound")
+        assert [n for n in nodes if fleet.requests(n)] == ["r8-n1"]
+        resume("one")
+        wait_for(lambda: fleet.requests("r8-n2"), 20, "the next node granted after the resume")
+        wait_for(lambda: rollout_status(admin, "r8-web").get("halted"), 20, "halted again: one more failure")
+        ro = rollout_status(admin, "r8-web")
+        assert ro["resumedWith"] == "one" and ro["toleratedFailures"] == 1 and fleet.requests("r8-n3") == 0, ro
+
+        # a canary: edit the set (a new generation, a new rollout) to pick one, still failing
+        body = paced_set("r8-web", [missing], "r8-pool", maxConcurrentNodes=1, canary={"count": 1})
+        admin.apply_custom(*SHIM, "imagesets", body)
+        wait_for(lambda: conds(admin, "r8-web").get("Halted") == "True/NotFound"
+                 and rollout_status(admin, "r8-web").get("generation") == 2, 30, "generation 2 halted")
+        canary = rollout_status(admin, "r8-web")["canaryNodes"]
+        resume("early")
+        wait_for(lambda: conds(admin, "r8-web").get("Halted") == "True/CanaryFailing", 20,
+                 "the resume says why it does not pass the canary")
+        message = halted_message(admin, "r8-web")
+        print(f"\nresume while the canary fails: Halted: {message}")
+        assert f"canary node(s) failing: {canary[0]}" in message and "a resume does not pass" in message
+        time.sleep(2)
+        started = {n: [g for g, _ in fleet.nodes[n].started if g == 2] for n in nodes if n not in canary}
+        assert started == {n: [] for n in started}, started  # nobody else started generation 2
+        make_image(name="r8/not-pushed-yet", tag="v1")  # fixed: the canary turns current, the rollout goes on
+        wait_for(lambda: conds(admin, "r8-web").get("Available") == "True/AllNodesCurrent", 60, "every node current")
+        assert rollout_status(admin, "r8-web")["phase"] == "Complete"
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r8-web", nodes)
