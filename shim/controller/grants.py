@@ -3,7 +3,11 @@
 written. No I/O, no clock but ``now``.
 
 A node is *in flight* from its grant until it is current or failing: granted and not yet
-reporting the generation (the ``granted`` list), or reporting it and pulling. Grants are given
+reporting the generation (the ``granted`` list), or reporting it and pulling; and so is a node
+not granted that still fetches another generation of the set (truth.NodeReading.fetching: after
+an edit mid-rollout, the nodes pulling the previous one), so an edit never lets more than
+``maxConcurrentNodes`` fetch. Such a node is granted the new generation first, at no slot's cost
+(it holds one already; its shim switches to the new one). Grants are given
 while fewer than ``maxConcurrentNodes`` are in flight: at most that many nodes pull the
 generation at once. A failing node frees its slot once its failure is counted (its shim retries
 with backoff; it counts toward ``failureThreshold``, which decides), so failures are decided, not
@@ -147,8 +151,11 @@ def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Ma
     timed = granted_at or {}
     stale = tuple(n for n in granted if n in timed
                   and now >= (stale_at(reports[n], timed[n], stale_after) or float("inf")))
-    # failing nodes hold no slot: their failure is counted (failureThreshold decides), not waited on
-    in_flight = len(granted) - len(stale) + counts[Report.PULLING.value]
+    # failing nodes hold no slot: their failure is counted (failureThreshold decides), not waited on;
+    # a node fetching another generation of the set (an edit mid-rollout) holds one
+    taken = set(granted)
+    fetching = {n for n, r in reports.items() if r.report in _UNSTARTED and r.fetching and n not in taken}
+    in_flight = len(granted) - len(stale) + counts[Report.PULLING.value] + len(fetching)
     limit = rollout.limit(len(reports))
     canary, picked = _canary(rollout, nodes, reports, previous)
     canary_pending = [n for n in canary if reports[n].report is not Report.CURRENT]
@@ -166,17 +173,19 @@ def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Ma
             why = f"canary node(s) failing: {', '.join(bad[:5])}"
     new: list[str] = []
     pool = canary_pending if canary_pending else sorted(reports)
-    if not halted and in_flight < limit:
-        taken = set(granted)
+    if not halted:
+        new = [n for n in pool if n in fetching]  # in flight already: the grant costs no slot
+        free = limit - in_flight
         for n in pool:
-            if len(new) >= limit - in_flight:
+            if free <= 0:
                 break
             r = reports[n]
-            if n in taken or r.report not in _UNSTARTED:
+            if n in taken or n in fetching or r.report not in _UNSTARTED:
                 continue
             if r.report is Report.BEHIND and r.due is not None and now >= r.due:
                 continue  # its shim is silent: a grant would hold a slot nobody uses
             new.append(n)
+            free -= 1
     if not halted and not complete and not new and in_flight == 0:
         why = _unable(pool, reports, bool(canary_pending))
     if halted:
@@ -187,5 +196,6 @@ def decide(rollout: Rollout, nodes: Mapping[str, Mapping[str, str]], reports: Ma
         phase = CANARY
     else:
         phase = ROLLING
-    return Decision(phase, limit, in_flight + len(new), tuple(granted + new), tuple(new), picked, halted, reason,
+    in_flight += len(set(new) - fetching)
+    return Decision(phase, limit, in_flight, tuple(granted + new), tuple(new), picked, halted, reason,
                     halt_nodes, tolerated, resumed_with, len(failing), dict(counts), stale, why)

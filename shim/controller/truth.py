@@ -185,6 +185,14 @@ class NodeReading:
     due: float | None = None  # WAITING, BEHIND: when it turns stale if its shim stays silent
     reasons: tuple[str, ...] = ()  # FAILING: typed reasons
     error: str = ""
+    fetching: bool = False  # WAITING, BEHIND: its row counts images pulling or queued (another generation)
+
+
+def _fetching(row: Mapping[str, Any] | None) -> bool:
+    """The row's images pulling or queued: the node fetches the version it has in force (a paced
+    set's previous generation while the newest waits for its grant), so it holds a rollout slot."""
+    images = (row or {}).get("images") or {}
+    return bool(images.get("pulling") or images.get("queued"))
 
 
 def stale_at(r: NodeReading, granted_at: float | None, stale_after: float) -> float | None:
@@ -209,13 +217,15 @@ def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, ch
         if row.get("currentGeneration") == generation:
             return NodeReading(Report.CURRENT)
         if row.get("reason") == AWAITING_GRANT:
-            return NodeReading(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after)
+            return NodeReading(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after,
+                               fetching=_fetching(row))
         if row.get("failedReasons") or (row.get("images") or {}).get("failed") or row.get("reason"):
             reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
                              | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
             return NodeReading(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
         return NodeReading(Report.PULLING)
-    return NodeReading(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after)
+    return NodeReading(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after,
+                       fetching=row is not None and not row.get("implied") and _fetching(row))
 
 
 def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],

@@ -371,3 +371,36 @@ def test_a_resume_grants_again_or_says_why_not(control_plane, admin, controllers
     finally:
         fleet.stop()
         cleanup(admin, "r8-web", nodes)
+
+
+def test_an_edit_mid_rollout_never_lets_more_than_max_concurrent_nodes_fetch(control_plane, admin, controllers,
+                                                                          registry, make_image) -> None:
+    """Issue 45: maxConcurrentNodes 2, an edit while two nodes pull generation 1 (two before them by
+    name are current): those two still fetch and hold the slots (they are granted generation 2
+    first); counted at the registry, never more than 2 nodes fetch at once, across the edit."""
+    nodes = [f"r9-n{i}" for i in range(1, 7)]
+    for n in nodes:
+        admin.create_node(n, {"r9-pool": "x"})
+    first, second = make_image(filler_bytes=PULL_BYTES * 3), make_image(filler_bytes=PULL_BYTES)
+    admin.apply_custom(*SHIM, "imagesets", paced_set("r9-web", [first.ref], "r9-pool", maxConcurrentNodes=2))
+    fleet = SimFleet(control_plane.dir / "admin.kubeconfig", registry.direct_host, "r9-web", nodes,
+                     throttle_bps=THROTTLE).start()
+    try:
+        wait_for(lambda: all(admin.get_custom(*SHIM, "nodeimagesetstatuses", n) for n in nodes), 30,
+                 "every node reports (waiting)")
+        controllers("r9-a")
+        # the first two current, the next two pulling generation 1 (they come after them by name)
+        wait_for(lambda: sum(1 for n in nodes if fleet.nodes[n].started) == 4, 60, "two more nodes pulling")
+        time.sleep(0.5)
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r9-web", [first.ref, second.ref], "r9-pool",
+                                                         maxConcurrentNodes=2))
+        wait_for(lambda: counts(admin, "r9-web")[:2] == (6, 6) and set_status(admin, "r9-web")["observedGeneration"]
+                 == 2, 120, "6 of 6 current at generation 2", interval=0.2)
+        most, at = max_overlap(fleet.intervals())
+        print(f"\nedit mid-rollout, maxConcurrentNodes 2: at most {most} nodes fetching at once (registry side)")
+        assert most <= 2, (most, at, fleet.intervals())
+        assert all(fleet.requests(n) for n in nodes)
+        assert not fleet.errors, fleet.errors
+    finally:
+        fleet.stop()
+        cleanup(admin, "r9-web", nodes)

@@ -4,7 +4,8 @@ side counts what every node fetches and when (``RequestRecord`` start and end).
 
 Each simulated node decides with the shim's own rule (shim/cluster/grant.py): a generation of a
 paced set starts only with a grant (or when not paced); until then the node reports
-``reason: AwaitingGrant`` with the version in force as ``currentGeneration``. A started
+``reason: AwaitingGrant`` with the version in force as ``currentGeneration`` (and, while it still
+pulls the version in force, ``images.pulling``, as a shim's row counts that version's images). A started
 generation fetches every image (manifest, then config and layer blobs); a 404 is ``notFound``
 (failing, retried like a shim would after ``retry_seconds``); all fetched is current. Reports are
 server-side applies of the node's NodeImageSetStatus with the shims' field manager, written only
@@ -193,6 +194,8 @@ class SimFleet:
                 row["currentGeneration"] = str(n.current)
             if n.in_force != gen:
                 row["reason"] = "AwaitingGrant"
+                if n.task is not None and not n.task.done() and not n.failed:  # still pulling the one in force
+                    row["images"] = {"pulling": 1}
             elif n.failed:
                 row.update(failedReasons={"notFound": 1}, error=n.failed, images={"failed": 1})
             if row != n.row:

@@ -300,3 +300,29 @@ def test_nothing_to_grant_is_said_in_the_halted_condition() -> None:
     assert (cond["status"], cond["reason"]) == ("False", "NoNodeToGrant")
     assert ("no node can be granted: the 3 not current are 1 without any report (missing), "
             "1 behind with a silent shim (stale), 1 failing") in cond["message"], cond
+
+
+def test_an_edit_mid_rollout_never_lets_more_than_max_concurrent_nodes_fetch() -> None:
+    """Issue 45: maxConcurrentNodes 2, two nodes pulling generation 1 when generation 2 comes: they
+    still fetch (their rows: waiting for generation 2, images pulling), so they hold both slots;
+    they are granted generation 2 first, at no slot's cost, and nobody else is."""
+    r = spec(maxConcurrentNodes=2)
+    old = NodeReading(Report.WAITING, T0 + 120, fetching=True)
+    reports = {"a": W, "b": W, "c": old, "d": old, "e": W}
+    d = decide(r, reports)  # generation 2's first batch: nothing granted for it yet
+    assert (d.new_grants, d.in_flight) == (("c", "d"), 2)
+    # c finishes generation 1 first (no longer fetching) before it saw its grant: still its slot
+    d = decide(r, {**reports, "c": W}, Previous(granted=("c", "d")))
+    assert (d.new_grants, d.in_flight) == ((), 2)
+    # the rows of the nodes pulling generation 1 read so from a real status object
+    image_set = {"metadata": {"name": "s", "generation": 2}, "spec": {"rollout": {"maxConcurrentNodes": 2}}}
+    row = {"name": "s", "desiredGeneration": "2", "currentGeneration": "0", "reason": "AwaitingGrant",
+           "images": {"declared": 1, "present": 0, "pulling": 1, "queued": 0, "failed": 0}}
+    nis = {"metadata": {"name": "c", "managedFields": [{"manager": "cri-shim", "time": truth.format_time(T0)}]},
+           "status": {"sets": [row]}}
+    read = truth.read_reports(image_set, {"c": {"metadata": {"name": "c"}}}, {"c": nis}, changed_at=T0,
+                              stale_after=120)
+    assert read["c"].report is Report.WAITING and read["c"].fetching
+    # a limit of 1 and two nodes still fetching: neither new grant takes a slot, nobody else starts
+    d = decide(spec(maxConcurrentNodes=1), reports)
+    assert d.new_grants == ("c", "d") and d.in_flight == 2

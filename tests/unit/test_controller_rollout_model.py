@@ -1,10 +1,14 @@
 """A paced rollout's decisions (shim/controller/grants.py) under random operator and node sequences:
 a model of nodes that pull only with a grant, fail while their image is broken and retry, lose
-and regain their shim; an operator who resumes, labels canary nodes, breaks and fixes images. The
+and regain their status object; an operator who edits the set mid-rollout (the nodes pulling go
+on with the previous generation until granted the new one), resumes, labels canary nodes, breaks
+and fixes images. The
 rollout goes through its status between steps (report.rollout_of, Previous.read), as the
 controller writes and reads it. After every decision:
 
-* grants are given only below ``maxConcurrentNodes`` in flight, never while halted;
+* grants are given only below ``maxConcurrentNodes`` in flight, never while halted; the nodes
+  fetching because of a grant (of this generation or, across an edit, of the previous one) are
+  never more than ``maxConcurrentNodes`` (a failing node's retries aside: it holds no slot);
 * ``failureThreshold`` failing nodes (beyond those tolerated) halt;
 * while a canary is not current, only canary nodes are granted; a canary ``nodeSelector`` that
   matches no reporting node (none current yet) halts, with its reason;
@@ -13,6 +17,7 @@ controller writes and reads it. After every decision:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hypothesis import settings
@@ -24,8 +29,7 @@ from shim.controller.grants import Previous
 from shim.controller.truth import NodeReading, Report
 
 T0 = 1_800_000_000.0
-GEN = 2
-NODES = [f"n{i}" for i in range(6)]
+NODES = [f"n{i}" for i in range(4)]
 
 
 class Rollouts(RuleBasedStateMachine):
@@ -41,7 +45,9 @@ class Rollouts(RuleBasedStateMachine):
         parsed = rollout.parse({"rollout": r})
         assert parsed is not None
         self.rollout = parsed
-        self.state = {n: "waiting" for n in NODES}  # waiting, pulling, current, failing
+        self.state = {n: "waiting" for n in NODES}  # waiting, pulling, current, failing, old (previous generation)
+        self.counted: set[str] = set()  # fetching because of a grant (not a failing node's retry)
+        self.gen = 2
         self.shim = {n: True for n in NODES}  # False: no NodeImageSetStatus (missing)
         self.broken = set(broken)
         self.labels = {n: ({"canary": "yes"} if n in canary_nodes else {}) for n in NODES}
@@ -57,6 +63,8 @@ class Rollouts(RuleBasedStateMachine):
                 out[n] = NodeReading(Report.MISSING)
             elif s == "failing":
                 out[n] = NodeReading(Report.FAILING, None, ("notFound",), "NOT_FOUND")
+            elif s == "old":  # waits for its grant, still pulling the version in force
+                out[n] = NodeReading(Report.WAITING, T0 + 3600, fetching=True)
             else:
                 out[n] = NodeReading({"waiting": Report.WAITING, "pulling": Report.PULLING,
                                       "current": Report.CURRENT}[s], T0 + 3600 if s == "waiting" else None)
@@ -64,17 +72,23 @@ class Rollouts(RuleBasedStateMachine):
 
     @rule()
     def controller_batch(self) -> None:
+        """The controller's next batch (it also follows every change below, as a status or set
+        event marks the set)."""
+        self._batch()
+
+    def _batch(self) -> None:
         reports = self.reports()
-        previous = Previous.read(self.status, GEN)
+        previous = Previous.read(self.status, self.gen)
         granted_before = set(previous.granted)
         d = grants.decide(self.rollout, self.labels, reports, previous,
                           resume=str(self.token) if self.token else "", now=T0, stale_after=120)
         self.decision = d
         failing = sum(1 for r in reports.values() if r.report is Report.FAILING)
         pulling = sum(1 for r in reports.values() if r.report is Report.PULLING)
-        in_flight_before = pulling + len([n for n in granted_before if reports[n].report is Report.WAITING])
+        fetching = {n for n, r in reports.items() if r.fetching}
+        in_flight_before = pulling + len([n for n in granted_before | fetching if reports[n].report is Report.WAITING])
         limit = self.rollout.limit(len(reports))
-        if d.new_grants:
+        if set(d.new_grants) - fetching:  # a grant that takes a slot
             assert not d.halted
             assert in_flight_before < limit and d.in_flight <= limit, (in_flight_before, d)
         if failing >= d.tolerated + self.rollout.failure_threshold:
@@ -87,30 +101,63 @@ class Rollouts(RuleBasedStateMachine):
                                                                    for n in canary):
             assert set(d.new_grants) <= set(canary), (canary, d)
         if sel is not None and not canary and not any(r.report is Report.CURRENT for r in reports.values()):
-            assert d.halted and d.halt_reason == grants.CANARY_MATCHES_NONE and d.why, d
+            # halted: by the canary (and said why), unless a failure halt holds already
+            assert d.halted, d
+            assert (d.halt_reason == grants.CANARY_MATCHES_NONE and d.why) or previous.halted \
+                or failing >= d.tolerated + self.rollout.failure_threshold, d
         if not d.halted and d.phase != grants.COMPLETE:
             assert d.in_flight > 0 or d.new_grants or d.why, d
         if d.halted:
             assert not d.new_grants
         # what the controller writes, read back at the next batch
-        self.status = {"rollout": report.rollout_of(GEN, d)}
-        st_ = report.status_of({"metadata": {"generation": GEN}}, _truth(reports), started=T0, now=T0, decision=d)
+        self.status = {"rollout": report.rollout_of(self.gen, d)}
+        st_ = report.status_of({"metadata": {"generation": self.gen}}, _truth(reports, self.gen), started=T0, now=T0,
+                               decision=d)
         halted = next(c for c in st_["conditions"] if c["type"] == "Halted")
         assert (halted["status"] == "True") == d.halted and halted["message"]
 
-    @rule(node=st.sampled_from(NODES))
-    def node_acts(self, node: str) -> None:
+    @rule(node=st.sampled_from(NODES), batch=st.booleans())
+    def node_acts(self, node: str, batch: bool) -> None:
         """A shim's next step: a granted node starts; a pull ends current, or failing while broken;
-        a failing node retries."""
+        a failing node retries. ``batch``: the controller's batch follows at once."""
+        self._act(node)
+        if batch:
+            self._batch()
+
+    def _act(self, node: str) -> None:
         s = self.state[node]
         if not self.shim[node]:
             return
-        if s == "waiting" and node in ((self.status.get("rollout") or {}).get("granted") or []):
+        ro = self.status.get("rollout") or {}
+        granted = ro.get("generation") == self.gen and node in (ro.get("granted") or [])
+        if s == "waiting" and granted:
             self.state[node] = "pulling"
+            self.counted.add(node)
+        elif s == "old":  # granted: switches to the new generation (its slot with it); else its pull ends
+            self.state[node] = "pulling" if granted else "waiting"
+            if not granted:
+                self.counted.discard(node)
         elif s == "pulling":
             self.state[node] = "failing" if node in self.broken else "current"
+            self.counted.discard(node)
         elif s == "failing" and node not in self.broken:
-            self.state[node] = "pulling"
+            self.state[node] = "pulling"  # a retry: not counted (a failing node holds no slot)
+
+    @rule()
+    def edit(self) -> None:
+        """A new generation mid-rollout: the nodes pulling go on with the previous one."""
+        self.gen += 1
+        for n, s in self.state.items():
+            self.state[n] = "old" if s == "pulling" else "waiting"
+        self.counted &= {n for n, s in self.state.items() if s == "old"}
+        self._batch()  # the set's event: the controller decides for the new generation at once
+
+    @invariant()
+    def at_most_max_concurrent_nodes_fetch_by_grant(self) -> None:
+        if not hasattr(self, "rollout"):
+            return
+        fetching = {n for n in self.counted if self.state[n] in ("pulling", "old")}
+        assert len(fetching) <= self.rollout.limit(len(NODES)), (fetching, self.state)
 
     @rule(node=st.sampled_from(NODES), broken=st.booleans())
     def registry(self, node: str, broken: bool) -> None:
@@ -126,7 +173,11 @@ class Rollouts(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES), present=st.booleans())
     def status_object(self, node: str, present: bool) -> None:
-        """A node's NodeImageSetStatus deleted (missing), or written again (its report as before)."""
+        """A node's NodeImageSetStatus deleted (missing), or written again (its report as before).
+        Not while it fetches: a node whose object is deleted mid-pull holds no slot until its shim
+        writes it again (within cluster.status_interval_seconds): a known gap, not modelled."""
+        if not present and self.state[node] in ("pulling", "old"):
+            return
         self.shim[node] = present
 
     @precondition(lambda self: self.decision is not None)
@@ -136,13 +187,15 @@ class Rollouts(RuleBasedStateMachine):
         assert len(self.decision.granted) == len(set(self.decision.granted))
 
 
-def _truth(reports: dict[str, NodeReading]) -> Any:
+def _truth(reports: dict[str, NodeReading], gen: int) -> Any:
     from shim.controller import truth
     by = {k: sum(1 for r in reports.values() if r.report is k) for k in Report}
-    return truth.Truth(str(GEN), len(reports), by[Report.CURRENT], by[Report.PULLING], by[Report.FAILING], 0,
+    return truth.Truth(str(gen), len(reports), by[Report.CURRENT], by[Report.PULLING], by[Report.FAILING], 0,
                        by[Report.MISSING], {"notFound": by[Report.FAILING]} if by[Report.FAILING] else {}, [], [], [],
                        None, waiting=by[Report.WAITING])
 
 
-Rollouts.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# bounded for CI (a few seconds); longer runs: CRI_SHIM_ROLLOUT_MODEL_EXAMPLES=5000 (docs/testing.md)
+EXAMPLES = int(os.environ.get("CRI_SHIM_ROLLOUT_MODEL_EXAMPLES", "200"))
+Rollouts.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
 test_rollout_model = Rollouts.TestCase
