@@ -4,6 +4,8 @@ A set with ``spec.rollout`` is paced: the controller names the nodes allowed to 
 generation in the set's status, ``status.rollout.granted`` for ``status.rollout.generation``.
 A node reads it from the ImageSet it already watches. What the node does with it (ClusterSource):
 
+* the set is the object, by ``metadata.uid``, not the name: a set deleted and created again (its
+  generation starts at 1 again) is a new set, that needs a grant like any new generation;
 * granted, or the generation already in force here: the generation applies (a grant is needed
   to start, not to go on: the controller drops a node from the list once it reports the
   generation);
@@ -26,9 +28,13 @@ def paced(obj: Mapping[str, Any]) -> bool:
 
 
 def granted(obj: Mapping[str, Any], node: str) -> bool:
-    """Whether the set's status grants ``node`` the set's present generation."""
+    """Whether the set's status grants ``node`` the set's present generation, of this object (a
+    rollout written for another object of the same name, by its uid, grants nothing)."""
     rollout = (obj.get("status") or {}).get("rollout") or {}
-    if not isinstance(rollout, Mapping) or rollout.get("generation") != (obj.get("metadata") or {}).get("generation"):
+    meta = obj.get("metadata") or {}
+    if not isinstance(rollout, Mapping) or rollout.get("generation") != meta.get("generation"):
+        return False
+    if rollout.get("uid") and rollout.get("uid") != meta.get("uid"):
         return False
     names = rollout.get("granted") or []
     return isinstance(names, list) and node in names

@@ -97,7 +97,7 @@ class NodeReport:
         self._clock = clock
         self.recorder = EventRecorder(source.node_name, event_namespace, burst=event_burst, interval=event_interval,
                                       request_timeout=request_timeout, clock=clock)
-        self.current: dict[str, str] = {}  # set -> last generation found complete
+        self.current: dict[str, tuple[str, str]] = {}  # set -> (object uid, last generation found complete)
         self.failed: dict[str, tuple[str, str]] = {}  # set -> (generation, error) of the last failure
         self._conditions: dict[str, dict[str, str]] = {}
         self.last_written: dict[str, Any] | None = None
@@ -149,21 +149,25 @@ class NodeReport:
                 done, total = done + d, total + t
             if c["queued"] and snap.disk_blocked:
                 reasons = {**reasons, "noSpace": reasons.get("noSpace", 0) + c["queued"]}
+            from_cluster = name in cluster_sets
+            sel = self.source.selected.get(name) if from_cluster else None
+            uid = sel.uid if sel is not None else ""  # the object in force (a set is its object, not its name)
             if v.complete:
-                self.current[name] = v.generation
+                self.current[name] = (uid, v.generation)
             err = v.last_error or (snap.disk_blocked if c["queued"] and snap.disk_blocked else "")
             if c["failed"] or (c["queued"] and snap.disk_blocked):
                 self.failed[name] = (v.generation, err)
                 errors.append(f"{name}: {err}")
-            from_cluster = name in cluster_sets
             problem = self._problem(name, v.source, from_cluster, refused, secret_errors)
             row: dict[str, Any] = {
                 "name": name, "kind": v.kind, "source": "cluster" if from_cluster else "file",
-                "desiredGeneration": v.generation,
+                "desiredGeneration": v.generation, **({"uid": uid} if uid else {}),
                 "images": c,
             }
             if name in self.current:
-                row["currentGeneration"] = self.current[name]
+                current_uid, row["currentGeneration"] = self.current[name]
+                if current_uid and current_uid != uid:  # complete for another object of that name
+                    row["currentUid"] = current_uid
             if name in self.failed:
                 row["lastFailedGeneration"] = self.failed[name][0]
                 if c["failed"] or (c["queued"] and snap.disk_blocked):
@@ -220,7 +224,12 @@ class NodeReport:
                 rows.append(row)
             elif row.get("reason"):
                 continue  # the version in force has a problem of its own: that is what to say
+            in_force = row.get("uid", "")
+            if "currentGeneration" in row and in_force and in_force != sel.uid:  # a set deleted and created again
+                row.setdefault("currentUid", in_force)
             row["desiredGeneration"] = sel.set.generation
+            if sel.uid:
+                row["uid"] = sel.uid
             row["reason"] = AWAITING_GRANT
 
     def _owner(self) -> dict[str, Any]:
@@ -249,6 +258,10 @@ class NodeReport:
               problems: dict[str, list[str]]) -> None:
         row["reason"] = reason
         if generation:  # the refused version is what is declared; currentGeneration stays the one in force
+            if "uid" in row:  # the refused object's own uid is not known here: currentUid keeps the one in force
+                in_force = row.pop("uid")
+                if "currentGeneration" in row:
+                    row.setdefault("currentUid", in_force)
             row["desiredGeneration"] = generation
             self.failed[row["name"]] = (generation, error)
             row["lastFailedGeneration"] = generation

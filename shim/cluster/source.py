@@ -269,8 +269,9 @@ class ClusterSource:
         new one (pins only). False when it applies: granted, in force already, or nothing to pull."""
         new, old = selected[name], previous.get(name)
         own_old = old is not None and old.set.kind == "ImageSet" and name in old_raw
+        # in force already: the same object (uid: a set deleted and created again is new) and generation
         if grant.granted(obj, self.node_name) or (old is not None and own_old
-                                                   and (old.set.generation == new.set.generation
+                                                   and ((old.uid, old.set.generation) == (new.uid, new.set.generation)
                                                         or not grant.adds_images(new.set, old.set))):
             return False
         held[name] = new

@@ -89,6 +89,7 @@ class Controller:
                                     statuses=self.statuses, informer_args=common, stale_after=stale_after,
                                     request_timeout=request_timeout, discovery_interval=mco_discovery_interval)
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
+        self._uids: dict[str, str] = {}  # set -> the object's uid the entries here are about
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
         self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
@@ -159,6 +160,7 @@ class Controller:
     def _forget(self, name: str) -> None:
         self.marks.forget(name)
         self._written.pop(name, None)
+        self._uids.pop(name, None)
         self._started.pop(name, None)
         self._grant_times.pop(name, None)
 
@@ -169,6 +171,11 @@ class Controller:
         if obj is None:
             self._forget(name)
             return
+        uid = str(obj["metadata"].get("uid") or "")
+        if self._uids.get(name, uid) != uid:  # deleted and created again, the deletion unseen (a re-list)
+            for memory in (self._written, self._started, self._grant_times):
+                memory.pop(name, None)
+        self._uids[name] = uid
         view = {**obj, "status": self._written.get(name, obj.get("status") or {})}
         if (view["status"].get("observedGeneration") != obj["metadata"].get("generation")
                 and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"].get("generation")):
@@ -211,7 +218,8 @@ class Controller:
             return None, "", None  # the truth says why; no node is selected
         labels = {n: truth.node_labels(self.nodes.items[n]) for n in reports}
         gen = view["metadata"].get("generation")
-        return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen),
+        return grants.decide(ro, labels, reports, grants.Previous.read(view["status"], gen,
+                                                                       str(view["metadata"].get("uid") or "")),
                              resume=rollout.resume_token(view), now=now, stale_after=self.stale_after,
                              granted_at=self._grant_times.get(view["metadata"]["name"], {})), "", reports
 

@@ -66,10 +66,13 @@ class Previous:
     resumed_with: str = ""
 
     @classmethod
-    def read(cls, status: Mapping[str, Any], generation: Any) -> Previous:
+    def read(cls, status: Mapping[str, Any], generation: Any, uid: str = "") -> Previous:
         """From an ImageSet's status; empty when it is for another generation (the resume
-        token acted on is kept across generations: an old token never resumes a new halt)."""
+        token acted on is kept across generations: an old token never resumes a new halt), or
+        for another object of that name (``uid``: a set deleted and created again is new)."""
         r = status.get("rollout") or {}
+        if uid and r.get("uid") and r.get("uid") != uid:
+            return cls()
         token = str(r.get("resumedWith") or "")
         if r.get("generation") != generation:
             return cls(resumed_with=token)

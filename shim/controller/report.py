@@ -9,8 +9,9 @@ conditions.
   caught up. ``Degraded``: a node failed (reason by type: ``AuthFailed``, ``NotFound``, ...),
   or is stale or missing (``NodesStale``, ``NodesMissing``). Slow progress never sets it.
 * A paced set (``spec.rollout``): ``waiting`` (nodes waiting for a grant), ``rollout`` (grants.py's
-  decision: ``generation``, ``phase`` Canary / Rolling / Halted / Complete, ``maxConcurrentNodes``
-  as a count, ``inFlight``, ``granted``, ``canaryNodes``, ``halted`` with ``haltReason``,
+  decision: ``generation`` and ``uid`` (the object's: a grant is for this object), ``phase``
+  Canary / Rolling / Halted / Complete, ``maxConcurrentNodes`` as a count, ``inFlight``,
+  ``granted``, ``canaryNodes``, ``halted`` with ``haltReason``,
   ``toleratedFailures``, ``resumedWith``, ``staleGranted``: granted nodes counted stale, which
   hold no slot) and the condition ``Halted`` (True with the failing
   nodes' typed reason; ``CanaryMatchesNoNode``, ``CanaryFailing``: halted by the canary until
@@ -90,9 +91,11 @@ def _conditions(t: Truth, stale_granted: tuple[str, ...] = ()) -> dict[str, tupl
     return {"Available": available, "Progressing": progressing, "Degraded": degraded}
 
 
-def rollout_of(generation: Any, d: Decision) -> dict[str, Any]:
-    out: dict[str, Any] = {"generation": generation, "phase": d.phase, "maxConcurrentNodes": d.limit,
-                           "inFlight": d.in_flight, "granted": list(d.granted), "halted": d.halted}
+def rollout_of(generation: Any, d: Decision, uid: str = "") -> dict[str, Any]:
+    """``status.rollout``; ``uid``: the set object's (a grant is for this object, not its name)."""
+    out: dict[str, Any] = {"generation": generation, **({"uid": uid} if uid else {}), "phase": d.phase,
+                           "maxConcurrentNodes": d.limit, "inFlight": d.in_flight, "granted": list(d.granted),
+                           "halted": d.halted}
     if d.canary_nodes:
         out["canaryNodes"] = list(d.canary_nodes)
     if d.halted and d.halt_reason:
@@ -121,7 +124,7 @@ def status_of(image_set: Mapping[str, Any], t: Truth, *, started: float, now: fl
     if decision is not None or rollout_error:
         status["waiting"] = t.waiting
     if decision is not None:
-        status["rollout"] = rollout_of(meta.get("generation"), decision)
+        status["rollout"] = rollout_of(meta.get("generation"), decision, str(meta.get("uid") or ""))
     if t.failed_reasons:
         status["failedReasons"] = dict(t.failed_reasons)
     if t.failing_nodes:

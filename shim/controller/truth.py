@@ -206,15 +206,21 @@ def stale_at(r: NodeReading, granted_at: float | None, stale_after: float) -> fl
 
 def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, changed_at: float,
                 stale_after: float, expected: Callable[[], str] = partial(_unknown, ""),
-                kind: str = IMAGE_SET.kind) -> NodeReading:
-    """One node's report for the set ``name`` (of ``kind``) at ``generation``."""
+                kind: str = IMAGE_SET.kind, uid: str = "") -> NodeReading:
+    """One node's report for the set ``name`` (of ``kind``) at ``generation``, of the object ``uid``:
+    a row naming another object (``uid``: its desiredGeneration's, ``currentUid``: its
+    currentGeneration's when another) is a report about a set of the same name deleted since, not
+    about this one (rows without uids, from older shims, are read by generation alone)."""
     if obj is None:
         return NodeReading(Report.MISSING)
     row = _row(obj.get("status") or {}, name, expected, kind)
     if row is not None and row.get("implied"):
         return NodeReading(Report.CURRENT)
+    if row is not None and uid and row.get("uid") and row.get("uid") != uid:
+        row = None  # about another object of that name: this one is not reported yet
     if row is not None and row.get("desiredGeneration") == generation:
-        if row.get("currentGeneration") == generation:
+        of = row.get("currentUid") or row.get("uid")
+        if row.get("currentGeneration") == generation and not (uid and of and of != uid):
             return NodeReading(Report.CURRENT)
         if row.get("reason") == AWAITING_GRANT:
             return NodeReading(Report.WAITING, max(report_time(obj) or changed_at, changed_at) + stale_after,
@@ -237,12 +243,13 @@ def read_reports(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, 
     ``selection``: which nodes (default: an ImageSet's ``Selection.of``); the rows read are of
     the set's ``kind``."""
     name = (image_set.get("metadata") or {}).get("name")
+    uid = str((image_set.get("metadata") or {}).get("uid") or "")
     kind = str(image_set.get("kind") or IMAGE_SET.kind)
     generation = str((image_set.get("metadata") or {}).get("generation", ""))
     sel = selection if selection is not None else Selection.of(image_set)
     sel.check()
     return {n: read_report(statuses.get(n), name, generation, changed_at=changed_at, stale_after=stale_after,
-                           expected=partial(expected or _unknown, n), kind=kind)
+                           expected=partial(expected or _unknown, n), kind=kind, uid=uid)
             for n in sorted(nodes) if sel.selects(node_labels(nodes[n]))}
 
 

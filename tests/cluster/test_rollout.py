@@ -13,7 +13,7 @@ from typing import Any
 
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.cluster.test_cluster_sets import SHIM, pinned, shim_config, wait_for
+from tests.cluster.test_cluster_sets import SHIM, delete, pinned, set_row, shim_config, wait_for
 from tests.cluster.test_controller import LEASE, ROUND_TRIPS, _holder, cleanup, conds, counts, set_status, table
 from tests.support.controller import STALE_AFTER
 from tests.support.kube import Admin
@@ -404,3 +404,60 @@ def test_an_edit_mid_rollout_never_lets_more_than_max_concurrent_nodes_fetch(con
     finally:
         fleet.stop()
         cleanup(admin, "r9-web", nodes)
+
+
+def test_a_set_created_again_is_paced_and_counted_as_new(control_plane, admin, controllers, make_image, shim_factory,
+                                                         tmp_path) -> None:
+    """Issue 45: a paced set deleted and created again (generation 1 again) while node-a's shim is
+    stopped: the controller does not count node-a's old row (1/1) as current on the new object;
+    the restarted shim applies the new object only with a grant (its new image not pulled before),
+    its row waiting for it; granted, it pulls and is current."""
+    first, added = make_image(), make_image()
+    admin.set_node_labels("node-a", {"r10-pool": "x"})
+    cfg = shim_config(control_plane, tmp_path, "node-a")
+    try:
+        admin.apply_custom(*SHIM, "imagesets", paced_set("r10-web", [first.ref], "r10-pool", maxConcurrentNodes=1))
+        shim = shim_factory(cfg, log_level="info")
+        ctl = controllers("r10-a")
+        wait_for(lambda: conds(admin, "r10-web").get("Available") == "True/AllNodesCurrent", 60, "node-a current")
+        old_uid = admin.get_custom(*SHIM, "imagesets", "r10-web")["metadata"]["uid"]
+        assert set_row(admin, "node-a", "r10-web")["uid"] == old_uid
+
+        def created_again() -> dict[str, Any]:
+            delete(admin, *SHIM, "imagesets", "r10-web")
+            wait_for(lambda: admin.get_custom(*SHIM, "imagesets", "r10-web") is None, 30, "the set deleted")
+            admin.apply_custom(*SHIM, "imagesets", paced_set("r10-web", [first.ref, added.ref], "r10-pool",
+                                                             maxConcurrentNodes=1))
+            obj = admin.get_custom(*SHIM, "imagesets", "r10-web")
+            assert obj["metadata"]["generation"] == 1 and obj["metadata"]["uid"] != old_uid
+            return obj
+
+        shim.stop()
+        new = created_again()
+        # the stopped node's old row (1/1, the old uid) is not current on the new object
+        wait_for(lambda: (set_status(admin, "r10-web").get("rollout") or {}).get("uid") == new["metadata"]["uid"],
+                 30, "the new object's status")
+        time.sleep(2)
+        st = set_status(admin, "r10-web")
+        assert st["current"] == 0 and conds(admin, "r10-web")["Available"] == "False/NodesNotCurrent", st
+        ctl.stop()  # and once more, with no controller to grant it while the shim comes back
+        new = created_again()
+
+        shim2 = shim_factory(cfg, log_level="info")
+        row = wait_for(lambda: (r := set_row(admin, "node-a", "r10-web")) and r.get("uid") == new["metadata"]["uid"]
+                       and r, 30, "node-a's row for the new object")
+        print(f"\nnode-a's row for the set created again, before its grant: {row}")
+        assert (row["reason"], row["desiredGeneration"], row["currentUid"]) == ("AwaitingGrant", "1", old_uid), row
+        time.sleep(2)
+        assert added.image_id not in pinned(shim2)  # not pulled without a grant
+        assert pinned(shim2).get(first.image_id) is True  # the version in force stays pinned
+
+        controllers("r10-b")
+        wait_for(lambda: conds(admin, "r10-web").get("Available") == "True/AllNodesCurrent", 60,
+                 "node-a current on the new object once granted")
+        assert pinned(shim2).get(added.image_id) is True
+        row = set_row(admin, "node-a", "r10-web")
+        assert row["uid"] == new["metadata"]["uid"] and "currentUid" not in row, row
+    finally:
+        delete(admin, *SHIM, "imagesets", "r10-web")
+        admin.set_node_labels("node-a", {"r10-pool": None})

@@ -93,3 +93,44 @@ async def test_a_generation_that_adds_no_image_needs_no_grant_and_a_new_set_wait
         await eventually(lambda: NEW in store.pulls, what="NEW pulled once granted")
         recompute(src, paced(2, [OLD], failureThreshold=3))  # drops an image, changes the rollout: no grant needed
         assert src.sets.reconciler.sets["web"].generation == "2" and src.held == {}
+
+
+async def test_a_set_deleted_and_created_again_while_the_shim_was_stopped_is_new(runtime, store,
+                                                                                tmp_path: Path) -> None:
+    """Issue 45: the shim stopped across `kubectl delete` + `apply` of a paced set; the new object
+    starts at generation 1 again. It is another object (uid): applied only with a grant, and its
+    row says it waits (its uid; the version in force is the old object's, currentUid)."""
+    store.add(OLD)
+    async with image_sets(runtime, sets_dir(tmp_path)) as h:
+        cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
+        src = ClusterSource(cfg, h.sets, Metrics())
+        recompute(src, paced(1, [OLD], granted=["n1"]))
+        await reconciled(h, "web", 1)
+        src._save()  # the shim stops here
+        src2 = ClusterSource(cfg, h.sets, Metrics())
+        src2.load_state()
+        again = paced(1, [OLD, NEW])
+        again["metadata"]["uid"] = "u2"
+        recompute(src2, again)
+        assert src2.sets.reconciler.sets["web"].refs == (OLD,) and set(src2.held) == {"web"}
+        await eventually(lambda: pins(h) == {"app:v1", "app:v2"}, what="the new object's images pinned")
+        assert store.pulls == []  # NEW is not pulled without a grant
+        row = NodeReport(src2, h.sets, None, interval=1, event_interval=60, event_namespace="default",
+                         request_timeout=5).document()["status"]["sets"][0]
+        assert (row["desiredGeneration"], row["uid"], row["currentGeneration"], row["currentUid"], row["reason"]) \
+            == ("1", "u2", "1", "u", "AwaitingGrant")
+        # a grant written for the old object (same name, same generation) grants nothing
+        stale = paced(1, [OLD, NEW], granted=["n1"])
+        stale["metadata"]["uid"], stale["status"]["rollout"]["uid"] = "u2", "u"
+        recompute(src2, stale)
+        assert set(src2.held) == {"web"} and store.pulls == []
+        granted = paced(1, [OLD, NEW], granted=["n1"])
+        granted["metadata"]["uid"], granted["status"]["rollout"]["uid"] = "u2", "u2"
+        granted["metadata"]["resourceVersion"] = "99"
+        recompute(src2, granted)
+        await eventually(lambda: NEW in store.pulls, what="NEW pulled once the new object grants it")
+        await reconciled(h, "web", 2)
+        row = NodeReport(src2, h.sets, None, interval=1, event_interval=60, event_namespace="default",
+                         request_timeout=5).document()["status"]["sets"][0]
+        assert (row["desiredGeneration"], row["uid"], row["currentGeneration"]) == ("1", "u2", "1")
+        assert "currentUid" not in row and "reason" not in row

@@ -326,3 +326,28 @@ def test_an_edit_mid_rollout_never_lets_more_than_max_concurrent_nodes_fetch() -
     # a limit of 1 and two nodes still fetching: neither new grant takes a slot, nobody else starts
     d = decide(spec(maxConcurrentNodes=1), reports)
     assert d.new_grants == ("c", "d") and d.in_flight == 2
+
+
+def test_a_set_created_again_is_counted_as_new_not_by_an_old_row_of_its_name() -> None:
+    """Issue 45: a set deleted and created again starts at generation 1 again. A node's row for the
+    old object (its uid) says nothing about the new one; a waiting row whose version in force is the
+    old object's (currentUid) is waiting, not current; the rollout last written for the old object
+    is not this one's."""
+    image_set = {"metadata": {"name": "s", "generation": 1, "uid": "new"}, "spec": {"rollout": {"maxConcurrentNodes": 1}}}
+
+    def nis(**row: Any) -> dict[str, Any]:
+        return {"metadata": {"name": "n", "managedFields": [{"manager": "cri-shim", "time": truth.format_time(T0)}]},
+                "status": {"sets": [{"name": "s", "desiredGeneration": "1", "currentGeneration": "1", **row}]}}
+    nodes = {"n": {"metadata": {"name": "n"}}}
+
+    def read(**row: Any) -> Report:
+        return truth.read_reports(image_set, nodes, {"n": nis(**row)}, changed_at=T0, stale_after=120)["n"].report
+    assert read(uid="old") is Report.BEHIND  # the stopped node's row: about the deleted object
+    assert read(uid="new", currentUid="old", reason="AwaitingGrant") is Report.WAITING
+    assert read(uid="new") is Report.CURRENT
+    assert read() is Report.CURRENT  # a shim that writes no uid: read by generation, as before
+    old = {"rollout": {"generation": 1, "uid": "old", "granted": ["n"], "halted": True, "resumedWith": "t"}}
+    assert Previous.read(old, 1, "new") == Previous()
+    assert Previous.read(old, 1, "old").halted and Previous.read(old, 1).granted == ("n",)
+    d = decide(spec(maxConcurrentNodes=1), {"n": W})
+    assert report.rollout_of(1, d, "new")["uid"] == "new"
