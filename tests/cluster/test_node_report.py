@@ -32,9 +32,11 @@ def test_a_deleted_status_object_is_back_within_the_interval(control_plane, admi
     cfg = shim_config(control_plane, tmp_path, "node-b", server={"admin_socket": admin_sock})
     cfg["cluster"]["status_interval_seconds"] = INTERVAL
     shim_factory(cfg, log_level="info")
-    first = wait_for(lambda: _nis(admin, "node-b"), 30, "node-b's status written")
+    wait_for(lambda: _nis(admin, "node-b"), 30, "node-b's status written")
     # at rest: no write for a few intervals
     wait_for(lambda: at_rest(admin_sock), 60, "the shim at rest")
+    first = _nis(admin, "node-b")
+    assert first is not None
     for _ in range(2):  # twice: the object re-created is watched as the first was
         delete(admin, *SHIM, "nodeimagesetstatuses", "node-b")
         gone = time.monotonic()

@@ -352,8 +352,11 @@ def test_a_resume_grants_again_or_says_why_not(control_plane, admin, controllers
         # a canary: edit the set (a new generation, a new rollout) to pick one, still failing
         body = paced_set("r8-web", [missing], "r8-pool", maxConcurrentNodes=1, canary={"count": 1})
         admin.apply_custom(*SHIM, "imagesets", body)
-        wait_for(lambda: conds(admin, "r8-web").get("Halted") == "True/NotFound"
-                 and rollout_status(admin, "r8-web").get("generation") == 2, 30, "generation 2 halted")
+        def halted_at_2() -> bool:  # one read of the status: its condition and its rollout together
+            st = set_status(admin, "r8-web")
+            ro = st.get("rollout") or {}
+            return ro.get("generation") == 2 and ro.get("halted") is True and ro.get("haltReason") == "notFound"
+        wait_for(halted_at_2, 30, "generation 2 halted: its canary failing")
         canary = rollout_status(admin, "r8-web")["canaryNodes"]
         resume("early")
         wait_for(lambda: conds(admin, "r8-web").get("Halted") == "True/CanaryFailing", 20,
