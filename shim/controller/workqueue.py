@@ -86,6 +86,7 @@ class WorkQueue(Generic[T]):
         if delay <= 0:
             self.add(item)
             return
+        self._promote()  # an entry already due is added now, as client-go's waiting loop would have
         when = self._clock() + delay
         if item in self._waiting and self._waiting[item] <= when:
             return
