@@ -127,11 +127,11 @@ class Manager:
                                       request_timeout=request_timeout, backoff_initial=backoff_initial,
                                       backoff_max=backoff_max)
         self.nodes = Informer(api, "nodes", CoreV1Api(api).list_node, kind=("v1", "Node"),
-                              on_event=self._node_event, **common)
+                              on_event=self.on_node_event, **common)
         self.sets = Informer(api, "imagesets", _lister(self.custom, IMAGE_SET),
-                             kind=(IMAGE_SET.api_version, IMAGE_SET.kind), on_event=self._set_event, **common)
+                             kind=(IMAGE_SET.api_version, IMAGE_SET.kind), on_event=self.on_set_event, **common)
         self.statuses = Informer(api, "nodeimagesetstatuses", _lister(self.custom, NODE_STATUS),
-                                 kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self._status_event,
+                                 kind=(NODE_STATUS.api_version, NODE_STATUS.kind), on_event=self.on_status_event,
                                  **common)
         self.lease = (lease.informer(elector.lease_event, self.reach, watch_timeout=watch_timeout,
                                      request_timeout=request_timeout, backoff_initial=backoff_initial,
@@ -165,7 +165,7 @@ class Manager:
     def _selecting(self, labels: dict[str, str]) -> list[str]:
         return [n for n, s in self.sets.items.items() if truth.selects_node(s, labels)]
 
-    def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
+    def on_set_event(self, kind: str, old: Obj, new: Obj) -> None:
         self.imagesets.sets_changed()
         if kind == "LIST":
             self.secret_roles.relisted(self.sets.items)
@@ -177,7 +177,7 @@ class Manager:
         self._roles_changed()
         self._add(name)  # deleted: its reconcile forgets it
 
-    def _node_event(self, kind: str, old: Obj, new: Obj) -> None:
+    def on_node_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.imagesets.node_changed(None)
             self._add_all()
@@ -194,7 +194,7 @@ class Manager:
             names.update(self._selecting(after))
         self._add(*sorted(names))
 
-    def _status_event(self, kind: str, old: Obj, new: Obj) -> None:
+    def on_status_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self._add_all()
             self.pinned_watch.mark_all()
