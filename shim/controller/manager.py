@@ -240,7 +240,7 @@ class Manager:
                 tg.create_task(self._work(self.pinned_queue, self.pinned,
                                           lambda: self._synced() and self.pinned_watch.synced),
                                name="controller-pinnedimagesets")
-                tg.create_task(self._work(self.roles_queue, self.roles, lambda: self.sets.synced),
+                tg.create_task(self._work(self.roles_queue, self.roles, self._synced),
                                name="controller-roles")
         finally:
             for q in (self.queue, self.pinned_queue, self.roles_queue):

@@ -150,3 +150,42 @@ def test_watching_standby_takes_over_within_the_lease_duration_of_a_kill() -> No
     assert out["after_last_renewal"] >= 1.0, out
     # ... and at that instant, not at its next poll (up to 0.48 s later): a margin for the loop's wake-ups
     assert out["after_kill"] < 1.0 + 0.15, out
+
+
+async def _released() -> dict[str, Any]:
+    """a leads, b stands by watching; a is stopped cleanly (its work cancelled, then release())."""
+    leases = FakeLock()
+    timings = {"lease_duration": 1.0, "renew_deadline": 0.8, "retry_period": 0.4}
+    a = elector(leases, "a", watch=True, **timings)
+    b = elector(leases, "b", watch=True, **timings)
+    took: list[float] = []
+
+    async def idle() -> None:
+        await asyncio.Event().wait()
+
+    async def b_lead() -> None:
+        took.append(time.monotonic())
+        await idle()
+    ta = asyncio.create_task(a.run(idle))
+    await asyncio.sleep(0.05)
+    tb = asyncio.create_task(b.run(b_lead))
+    await asyncio.sleep(0.6)
+    assert a.leading and not took
+    ta.cancel()
+    await asyncio.gather(ta, return_exceptions=True)
+    stopped = time.monotonic()
+    await a.release()
+    released = leases.writes[-1]
+    while not took:
+        await asyncio.sleep(0.01)
+    tb.cancel()
+    await asyncio.gather(tb, return_exceptions=True)
+    await a.release()  # not its Lease any more: nothing written
+    assert leases.record is not None and leases.record.holder == "b"
+    return {"released_holder": released[0], "after_stop": took[0] - stopped}
+
+
+def test_a_released_lease_is_taken_at_once_by_a_watching_standby() -> None:
+    out = asyncio.run(_released())
+    assert out["released_holder"] == ""  # the release writes an empty holder
+    assert out["after_stop"] < 0.3, out  # at once, not after the lease duration (1 s) or a poll (0.4 s)
