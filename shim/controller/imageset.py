@@ -34,6 +34,7 @@ class ImageSetReconciler:
         self.stale_after = stale_after
         self._clock = clock
         self._written: dict[str, dict[str, Any]] = {}  # set -> status last applied by this leader
+        self._uids: dict[str, str] = {}  # set -> the object's uid the entries here are about
         self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen): finer than the status
         self._grant_times: dict[str, dict[str, float]] = {}  # set -> granted node -> when this process saw it granted
         self._digests: dict[str, str] = {}  # node -> truth.expected_digest, for nodes with omitted rows
@@ -61,6 +62,7 @@ class ImageSetReconciler:
 
     def _forget(self, name: str) -> None:
         self._written.pop(name, None)
+        self._uids.pop(name, None)
         self._started.pop(name, None)
         self._grant_times.pop(name, None)
 
@@ -74,6 +76,11 @@ class ImageSetReconciler:
         if obj is None:
             self._forget(name)
             return Result()
+        uid = str(obj["metadata"].get("uid") or "")
+        if self._uids.get(name, uid) != uid:  # deleted and created again, the deletion unseen (a re-list)
+            for memory in (self._written, self._started, self._grant_times):
+                memory.pop(name, None)
+        self._uids[name] = uid
         view = {**obj, "status": self._written.get(name, obj.get("status") or {})}
         if (view["status"].get("observedGeneration") != obj["metadata"].get("generation")
                 and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"].get("generation")):

@@ -282,3 +282,13 @@ async def test_the_leaders_loop_writes_each_set_once_per_batch_and_retries_a_fai
     assert names[:3] == ["s", "t", "s"]  # s refused, t written, s written after its backoff
     assert len(names) == 3  # the status events changed nothing the sets show: no write
     assert m.imagesets.recomputes <= 3 + 2 * 8  # the 20 events cost a few batches, not 20 recomputes per set
+
+
+def test_a_set_created_again_under_its_name_starts_afresh() -> None:
+    f = Fixture()
+    three_nodes(f, image_set())
+    f.run()
+    f.now += 30
+    f.sets["s"] = {**image_set(), "metadata": {"name": "s", "generation": 2, "uid": "uid-s-again"}}  # no status
+    (action,) = f.run()  # the deletion was never seen (a re-list): what was written for the old object is not kept
+    assert action[3]["status"]["rolloutStartTime"] == truth.format_time(f.now)
