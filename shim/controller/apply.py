@@ -1,22 +1,32 @@
 """How the controller writes: server-side apply (field manager ``cri-shim-controller``, forced: the
-fields are ours), to an ImageSet's status subresource or a whole PinnedImageSetReport. A failed
-write marks its set again after a backoff (1 s doubling to 30 s over the controller's failures),
-and says so once per failure in the log."""
+fields are ours), to an ImageSet's status subresource or a whole PinnedImageSetReport. A write
+that fails raises ``WriteError``; the applier never retries on its own: the manager's loop
+(manager.py) requeues the set with its own backoff and says so in the log."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from typing import Any, Callable
+from typing import Any, Protocol
 
 from kubernetes_asyncio.client import CustomObjectsApi
 
 from ..cluster.informer import describe
 from ..cluster.objects import Kind
-from ..observability import logs
 from .report import FIELD_MANAGER
 
-_log = logs.get("controller")
+
+class WriteError(Exception):
+    """A write that failed: ``what`` was not written to ``name``; the message says why."""
+
+    def __init__(self, what: str, name: str, cause: BaseException) -> None:
+        super().__init__(describe(cause))
+        self.what = what
+        self.name = name
+
+
+class Apply(Protocol):
+    """What a reconciler writes through (``Applier``, or a fake in unit tests)."""
+
+    async def apply(self, kind: Kind, name: str, body: dict[str, Any], *, status: bool, what: str) -> None: ...
 
 
 class Applier:
@@ -24,20 +34,14 @@ class Applier:
         self.custom = custom
         self.request_timeout = request_timeout
         self.writes = 0
-        self.errors = 0
 
-    async def apply(self, kind: Kind, name: str, body: dict[str, Any], *, status: bool, what: str,
-                    retry: Callable[[str], None]) -> bool:
-        """True when written; else ``retry(name)`` is called later. ``status``: to the status subresource."""
+    async def apply(self, kind: Kind, name: str, body: dict[str, Any], *, status: bool, what: str) -> None:
+        """Written, or ``WriteError``. ``status``: to the status subresource."""
         fn = self.custom.patch_cluster_custom_object_status if status else self.custom.patch_cluster_custom_object
         try:
             await fn(kind.group, kind.version, kind.plural, name, body,  # type: ignore[call-arg]  # .pyi lacks _content_type
                      field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
                      _request_timeout=self.request_timeout)
         except Exception as e:
-            self.errors += 1
-            logs.log(_log, logging.WARNING, f"cannot write {what}; will retry", set=name, error=describe(e))
-            asyncio.get_running_loop().call_later(min(30.0, 1.0 * 2 ** min(self.errors, 5)), retry, name)
-            return False
+            raise WriteError(what, name, e) from e
         self.writes += 1
-        return True

@@ -16,6 +16,11 @@
   candidate again: it stops 5 s before any standby may take over.
 * Stopped cleanly (SIGTERM), the leader releases the Lease (empty holder, 1 s duration), so a
   standby takes over as soon as it sees that (the watch) instead of after the lease duration.
+
+The elector reads and writes the Lease through a ``LeaseLock`` (client-go's
+``resourcelock.Interface``): ``get``, ``create`` and ``update`` of one ``LeaseRecord``, an update
+carrying the resourceVersion read. ``KubeLeaseLock`` is the Lease on the Kubernetes API; the unit
+tests use an in-memory one (tests/support/fake_lease.py).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import datetime as dt
 import logging
 import random
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Coroutine
+from typing import Any, Callable, Coroutine, Protocol
 
 from kubernetes_asyncio.client import ApiClient, CoordinationV1Api
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -45,16 +51,106 @@ def _micro(t: float) -> str:
 Record = tuple[str, str, float]  # (resourceVersion, holder, lease duration): any write changes the first
 
 
-class LeaderElector:
-    def __init__(self, api: ApiClient, *, namespace: str, name: str, identity: str, lease_duration: float = 15.0,
-                 renew_deadline: float = 10.0, retry_period: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if not lease_duration > renew_deadline > retry_period > 0:
-            raise ValueError("need lease duration > renew deadline > retry period > 0")
+@dataclass(frozen=True)
+class LeaseRecord:
+    """A Lease's spec as the elector reads and writes it; ``resource_version`` is the one read
+    (empty when writing a new Lease)."""
+    holder: str
+    duration: float
+    acquire_time: str | None = None  # RFC 3339 with microseconds, as the API serves MicroTime
+    renew_time: str | None = None
+    transitions: int = 0
+    resource_version: str = ""
+
+
+class LeaseLock(Protocol):
+    """One Lease: ``get`` (None: it does not exist), ``create`` (False: another candidate
+    created it first), ``update`` with the resourceVersion of the record read (False: written
+    by someone else since). Any other failure raises."""
+
+    def describe(self) -> str: ...
+
+    async def get(self, timeout: float) -> LeaseRecord | None: ...
+
+    async def create(self, record: LeaseRecord, timeout: float) -> bool: ...
+
+    async def update(self, record: LeaseRecord, timeout: float) -> bool: ...
+
+
+def _spec(record: LeaseRecord) -> dict[str, Any]:
+    return {"holderIdentity": record.holder, "leaseDurationSeconds": int(record.duration),
+            "acquireTime": record.acquire_time, "renewTime": record.renew_time,
+            "leaseTransitions": record.transitions}
+
+
+class KubeLeaseLock:
+    """A ``coordination.k8s.io/v1`` Lease on the Kubernetes API."""
+
+    def __init__(self, api: ApiClient, *, namespace: str, name: str) -> None:
         self.api = api
         self.coord = CoordinationV1Api(api)
         self.namespace = namespace
         self.name = name
+
+    def describe(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def _body(self, record: LeaseRecord) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if record.resource_version:
+            meta["resourceVersion"] = record.resource_version
+        return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": _spec(record)}
+
+    async def get(self, timeout: float) -> LeaseRecord | None:
+        try:
+            lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        spec = lease.spec
+        return LeaseRecord(
+            holder=spec.holder_identity or "", duration=float(spec.lease_duration_seconds or 0),
+            acquire_time=spec.acquire_time.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if spec.acquire_time else None,
+            renew_time=spec.renew_time.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if spec.renew_time else None,
+            transitions=spec.lease_transitions or 0, resource_version=str(lease.metadata.resource_version))
+
+    async def create(self, record: LeaseRecord, timeout: float) -> bool:
+        try:
+            await self.coord.create_namespaced_lease(self.namespace, self._body(record),  # type: ignore[arg-type]
+                                                     _request_timeout=timeout)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    async def update(self, record: LeaseRecord, timeout: float) -> bool:
+        try:
+            await self.coord.replace_namespaced_lease(self.name, self.namespace, self._body(record),  # type: ignore[arg-type]
+                                                      _request_timeout=timeout)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
+    def informer(self, on_event: Callable[[str, Obj, Obj], None], reach: Reachability, **kwargs: Any) -> Informer:
+        """A watch of this one Lease (list and watch with the field selector ``metadata.name``,
+        which a Role limited to its resourceNames allows)."""
+        lister = partial(self.coord.list_namespaced_lease, self.namespace)
+        return Informer(self.api, "leader-lease", lister, kind=("coordination.k8s.io/v1", "Lease"),
+                        on_change=lambda: None, on_event=on_event, reach=reach,
+                        field_selector=f"metadata.name={self.name}", **kwargs)
+
+
+class LeaderElector:
+    def __init__(self, lock: LeaseLock, *, identity: str, lease_duration: float = 15.0,
+                 renew_deadline: float = 10.0, retry_period: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_duration > renew_deadline > retry_period > 0:
+            raise ValueError("need lease duration > renew deadline > retry period > 0")
+        self.lock = lock
         self.identity = identity
         self.lease_duration = lease_duration
         self.renew_deadline = renew_deadline
@@ -74,10 +170,10 @@ class LeaderElector:
         """True only while a renewal succeeded within the renew deadline."""
         return self._leading and self._clock() - self._renewed_at < self.renew_deadline
 
-    def _spec(self, now_wall: float, acquired: str | None, transitions: int) -> dict[str, Any]:
-        return {"holderIdentity": self.identity, "leaseDurationSeconds": int(self.lease_duration),
-                "acquireTime": acquired or _micro(now_wall), "renewTime": _micro(now_wall),
-                "leaseTransitions": transitions}
+    def _record(self, now_wall: float, acquired: str | None, transitions: int, resource_version: str) -> LeaseRecord:
+        return LeaseRecord(holder=self.identity, duration=self.lease_duration,
+                           acquire_time=acquired or _micro(now_wall), renew_time=_micro(now_wall),
+                           transitions=transitions, resource_version=resource_version)
 
     def observe(self, record: Record | None) -> None:
         """The Lease as read or watched now (None: it does not exist). Only a change of its record
@@ -98,14 +194,6 @@ class LeaderElector:
         self.observe((str(new["metadata"].get("resourceVersion")), str(spec.get("holderIdentity") or ""),
                       float(spec.get("leaseDurationSeconds") or self.lease_duration)))
 
-    def lease_informer(self, reach: Reachability, **kwargs: Any) -> Informer:
-        """A watch of this one Lease (list and watch with the field selector ``metadata.name``,
-        which a Role limited to its resourceNames allows) that feeds ``lease_event``."""
-        lister = partial(self.coord.list_namespaced_lease, self.namespace)
-        return Informer(self.api, "leader-lease", lister, kind=("coordination.k8s.io/v1", "Lease"),
-                        on_change=lambda: None, on_event=self.lease_event, reach=reach,
-                        field_selector=f"metadata.name={self.name}", **kwargs)
-
     def next_try(self, next_poll: float) -> float:
         """When a standby tries to acquire next (our clock): at its poll, or at the instant the
         record it observed expires if that comes first and after its last try (a try after the
@@ -118,43 +206,23 @@ class LeaderElector:
 
     async def try_acquire_or_renew(self) -> bool:
         timeout = self.retry_period * 2
-        try:
-            lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            now_wall = time.time()
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace}, "spec": self._spec(now_wall, None, 0)}
-            try:
-                await self.coord.create_namespaced_lease(self.namespace, body, _request_timeout=timeout)  # type: ignore[arg-type]
-            except ApiException as e2:
-                if e2.status == 409:  # another candidate created it first
-                    return False
-                raise
+        lease = await self.lock.get(timeout)
+        if lease is None:
+            if not await self.lock.create(self._record(time.time(), None, 0, ""), timeout):
+                return False  # another candidate created it first
             self.holder = self.identity
             return True
         now_wall = time.time()
-        spec = lease.spec
-        holder = spec.holder_identity or ""
-        duration = float(spec.lease_duration_seconds or self.lease_duration)
-        self.observe((str(lease.metadata.resource_version), holder, duration))
+        holder = lease.holder
+        duration = lease.duration or self.lease_duration
+        self.observe((lease.resource_version, holder, duration))
         if holder and holder != self.identity and self._clock() < self._observed_at + duration:
             return False
         mine = holder == self.identity
-        acquired = spec.acquire_time.strftime("%Y-%m-%dT%H:%M:%S.%fZ") if mine and spec.acquire_time else None
-        transitions = (spec.lease_transitions or 0) + (0 if mine else 1)
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace,
-                             "resourceVersion": lease.metadata.resource_version},
-                "spec": self._spec(now_wall, acquired, transitions)}
-        try:
-            await self.coord.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]
-                                                      _request_timeout=timeout)
-        except ApiException as e:
-            if e.status == 409:  # someone else wrote it since our read
-                return False
-            raise
+        acquired = lease.acquire_time if mine else None
+        transitions = lease.transitions + (0 if mine else 1)
+        if not await self.lock.update(self._record(now_wall, acquired, transitions, lease.resource_version), timeout):
+            return False  # someone else wrote it since our read
         self.holder = self.identity
         return True
 
@@ -165,7 +233,7 @@ class LeaderElector:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            logs.log(_log, logging.WARNING, "cannot read or write the leader Lease", lease=self.name,
+            logs.log(_log, logging.WARNING, "cannot read or write the leader Lease", lease=self.lock.describe(),
                      error=describe(e))
             ok = False
         finally:
@@ -193,7 +261,7 @@ class LeaderElector:
             await self._acquire()
             self._leading = True
             self.transitions += 1
-            logs.log(_log, logging.INFO, "became leader", lease=f"{self.namespace}/{self.name}", identity=self.identity)
+            logs.log(_log, logging.INFO, "became leader", lease=self.lock.describe(), identity=self.identity)
             work = asyncio.get_running_loop().create_task(lead(), name="controller-lead")
             try:
                 await self._renew_until_lost(work)
@@ -201,7 +269,7 @@ class LeaderElector:
                 self._leading = False
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-            logs.log(_log, logging.WARNING, "lost leadership: stopped acting", lease=f"{self.namespace}/{self.name}",
+            logs.log(_log, logging.WARNING, "lost leadership: stopped acting", lease=self.lock.describe(),
                      identity=self.identity, holder=self.holder)
 
     async def _renew_until_lost(self, work: asyncio.Task[None]) -> None:
@@ -228,17 +296,14 @@ class LeaderElector:
             return
         self._leading = False
         try:
-            lease = await self.coord.read_namespaced_lease(self.name, self.namespace, _request_timeout=5)
-            if lease.spec.holder_identity != self.identity:
+            lease = await self.lock.get(5.0)
+            if lease is None or lease.holder != self.identity:
                 return
-            now = time.time()
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace,
-                                 "resourceVersion": lease.metadata.resource_version},
-                    "spec": {"holderIdentity": "", "leaseDurationSeconds": 1, "renewTime": _micro(now),
-                             "acquireTime": _micro(now), "leaseTransitions": lease.spec.lease_transitions or 0}}
-            await self.coord.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]
-                                                      _request_timeout=5)
-            logs.log(_log, logging.INFO, "released the leader Lease", lease=f"{self.namespace}/{self.name}")
+            now = _micro(time.time())
+            if not await self.lock.update(LeaseRecord(holder="", duration=1, acquire_time=now, renew_time=now,
+                                                      transitions=lease.transitions,
+                                                      resource_version=lease.resource_version), 5.0):
+                return  # written by another candidate since: not ours to release
+            logs.log(_log, logging.INFO, "released the leader Lease", lease=self.lock.describe())
         except Exception as e:
             logs.log(_log, logging.WARNING, "cannot release the leader Lease", error=describe(e))

@@ -1,4 +1,4 @@
-"""Running ``cri-shim controller``: the API client, the elector, the controller, signals."""
+"""Running ``cri-shim controller``: the API client, the Lease lock and elector, the manager, signals."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kubernetes_asyncio.config import load_incluster_config
 
 from ..cluster.client import new_client
 from ..observability import logs
-from .controller import Controller
-from .leader import LeaderElector
+from .leader import KubeLeaseLock, LeaderElector
+from .manager import Manager
 
 _log = logs.get("controller")
 
@@ -35,9 +35,10 @@ def default_identity() -> str:
 async def run(*, kubeconfig: str | None, namespace: str, lease_name: str, identity: str, lease_duration: float,
               renew_deadline: float, retry_period: float, stale_after: float) -> int:
     api = await _client(kubeconfig)
-    elector = LeaderElector(api, namespace=namespace, name=lease_name, identity=identity,
-                            lease_duration=lease_duration, renew_deadline=renew_deadline, retry_period=retry_period)
-    ctl = Controller(api, elector, stale_after=stale_after)
+    lock = KubeLeaseLock(api, namespace=namespace, name=lease_name)
+    elector = LeaderElector(lock, identity=identity, lease_duration=lease_duration, renew_deadline=renew_deadline,
+                            retry_period=retry_period)
+    ctl = Manager(api, elector, lease=lock, stale_after=stale_after)
     loop = asyncio.get_running_loop()
     task = loop.create_task(ctl.run(), name="controller")
     for sig in (signal.SIGTERM, signal.SIGINT):

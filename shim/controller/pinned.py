@@ -13,11 +13,14 @@ shim applies it when it sees it (``spec.rollout`` is ours). A node reporting its
 (over ``cluster.status_max_rows``) without a row or ``worst`` entry for the set counts as behind:
 the aggregate's digest covers ImageSets only.
 
-Work follows the change, as for ImageSets (controller.py): a PinnedImageSet event marks it; a pool
-whose selector or list changed marks the sets it lists before and after; a Node relabelled, added
-or deleted marks the sets of the pools selecting it; a NodeImageSetStatus event the PinnedImageSets
-its rows name and those of its node's pools; a report event its set (a report deleted by hand is
-written again); a re-list every set. One timer per set with a node due to turn stale.
+Two parts, as controller-runtime splits a controller: ``PinnedWatch`` (discovery, the
+informers, and which sets each change concerns) and ``PinnedImageSetReconciler`` (a set's report,
+reconcile.py). Work follows the change, as for ImageSets (manager.py): a PinnedImageSet event
+queues it; a pool whose selector or list changed queues the sets it lists before and after; a Node
+relabelled, added or deleted queues the sets of the pools selecting it; a NodeImageSetStatus event
+the PinnedImageSets its rows name and those of its node's pools; a report event its set (a report
+deleted by hand is written again); a re-list every set. A set with a node due to turn stale is
+looked at again then (``Result.requeue_after``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from ..cluster.informer import Informer, Obj, backoff, describe
 from ..cluster.objects import PINNED_IMAGE_SETS, PINNED_REPORT, Kind, pool_listed
 from ..observability import logs
 from . import pools, report, truth
-from .apply import Applier
-from .marks import Marks
+from .apply import Apply
+from .imageset import REQUEUE_SLACK
+from .reconcile import Result, Store
 
 _log = logs.get("controller")
 KEYS = ("pinnedimagesets", "machineconfigpools", "pinnedimagesetreports")
@@ -56,28 +60,27 @@ def _owner_uid(obj: Obj) -> str:
     return str(refs[0].get("uid")) if refs else ""
 
 
-class PinnedReports:
-    def __init__(self, api: ApiClient, wake: asyncio.Event, applier: Applier, *, leading: Callable[[], bool],
-                 nodes: Informer, statuses: Informer, informer_args: dict[str, Any], stale_after: float,
+class PinnedWatch:
+    """MCO's PinnedImageSets, their pools and our reports, watched while served; each change
+    ``enqueue``s the names of the sets it concerns."""
+
+    def __init__(self, api: ApiClient, enqueue: Callable[[str], None], *, informer_args: dict[str, Any],
                  request_timeout: float, discovery_interval: float = 600.0) -> None:
         self.api = api
         self.custom = CustomObjectsApi(api)
-        self.applier = applier
-        self.leading = leading
-        self.nodes = nodes
-        self.statuses = statuses
+        self.enqueue = enqueue
         self.informer_args = informer_args
-        self.stale_after = stale_after
         self.request_timeout = request_timeout
         self.discovery_interval = discovery_interval
-        self.marks = Marks(wake)
         self.kinds: tuple[Kind, Kind] | None = None  # (PinnedImageSet, MachineConfigPool) as served
         self.discovered = False
         self.error = ""
         self.informers: dict[str, Informer] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._written: dict[str, dict[str, Any]] = {}  # set -> report status last applied by this leader
-        self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen)
+
+    def mark(self, *names: str) -> None:
+        for name in names:
+            self.enqueue(name)
 
     # ------------------------------------------------------------------ what is watched
 
@@ -95,6 +98,11 @@ class PinnedReports:
     def pools(self) -> list[dict[str, Any]]:
         inf = self.informers.get(KEYS[1])
         return list(inf.items.values()) if inf is not None else []
+
+    @property
+    def reports(self) -> dict[str, dict[str, Any]]:
+        inf = self.informers.get(KEYS[2])
+        return inf.items if inf is not None else {}
 
     async def run(self) -> None:
         """Discovery, and the watches while MCO's pinned sets are served."""
@@ -147,28 +155,26 @@ class PinnedReports:
     # ------------------------------------------------------------------ what changed
 
     def mark_all(self) -> None:
-        self.marks.mark(*self.sets)
+        self.mark(*sorted(self.sets))
 
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.mark_all()
-        elif kind == "DELETED":  # its report goes with it (owner reference)
-            self._forget(_name(old))
-        else:
-            self.marks.mark(_name(new))
+        else:  # deleted: its report goes with it (owner reference); the reconciler forgets it
+            self.mark(_name(new or old))
 
     def _pool_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.mark_all()
         elif pools.spec_changed(old, new):
             names = {n for p in (old, new) if p is not None for n in pool_listed(p.get("spec") or {})}
-            self.marks.mark(*(names & self.sets.keys()))
+            self.mark(*(names & self.sets.keys()))
 
     def _report_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.mark_all()
         elif _name(new or old) in self.sets:
-            self.marks.mark(_name(new or old))
+            self.mark(_name(new or old))
 
     def node_moved(self, before: dict[str, str] | None, after: dict[str, str] | None) -> None:
         """A Node added, deleted or relabelled: the sets of the pools selecting it before or after."""
@@ -177,7 +183,7 @@ class PinnedReports:
         for labels in (before, after):
             if labels is not None:
                 names |= pools.sets_selecting(ps, labels)
-        self.marks.mark(*(names & self.sets.keys()))
+        self.mark(*(names & self.sets.keys()))
 
     def status_changed(self, old: Obj, new: Obj, labels: dict[str, str] | None) -> None:
         """A NodeImageSetStatus event: the sets its rows name, and those of its node's pools."""
@@ -186,47 +192,62 @@ class PinnedReports:
                  for r in ((obj or {}).get("status") or {}).get(key) or [] if r.get("kind") == kind}
         if labels is not None:
             names |= pools.sets_selecting(self.pools, labels)
-        self.marks.mark(*(names & self.sets.keys()))
+        self.mark(*(names & self.sets.keys()))
 
-    def _forget(self, name: str) -> None:
-        self.marks.forget(name)
-        self._written.pop(name, None)
-        self._started.pop(name, None)
+
+class PinnedImageSetReconciler:
+    """A PinnedImageSet's truth, written to its PinnedImageSetReport (while leading) when it
+    differs from the one last written."""
+
+    kind = "PinnedImageSet"
+
+    def __init__(self, watch: PinnedWatch, *, nodes: Store, statuses: Store, applier: Apply,
+                 leading: Callable[[], bool], stale_after: float, clock: Callable[[], float] = time.time) -> None:
+        self.watch = watch
+        self.nodes = nodes
+        self.statuses = statuses
+        self.applier = applier
+        self.leading = leading
+        self.stale_after = stale_after
+        self._clock = clock
+        self._written: dict[str, dict[str, Any]] = {}  # set -> report status last applied by this leader
+        self._started: dict[str, tuple[Any, float]] = {}  # set -> (generation, first seen)
 
     def lost_lead(self) -> None:
-        self.marks.stop()
         self._written.clear()
 
-    # ------------------------------------------------------------------ acting (leader only)
+    def _forget(self, name: str) -> None:
+        self._written.pop(name, None)
+        self._started.pop(name, None)
 
     def _expected(self, node: str) -> str:
         """The PinnedImageSets digest ``node`` writes once it has seen every set its pools list
         (read only for a node whose report aggregates the set: it has more sets than rows)."""
-        return pools.expected_digest(self.sets, self.pools, truth.node_labels(self.nodes.items.get(node) or {}))
+        return pools.expected_digest(self.watch.sets, self.watch.pools,
+                                     truth.node_labels(self.nodes.items.get(node) or {}))
 
-    async def reconcile(self, name: str) -> None:
-        obj = self.sets.get(name)
+    async def reconcile(self, name: str) -> Result:
+        obj = self.watch.sets.get(name)
         if obj is None:
             self._forget(name)
-            return
-        reports = self.informers[KEYS[2]].items
-        present = reports.get(name)
+            return Result()
+        present = self.watch.reports.get(name)
         uid = str(obj["metadata"].get("uid", ""))
         owned = present is not None and _owner_uid(present) == uid  # not one left by a set of the same name
         view = {**obj, "status": self._written.get(name, (present or {}).get("status") or {}) if owned else {}}
-        now = time.time()
+        now = self._clock()
         gen = obj["metadata"].get("generation")
         seen = self._started.get(name)
         started = seen[1] if seen is not None and seen[0] == gen else report.rollout_start(view, now)
         self._started[name] = (gen, started)
-        listing = pools.listing(name, self.pools)
+        listing = pools.listing(name, self.watch.pools)
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
                           stale_after=self.stale_after, selection=pools.selection(listing), expected=self._expected)
-        self.marks.schedule(name, t.next_due)
+        result = Result(None if t.next_due is None else max(0.0, t.next_due - now) + REQUEUE_SLACK)
         status = report.status_of(view, t, started=started, now=now)
         body = report.pinned_report_body(obj, status, [str(p["metadata"]["name"]) for p in listing])
         if (owned and report.unchanged(view, body["status"])) or not self.leading():
-            return
-        if await self.applier.apply(PINNED_REPORT, name, body, status=False, what="the PinnedImageSet's report",
-                                    retry=self.marks.mark):
-            self._written[name] = body["status"]
+            return result
+        await self.applier.apply(PINNED_REPORT, name, body, status=False, what="the PinnedImageSet's report")
+        self._written[name] = body["status"]
+        return result

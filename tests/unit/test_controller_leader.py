@@ -1,4 +1,4 @@
-"""shim/controller/leader.py against an in-memory Lease: one winner, a standby waits for the
+"""shim/controller/leader.py against an in-memory Lease (tests/support/fake_lease.py's FakeLock): one winner, a standby waits for the
 lease duration of unchanged record, a leader that cannot renew stops acting by the deadline; with
 the Lease watched, a standby tries at the instant the record it saw expires (a fake clock), so a
 killed leader is replaced within the lease duration of its last renewal."""
@@ -7,72 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 from typing import Any
 
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from shim.controller.leader import LeaderElector
+from tests.support.fake_lease import FakeLock
 
 
-class FakeLeases:
-    """read/create/replace of one Lease with resourceVersion checks; ``down`` fails every call.
-    Each write is sent to the ``watchers`` at once, as a watch event (leader.lease_event)."""
-
-    def __init__(self) -> None:
-        self.lease: dict[str, Any] | None = None
-        self.rv = 0
-        self.down = False
-        self.watchers: list[LeaderElector] = []
-        self.writes: list[tuple[str, float]] = []  # (holder, when), time.monotonic
-
-    def _written(self) -> None:
-        assert self.lease is not None
-        self.writes.append((self.lease["spec"]["holderIdentity"], time.monotonic()))
-        event = {"metadata": {"name": "l", "resourceVersion": str(self.rv)}, "spec": self.lease["spec"]}
-        for w in self.watchers:
-            w.lease_event("MODIFIED", None, event)
-
-    def _check(self) -> None:
-        if self.down:
-            raise ApiException(status=503, reason="Service Unavailable")
-
-    async def read_namespaced_lease(self, name: str, ns: str, **_: Any) -> Any:
-        self._check()
-        if self.lease is None:
-            raise ApiException(status=404, reason="Not Found")
-        s = self.lease["spec"]
-        spec = SimpleNamespace(holder_identity=s.get("holderIdentity"), renew_time=s.get("renewTime"),
-                               lease_duration_seconds=s.get("leaseDurationSeconds"),
-                               lease_transitions=s.get("leaseTransitions"), acquire_time=None)
-        return SimpleNamespace(spec=spec, metadata=SimpleNamespace(resource_version=str(self.rv)))
-
-    async def create_namespaced_lease(self, ns: str, body: dict[str, Any], **_: Any) -> None:
-        self._check()
-        if self.lease is not None:
-            raise ApiException(status=409, reason="Conflict")
-        self.lease, self.rv = body, self.rv + 1
-        self._written()
-
-    async def replace_namespaced_lease(self, name: str, ns: str, body: dict[str, Any], **_: Any) -> None:
-        self._check()
-        if body["metadata"]["resourceVersion"] != str(self.rv):
-            raise ApiException(status=409, reason="Conflict")
-        self.lease, self.rv = body, self.rv + 1
-        self._written()
-
-
-def elector(leases: FakeLeases, identity: str, *, watch: bool = False, **timings: float) -> LeaderElector:
+def elector(leases: FakeLock, identity: str, *, watch: bool = False, **timings: float) -> LeaderElector:
     t = {"lease_duration": 0.6, "renew_deadline": 0.4, "retry_period": 0.1, **timings}
-    e = LeaderElector(SimpleNamespace(), namespace="ns", name="l", identity=identity, **t)  # type: ignore[arg-type]
-    e.coord = leases  # type: ignore[assignment]
+    e = LeaderElector(leases, identity=identity, **t)
     if watch:
         leases.watchers.append(e)
     return e
 
 
 async def _scenario() -> dict[str, float]:
-    leases = FakeLeases()
+    leases = FakeLock()
     a, b = elector(leases, "a"), elector(leases, "b")
     acting: dict[str, list[float]] = {"a": [], "b": []}
 
@@ -108,7 +58,7 @@ def test_leader_stops_acting_by_the_renew_deadline() -> None:
 
 
 async def _takeover() -> float:
-    leases = FakeLeases()
+    leases = FakeLock()
     a, b = elector(leases, "a"), elector(leases, "b")
     assert await a.try_acquire_or_renew()
     t0 = time.monotonic()
@@ -137,7 +87,7 @@ def _watched(holder: str, rv: str, duration: float = 15.0) -> dict[str, Any]:
 
 def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() -> None:
     clock = Clock()
-    e = LeaderElector(SimpleNamespace(), namespace="ns", name="l", identity="b", clock=clock)  # type: ignore[arg-type]
+    e = LeaderElector(FakeLock(), identity="b", clock=clock)
     assert e.next_try(next_poll=102.0) == 102.0  # nothing observed yet: the poll
     e.lease_event("MODIFIED", None, _watched("a", "7"))  # a renewal, seen on the watch at 100
     assert e.holder == "a"
@@ -162,7 +112,7 @@ def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() 
 
 async def _killed_leader(watch: bool) -> dict[str, float]:
     """a leads, b stands by (lease 1 s, retry 0.4 s); a is killed (its task cancelled: no release)."""
-    leases = FakeLeases()
+    leases = FakeLock()
     timings = {"lease_duration": 1.0, "renew_deadline": 0.8, "retry_period": 0.4}
     a = elector(leases, "a", watch=watch, **timings)
     b = elector(leases, "b", watch=watch, **timings)
@@ -200,3 +150,42 @@ def test_watching_standby_takes_over_within_the_lease_duration_of_a_kill() -> No
     assert out["after_last_renewal"] >= 1.0, out
     # ... and at that instant, not at its next poll (up to 0.48 s later): a margin for the loop's wake-ups
     assert out["after_kill"] < 1.0 + 0.15, out
+
+
+async def _released() -> dict[str, Any]:
+    """a leads, b stands by watching; a is stopped cleanly (its work cancelled, then release())."""
+    leases = FakeLock()
+    timings = {"lease_duration": 1.0, "renew_deadline": 0.8, "retry_period": 0.4}
+    a = elector(leases, "a", watch=True, **timings)
+    b = elector(leases, "b", watch=True, **timings)
+    took: list[float] = []
+
+    async def idle() -> None:
+        await asyncio.Event().wait()
+
+    async def b_lead() -> None:
+        took.append(time.monotonic())
+        await idle()
+    ta = asyncio.create_task(a.run(idle))
+    await asyncio.sleep(0.05)
+    tb = asyncio.create_task(b.run(b_lead))
+    await asyncio.sleep(0.6)
+    assert a.leading and not took
+    ta.cancel()
+    await asyncio.gather(ta, return_exceptions=True)
+    stopped = time.monotonic()
+    await a.release()
+    released = leases.writes[-1]
+    while not took:
+        await asyncio.sleep(0.01)
+    tb.cancel()
+    await asyncio.gather(tb, return_exceptions=True)
+    await a.release()  # not its Lease any more: nothing written
+    assert leases.record is not None and leases.record.holder == "b"
+    return {"released_holder": released[0], "after_stop": took[0] - stopped}
+
+
+def test_a_released_lease_is_taken_at_once_by_a_watching_standby() -> None:
+    out = asyncio.run(_released())
+    assert out["released_holder"] == ""  # the release writes an empty holder
+    assert out["after_stop"] < 0.3, out  # at once, not after the lease duration (1 s) or a poll (0.4 s)

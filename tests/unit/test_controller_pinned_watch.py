@@ -1,6 +1,6 @@
 """The controller's watch of MCO's PinnedImageSets (shim/controller/pinned.py) against an in-process
 fake API server (tests/support/fake_kube.py): nothing of MCO's is listed while discovery says it is
-not served; once served, PinnedImageSets, pools and our reports are watched, and each change marks
+not served; once served, PinnedImageSets, pools and our reports are watched, and each change queues
 only the sets it concerns (work costs the change, not the sets)."""
 
 from __future__ import annotations
@@ -12,12 +12,22 @@ from typing import Any
 from kubernetes_asyncio.client import CustomObjectsApi
 
 from shim.controller.apply import Applier
-from shim.controller.pinned import PinnedReports
+from shim.controller.pinned import PinnedImageSetReconciler, PinnedWatch
+from shim.controller.workqueue import WorkQueue
 from tests.support.fake_kube import FakeKube
 from tests.unit.test_cluster_api import MCO, MCP_V1, PIS_V1, group, kube, never, resources, until  # noqa: F401
 from tests.unit.test_cluster_source import pis, pool
 
 REPORTS = "/apis/cri-shim.io/v1/pinnedimagesetreports"
+
+
+def take(q: WorkQueue[str]) -> list[str]:
+    """The names queued, sorted, as the manager's loop takes a batch (none queued afterwards)."""
+    batch = []
+    while (name := q.get_nowait()) is not None:
+        batch.append(name)
+        q.done(name)
+    return sorted(batch)
 
 
 def node(name: str, **labels: str) -> dict[str, Any]:
@@ -30,9 +40,11 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
     statuses = SimpleNamespace(items={})
     common: dict[str, Any] = dict(on_change=lambda: None, reach=never(), watch_timeout=300.0, request_timeout=5.0,
                                   backoff_initial=1.0, backoff_max=30.0)
-    p = PinnedReports(api, asyncio.Event(), Applier(CustomObjectsApi(api), 5.0), leading=lambda: False,
-                      nodes=nodes, statuses=statuses, informer_args=common,  # type: ignore[arg-type]
-                      stale_after=120.0, request_timeout=5.0, discovery_interval=0.1)
+    queue: WorkQueue[str] = WorkQueue()
+    p = PinnedWatch(api, queue.add, informer_args=common, request_timeout=5.0, discovery_interval=0.1)
+    applier = Applier(CustomObjectsApi(api), 5.0)
+    reconciler = PinnedImageSetReconciler(p, nodes=nodes, statuses=statuses, applier=applier,  # type: ignore[arg-type]
+                                          leading=lambda: False, stale_after=120.0)
     task = asyncio.get_running_loop().create_task(p.run())
     try:
         await until(lambda: kube.count(f"/apis/{MCO}") >= 3, "discovery asked again while not served")
@@ -47,25 +59,25 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
         kube.discovery[f"/apis/{MCO}"] = group("v1")
         kube.discovery[f"/apis/{MCO}/v1"] = resources("machineconfigpools", "pinnedimagesets")
         await until(lambda: p.synced and len(p.informers) == 3 and set(p.sets) == {"a", "b"}, "watched once served")
-        await until(lambda: p.marks.dirty == {"a", "b"}, "the lists mark every set")
-        p.marks.take()
+        await until(lambda: queue.queued() == {"a", "b"}, "the lists mark every set")
+        take(queue)
 
         p.node_moved({"role": "db"}, {"role": "worker"})  # relabelled into the worker pool
-        assert p.marks.take() == ["a"]
+        assert take(queue) == ["a"]
         p.status_changed(None, {"status": {"sets": [{"name": "b", "kind": "PinnedImageSet"},
                                                     {"name": "a", "kind": "ImageSet"}]}}, None)
-        assert p.marks.take() == ["b"]  # an ImageSet row of the same name is not this set's
+        assert take(queue) == ["b"]  # an ImageSet row of the same name is not this set's
 
         kube.put(MCP_V1, {**pool("infra", {"matchLabels": {"role": "infra"}}, ["b"]), "status": {"machineCount": 2}})
         kube.put(PIS_V1, pis("c", ["reg/c:1"]))  # an event after the pool's: the pool's has been seen
-        await until(lambda: "c" in p.marks.dirty, "the new set marked")
-        assert p.marks.take() == ["c"]  # MCO writing the pool's status marks nothing
+        await until(lambda: "c" in queue.queued(), "the new set marked")
+        assert take(queue) == ["c"]  # MCO writing the pool's status marks nothing
         kube.put(MCP_V1, pool("infra", {"matchLabels": {"role": "infra"}}, ["c"]))  # lists c instead of b
-        await until(lambda: p.marks.dirty == {"b", "c"}, "the sets listed before and after")
-        p.marks.take()
+        await until(lambda: queue.queued() == {"b", "c"}, "the sets listed before and after")
+        take(queue)
 
-        await p.reconcile("a")  # computed, not written: not leading
-        assert p.applier.writes == 0 and not any(path.startswith(REPORTS + "/") for path, _ in kube.requests)
+        await reconciler.reconcile("a")  # computed, not written: not leading
+        assert applier.writes == 0 and not any(path.startswith(REPORTS + "/") for path, _ in kube.requests)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
