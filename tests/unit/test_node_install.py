@@ -1,0 +1,305 @@
+"""`cri-shim node install` / `uninstall` on a fake kubeadm node (tests/unit/fake_node.py): what
+they write, what systemctl calls they make, how they switch back, and what a second run does.
+The same commands against real systemd and kubelet: tests/node/test_node_install.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from shim.node_install import install, uninstall
+from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, shipped
+from tests.unit.fake_node import KUBEADM_CONFIG, RUNTIME_SOCKET, FakeHost, kubeadm_node, snapshot
+
+SHIM_SOCKET = "unix:///run/cri-shim/cri-shim.sock"
+KUBELET_CONFIG = "var/lib/kubelet/config.yaml"
+
+
+def do_install(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
+    out: list[str] = []
+    rc = install.install(install.Options(**kw), root, host, out.append)
+    return rc, out
+
+
+def do_uninstall(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
+    out: list[str] = []
+    rc = uninstall.uninstall(uninstall.Options(**kw), root, host, out.append)
+    return rc, out
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> tuple[Path, FakeHost]:
+    root = kubeadm_node(tmp_path / "root")
+    return root, FakeHost(root)
+
+
+def test_install_switches_kubelet_and_changes_only_the_endpoint_lines(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    rc, out = do_install(root, host)
+    assert rc == EXIT_OK, "\n".join(out)
+    text = (root / KUBELET_CONFIG).read_text()
+    # the kubeadm file as it was, three lines appended, nothing else touched
+    assert text == KUBEADM_CONFIG + (f"imageServiceEndpoint: {SHIM_SOCKET}\nserializeImagePulls: false\n"
+                                     "registryPullQPS: 0\n")
+    cfg = yaml.safe_load((root / "etc/cri-shim/config.yaml").read_text())
+    assert cfg["upstream"] == RUNTIME_SOCKET and cfg["listen"] == SHIM_SOCKET
+    assert (root / "etc/systemd/system/cri-shim.service").read_bytes() == shipped("cri-shim.service")
+    assert (root / "etc/systemd/system/kubelet.service.d/10-cri-shim.conf").read_bytes() == \
+        shipped("kubelet.service.d/10-cri-shim.conf")
+    # the shim is up and checked before kubelet is touched; kubelet restarted once
+    assert host.mutations() == [["systemctl", "daemon-reload"], ["systemctl", "enable", "cri-shim.service"],
+                                ["systemctl", "start", "cri-shim.service"], ["systemctl", "restart", "kubelet.service"]]
+    assert host.units["cri-shim.service"].active and host.units["cri-shim.service"].enabled
+    assert any(line.startswith("checked: Version through unix:///run/cri-shim/cri-shim.sock answers containerd v2.4.2")
+               for line in out), out
+    assert any(line.startswith("checked: kubelet back after") for line in out), out
+    assert out[-1].startswith("done: kubelet's image calls go through cri-shim"), out
+    # the copy of kubelet's config kept for uninstall, and what install did
+    assert (root / "var/lib/cri-shim/install/backup/var__lib__kubelet__config.yaml").read_text() == KUBEADM_CONFIG
+    st = json.loads((root / "var/lib/cri-shim/install/state.json").read_text())
+    assert st["kubelet"]["keys"]["imageServiceEndpoint"] == [None, SHIM_SOCKET]
+    assert st["kubelet"]["confirmed"] is True
+    assert (root / "var/lib/cri-shim").stat().st_mode & 0o777 == 0o700
+
+
+def test_install_twice_changes_nothing_the_second_time(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    assert do_install(root, host)[0] == EXIT_OK
+    before, pid, calls = snapshot(root), host.kubelet_pid(), len(host.calls)
+    rc, out = do_install(root, host)
+    assert rc == EXIT_OK, out
+    assert snapshot(root) == before
+    assert host.kubelet_pid() == pid
+    assert [c for c in host.calls[calls:] if c in host.mutations()] == []
+    assert out[-1] == f"nothing to change: cri-shim is installed (image-only mode) and kubelet uses {SHIM_SOCKET}"
+
+
+def test_dry_run_prints_every_change_and_makes_none(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    before = snapshot(root)
+    rc, out = do_install(root, host, dry_run=True)
+    assert rc == EXIT_OK, out
+    assert snapshot(root) == before
+    assert host.mutations() == []
+    text = "\n".join(out)
+    for expected in ("would write /etc/cri-shim/config.yaml", "would write /etc/systemd/system/cri-shim.service",
+                     "would write /etc/systemd/system/kubelet.service.d/10-cri-shim.conf",
+                     "would write /var/lib/cri-shim/install/backup/var__lib__kubelet__config.yaml",
+                     "would write /var/lib/kubelet/config.yaml: kubelet's config: imageServiceEndpoint: "
+                     f"{SHIM_SOCKET}, serializeImagePulls: false, registryPullQPS: 0",
+                     f"    +imageServiceEndpoint: {SHIM_SOCKET}", "    +serializeImagePulls: false",
+                     "would run systemctl daemon-reload", "would run systemctl enable cri-shim.service",
+                     "would run systemctl start cri-shim.service", "would run systemctl restart kubelet.service",
+                     "would check: Version through unix:///run/cri-shim/cri-shim.sock answers containerd v2.4.2",
+                     "dry run: nothing was changed"):
+        assert expected in text, text
+    # the diff names no line of kubelet's config but the three added
+    assert [line for line in out if line.startswith(("    +", "    -")) and not line.startswith(("    +++", "    ---"))
+            and "kubelet" not in line] == [f"    +imageServiceEndpoint: {SHIM_SOCKET}",
+                                           "    +serializeImagePulls: false", "    +registryPullQPS: 0"]
+
+
+def test_a_shim_that_does_not_answer_is_undone_before_kubelet_is_touched(node: tuple[Path, FakeHost],
+                                                                           tmp_path: Path) -> None:
+    root, host = node
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("upstream: unix:///run/containerd/containerd.sock.typo\n")
+    before, pid = snapshot(root), host.kubelet_pid()
+    rc, out = do_install(root, host, config=str(broken), shim_timeout=3)
+    assert rc == EXIT_ROLLED_BACK, out
+    assert snapshot(root) == before, "a file is left changed"
+    assert host.kubelet_pid() == pid and ["systemctl", "restart", "kubelet.service"] not in host.calls
+    shim = host.units["cri-shim.service"]
+    assert not shim.active and not shim.enabled
+    text = "\n".join(out)
+    assert "failed: the shim does not answer Version on unix:///run/cri-shim/cri-shim.sock within 3 s" in text
+    assert "cri-shim.service's last journal lines:" in text
+    assert out[-1] == "switched back: kubelet's config /var/lib/kubelet/config.yaml is as it was, byte for byte"
+
+
+def test_a_kubelet_that_does_not_come_back_is_switched_back(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    host.kubelet_ok = lambda config: "cri-shim" not in config  # kubelet fails on the new settings
+    before = snapshot(root)
+    rc, out = do_install(root, host, ready_timeout=20)
+    assert rc == EXIT_ROLLED_BACK, out
+    assert snapshot(root) == before
+    assert host.calls.count(["systemctl", "restart", "kubelet.service"]) == 2
+    assert host.healthz("127.0.0.1", 10248, 1) == "" and "cri-shim" not in host.kubelet_config_at_start
+    assert not host.units["cri-shim.service"].active
+    text = "\n".join(out)
+    assert "failed: kubelet not back within 20 s of the switch: kubelet not healthy: connection refused" in text
+    assert "kubelet back on its own config after" in text
+
+
+def test_a_stale_ready_condition_does_not_count(node: tuple[Path, FakeHost]) -> None:
+    """The Node shows Ready (the old kubelet's last status) while the new kubelet never posts: that
+    is not "back"."""
+    root, host = node
+    host.healthz = lambda *a, **k: ""  # type: ignore[method-assign]  # /healthz fine, the Node never updated
+    real_node = host.node
+    host.node = lambda kc, name, t: real_node(kc, name, t) if host.kubelet_ok("") and "cri-shim" not in \
+        host.kubelet_config_at_start else type(real_node(kc, name, t))("node-a", True, 1.0, "stale")  # type: ignore
+    rc, out = do_install(root, host, ready_timeout=10)
+    assert rc == EXIT_ROLLED_BACK, out
+    assert "no heartbeat from the restarted kubelet yet" in "\n".join(out)
+
+
+def test_uninstall_restores_kubelet_byte_for_byte_and_removes_what_install_added(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    before = snapshot(root)
+    assert do_install(root, host)[0] == EXIT_OK
+    host.shim_pins = {"sha256:web": ["registry.example/web:1"]}
+    restarts = host.calls.count(["systemctl", "restart", "kubelet.service"])
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert snapshot(root) == before
+    assert host.calls.count(["systemctl", "restart", "kubelet.service"]) == restarts + 1
+    assert not host.units["cri-shim.service"].active and not host.units["cri-shim.service"].enabled
+    # kubelet was off the shim before the shim stopped: its restart comes first
+    order = [c for c in host.mutations() if c[2:3] in (["kubelet.service"], ["cri-shim.service"])][-3:]
+    assert order == [["systemctl", "restart", "kubelet.service"], ["systemctl", "stop", "cri-shim.service"],
+                     ["systemctl", "disable", "cri-shim.service"]]
+    text = "\n".join(out)
+    assert "kubelet's config, as it was before install, byte for byte" in text
+    assert ("the shim is stopped: its pins are given up; kubelet's image GC may now remove the 1 image(s) it kept: "
+            "registry.example/web:1") in text
+    # again: nothing to undo, nothing run
+    calls = len(host.calls)
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK and out[0].startswith("nothing to undo") and host.calls[calls:] == []
+
+
+def test_uninstall_after_the_operator_edited_kubelets_config_puts_back_only_installs_keys(
+        node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    assert do_install(root, host)[0] == EXIT_OK
+    p = root / KUBELET_CONFIG
+    p.write_text(p.read_text().replace("clusterDomain: cluster.local", "clusterDomain: example.internal"))
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert p.read_text() == KUBEADM_CONFIG.replace("clusterDomain: cluster.local", "clusterDomain: example.internal")
+    assert "the keys install set, back as they were (not byte for byte)" in "\n".join(out)
+
+
+def test_uninstall_dry_run_changes_nothing(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    assert do_install(root, host)[0] == EXIT_OK
+    before, calls = snapshot(root), len(host.mutations())
+    rc, out = do_uninstall(root, host, dry_run=True)
+    assert rc == EXIT_OK, out
+    assert snapshot(root) == before and len(host.mutations()) == calls
+    text = "\n".join(out)
+    assert "would write /var/lib/kubelet/config.yaml" in text and "would run systemctl stop cri-shim.service" in text
+    assert "would remove /etc/systemd/system/cri-shim.service" in text
+
+
+def test_full_mode_points_the_runtime_endpoint_at_the_shim(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    rc, out = do_install(root, host, mode="full")
+    assert rc == EXIT_OK, out
+    text = (root / KUBELET_CONFIG).read_text()
+    assert text == KUBEADM_CONFIG.replace('containerRuntimeEndpoint: ""', f"containerRuntimeEndpoint: {SHIM_SOCKET}") \
+        + "serializeImagePulls: false\nregistryPullQPS: 0\n"
+    assert yaml.safe_load((root / "etc/cri-shim/config.yaml").read_text())["upstream"] == RUNTIME_SOCKET
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED and "installed in full mode" in out[-1]
+    assert do_uninstall(root, host)[0] == EXIT_OK
+    assert (root / KUBELET_CONFIG).read_text() == KUBEADM_CONFIG
+
+
+@pytest.mark.parametrize("flags, mode, refused", [
+    ('KUBELET_KUBEADM_ARGS="--image-service-endpoint=unix:///run/containerd/containerd.sock"\n', "image-only",
+     "kubelet runs with --image-service-endpoint=unix:///run/containerd/containerd.sock (set in "
+     "/var/lib/kubelet/kubeadm-flags.env): a flag beats the config file"),
+    ('KUBELET_KUBEADM_ARGS="--container-runtime-endpoint=unix:///run/containerd/containerd.sock"\n', "full",
+     "kubelet runs with --container-runtime-endpoint=unix:///run/containerd/containerd.sock (set in "
+     "/var/lib/kubelet/kubeadm-flags.env)"),
+    ('KUBELET_KUBEADM_ARGS="--container-runtime-endpoint=unix:///run/containerd/containerd.sock"\n', "image-only",
+     None),  # older kubeadm: the runtime flag; image-only mode sets only the image endpoint
+])
+def test_endpoint_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: str, mode: str,
+                        refused: str | None) -> None:
+    root = kubeadm_node(tmp_path / "root", flags=flags)
+    host = FakeHost(root)
+    argv = ["/usr/bin/kubelet", "--config", "/var/lib/kubelet/config.yaml",
+            "--kubeconfig=/etc/kubernetes/kubelet.conf", *flags.split('"')[1].split()]
+    monkeypatch.setattr(host, "command_line", lambda pid: argv)
+    before = snapshot(root)
+    rc, out = do_install(root, host, mode=mode)
+    if refused is None:
+        assert rc == EXIT_OK, out
+        return
+    assert rc == EXIT_REFUSED and refused in out[-1], out
+    assert snapshot(root) == before and host.mutations() == []
+
+
+def test_refusals_change_nothing(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    before = snapshot(root)
+    host.units["kubelet.service"].active = False
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED and "kubelet.service is not running" in out[-1]
+    host.units["kubelet.service"].active = True
+    (root / KUBELET_CONFIG).write_text(KUBEADM_CONFIG + f"imageServiceEndpoint: {SHIM_SOCKET}\n")
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED and f"kubelet already uses {SHIM_SOCKET} (set by hand?)" in out[-1]
+    (root / KUBELET_CONFIG).write_text('{"kind": "KubeletConfiguration", "apiVersion": "v1beta1"}\n')
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED and "a flow-style (JSON) mapping; edit it by hand" in out[-1]
+    (root / KUBELET_CONFIG).write_text(KUBEADM_CONFIG)
+    host.runtime_pins.clear()
+    monkey_down = FakeHost(root)
+    monkey_down.cri_version = lambda e, t: (_ for _ in ()).throw(  # type: ignore[method-assign]
+        __import__("shim.node_install.host", fromlist=["HostError"]).HostError("UNAVAILABLE: connection refused"))
+    rc, out = do_install(root, monkey_down)
+    assert rc == EXIT_REFUSED and "does not answer Version (UNAVAILABLE: connection refused)" in out[-1]
+    assert snapshot(root) == before and host.mutations() == [] and monkey_down.mutations() == []
+
+
+def test_a_config_in_place_is_kept_and_one_given_is_installed_and_put_back(node: tuple[Path, FakeHost],
+                                                                           tmp_path: Path) -> None:
+    root, host = node
+    mine = root / "etc/cri-shim/config.yaml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("# mine\npulls:\n  max_parallel: 2\n")
+    before = snapshot(root)
+    assert do_install(root, host)[0] == EXIT_OK
+    assert mine.read_text() == "# mine\npulls:\n  max_parallel: 2\n"
+    given = tmp_path / "given.yaml"
+    given.write_text("pulls:\n  max_parallel: 3\n")
+    restarts = host.calls.count(["systemctl", "restart", "cri-shim.service"])
+    rc, out = do_install(root, host, config=str(given))
+    assert rc == EXIT_OK, out
+    assert mine.read_text() == given.read_text()
+    assert host.calls.count(["systemctl", "restart", "cri-shim.service"]) == restarts + 1
+    assert do_uninstall(root, host)[0] == EXIT_OK
+    assert snapshot(root) == before  # the operator's file as it was before the first install
+
+
+def test_packaged_units_are_used_as_they_are(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    for rel in ("usr/lib/systemd/system/cri-shim.service", "usr/lib/systemd/system/kubelet.service.d/10-cri-shim.conf"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("[Unit]\n")
+    host.loaded_units.add("cri-shim.service")
+    rc, out = do_install(root, host)
+    assert rc == EXIT_OK, out
+    assert not (root / "etc/systemd/system/cri-shim.service").exists()
+    assert "/usr/lib/systemd/system/cri-shim.service: shipped by the package, used as it is" in out
+    assert ["systemctl", "daemon-reload"] not in host.calls
+
+
+def test_the_unit_runs_the_program_of_this_node(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    (root / "usr/local/bin/cri-shim").unlink()
+    rc, out = do_install(root, host, running="/opt/cri-shim/bin/cri-shim")
+    assert rc == EXIT_OK, out
+    unit = (root / "etc/systemd/system/cri-shim.service").read_text()
+    assert "ExecStart=/opt/cri-shim/bin/cri-shim serve --config /etc/cri-shim/config.yaml\n" in unit
+    assert unit.replace("/opt/cri-shim/bin/cri-shim serve", "/usr/local/bin/cri-shim serve").encode() == \
+        shipped("cri-shim.service")
