@@ -132,7 +132,8 @@ def _node_check_flags(p: argparse.ArgumentParser) -> None:
                                         "none, kubelet's /healthz only)")
     p.add_argument("--node-name", help="this node's Node (default: the kubeconfig's user, system:node:<name>)")
     p.add_argument("--ready-timeout", type=float, default=120.0,
-                   help="seconds for kubelet to be healthy and its Node Ready after a restart (default 120)")
+                   help="seconds for kubelet to be healthy and its Node Ready after a restart (default 120; "
+                        "switching back after a failed install, at least 60)")
 
 
 def _controller(args: argparse.Namespace) -> int:

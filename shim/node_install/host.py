@@ -20,6 +20,9 @@ import grpc
 from ..cri.methods import cri_method
 from ..proto.runtime.v1 import api_pb2
 
+#: where each kubelet renews its Lease, its heartbeat since Kubernetes 1.17
+NODE_LEASES = "kube-node-lease"
+
 
 class HostError(Exception):
     """A check could not be made or failed; the message says why, for the operator."""
@@ -51,9 +54,9 @@ class NodeView:
 
     name: str
     ready: bool
-    #: the Ready condition's lastHeartbeatTime (seconds since the epoch; whole seconds), None if absent
-    heartbeat: float | None
     why: str  #: the Ready condition's reason and message
+    #: when kubelet last renewed its Lease (kube-node-lease/<name>; seconds since the epoch), None if never
+    renewed: float | None
 
 
 class Host(Protocol):
@@ -158,7 +161,7 @@ class SystemHost:
 
 async def _read_node(kubeconfig: str, name: str | None, timeout: float) -> NodeView:
     import aiohttp
-    from kubernetes_asyncio.client import CoreV1Api
+    from kubernetes_asyncio.client import CoordinationV1Api, CoreV1Api
     from kubernetes_asyncio.client.exceptions import ApiException
     from kubernetes_asyncio.config import ConfigException
 
@@ -176,15 +179,21 @@ async def _read_node(kubeconfig: str, name: str | None, timeout: float) -> NodeV
                                 f"pass --node-name")
             name = user[len(NODE_USER):]
         node = await CoreV1Api(api).read_node(name, _request_timeout=timeout)
+        try:
+            lease = await CoordinationV1Api(api).read_namespaced_lease(name, NODE_LEASES, _request_timeout=timeout)
+            renew = lease.spec.renew_time if lease.spec else None
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            renew = None
     except ApiException as e:
         raise HostError(f"Node {name or '(this kubelet)'}: {e.status} {e.reason}") from None
     except (TimeoutError, OSError, aiohttp.ClientError) as e:
         raise HostError(f"the API server in {kubeconfig}: {type(e).__name__}: {e}") from None
     finally:
         await api.close()
+    renewed = renew.timestamp() if isinstance(renew, datetime) else None
     for c in (node.status.conditions or []) if node.status else []:
         if c.type == "Ready":
-            beat = c.last_heartbeat_time
-            stamp = beat.timestamp() if isinstance(beat, datetime) else None
-            return NodeView(name, c.status == "True", stamp, f"{c.reason}: {c.message}")
-    return NodeView(name, False, None, "no Ready condition yet")
+            return NodeView(name, c.status == "True", f"{c.reason}: {c.message}", renewed)
+    return NodeView(name, False, "no Ready condition yet", renewed)

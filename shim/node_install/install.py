@@ -58,6 +58,8 @@ PULL_SETTINGS = ("serializeImagePulls", "registryPullQPS")
 #: the unit's StateDirectory= (the shim's state files); removed by uninstall when install made it
 SHIM_STATE_DIR = "/var/lib/cri-shim"
 VERSION_CALL_TIMEOUT = 5.0
+#: switching back, kubelet is waited for this long at least (whatever --ready-timeout said)
+SWITCH_BACK_WAIT = 60.0
 
 EXIT_OK = 0
 EXIT_ROLLED_BACK = 1  #: a check failed after changes; they were undone
@@ -106,7 +108,11 @@ def is_active(ch: Changes, unit: str) -> bool:
 
 
 def journal_tail(host: Host, unit: str, lines: int = 15) -> list[str]:
-    r = host.run(["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "cat"], 30.0)
+    """The last journal lines of the unit's latest run (all its runs when systemd does not say which)."""
+    r = host.run(["systemctl", "show", unit, "-p", "InvocationID", "--value"], 30.0)
+    invocation = r.out.strip() if r.rc == 0 else ""
+    where = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+    r = host.run(["journalctl", *where, "-n", str(lines), "--no-pager", "-o", "cat"], 30.0)
     return r.out.splitlines()[-lines:] if r.rc == 0 else []
 
 
@@ -186,7 +192,7 @@ def _plan(opts: Options, ch: Changes, host: Host, say: Say) -> Plan:
     say(f"kubelet: pid {kubelet.pid}, config {kubelet.config_path}, "
         f"kubeconfig {kubelet.kubeconfig or '(none: its /healthz only)'}")
     _refuse_what_the_file_cannot_switch(ch, kubelet, opts.mode)
-    probe = readiness.Probe(kubelet.healthz, kubelet.kubeconfig, opts.node_name)
+    probe = readiness.Probe(kubelet.healthz, kubelet.kubeconfig, opts.node_name, kubelet.status_update_seconds)
     if probe.healthz is None and probe.kubeconfig is None:
         raise Refused("kubelet's healthz is off and it has no kubeconfig: nothing tells whether kubelet comes "
                       "back after the switch; pass --kubeconfig")
@@ -447,7 +453,7 @@ def _roll_back(plan: Plan, progress: _Progress, ch: Changes, host: Host, say: Sa
         if progress.kubelet_restarted:
             since = host.wall()
             ch.systemctl("restart", kubelet_mod.UNIT)
-            why, took = readiness.wait(host, plan.probe, since, plan.opts.ready_timeout)
+            why, took = readiness.wait(host, plan.probe, since, max(plan.opts.ready_timeout, SWITCH_BACK_WAIT))
             say(f"kubelet back on its own config after {took:.1f} s" if not why else f"kubelet not back yet: {why}")
         if progress.started and not progress.shim_was_active:
             lines = journal_tail(host, SHIM_UNIT) if not progress.kubelet_written else []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -70,6 +71,18 @@ def _socket(endpoint: str) -> str:
     return "/run" + path[len("/var/run"):] if path == "/var/run" or path.startswith("/var/run/") else path
 
 
+_GO_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_GO_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def go_duration(value: Any) -> float | None:
+    """A Go duration as kubelet's config writes them (``10s``, ``1m0s``, ``500ms``), in seconds;
+    None when it is not one."""
+    if not isinstance(value, str) or not value or _GO_DURATION.sub("", value) not in ("", "0"):
+        return None
+    return sum(float(n) * _GO_UNIT[u] for n, u in _GO_DURATION.findall(value))
+
+
 def flag_sources(root: Path, flag: str) -> list[str]:
     """The flag files that mention ``flag``."""
     found = []
@@ -123,6 +136,11 @@ class Kubelet:
         except ValueError:
             pass
         return host, number
+
+    @property
+    def status_update_seconds(self) -> float:
+        """nodeStatusUpdateFrequency (kubelet's default, 10 s, when unset or 0)."""
+        return go_duration(self.settings.get("nodeStatusUpdateFrequency")) or 10.0
 
     def endpoint_overrides(self, key: str) -> list[str]:
         """The --config-dir drop-ins that set ``key`` (they beat the config file)."""

@@ -1,20 +1,24 @@
 """Whether kubelet is back after a restart: its ``/healthz`` answers 200 and, when there is a
-kubeconfig, its Node is Ready with a heartbeat from after the restart.
+kubeconfig, its Node is Ready as the restarted kubelet sees it.
 
 The Node is read with kubelet's own kubeconfig (kubeadm: ``/etc/kubernetes/kubelet.conf``):
-the API server's Node authorizer lets a kubelet read its own Node, so no cluster credential
-is needed, and the node's name is the kubeconfig's user, ``system:node:<name>``
-(``SelfSubjectReview``). A Node stays Ready for a while after its kubelet stopped (the
-node lifecycle controller marks it Unknown only after 40 s without a heartbeat), so Ready
-counts only with a ``lastHeartbeatTime`` later than the second the restart returned in: every
-heartbeat the old kubelet wrote is older. kubelet writes a full status when it starts, so
-the new one is there within its first status update. Without a kubeconfig (a standalone
-kubelet) ``/healthz`` alone decides.
+the API server's Node authorizer lets a kubelet read its own Node and Lease, so no cluster
+credential is needed, and the node's name is the kubeconfig's user, ``system:node:<name>``
+(``SelfSubjectReview``).
+
+A Node's Ready condition says what the last kubelet wrote: it stays True for a while after
+kubelet stopped, and a kubelet that finds nothing changed does not write it again (its
+heartbeat is its Lease, ``kube-node-lease/<name>``, renewed every 10 s; the Node's status is
+written only when it changes, or every 5 minutes). So kubelet counts as back when, all at once:
+``/healthz`` answers; its Lease was renewed after the restart (the new kubelet reaches the API
+server); and its Node is Ready at least one node status update period after the restart
+(``nodeStatusUpdateFrequency``, 10 s by default), by when the new kubelet has computed the
+Node's status once and would have written NotReady (a runtime it cannot reach, PLEG not
+healthy). Without a kubeconfig (a standalone kubelet) ``/healthz`` alone decides.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .host import Host, HostError
@@ -30,6 +34,7 @@ class Probe:
     healthz: tuple[str, int] | None
     kubeconfig: str | None
     node_name: str | None
+    status_period: float = 10.0  #: kubelet's nodeStatusUpdateFrequency, seconds
 
     def describe(self) -> str:
         parts = []
@@ -42,8 +47,8 @@ class Probe:
 
 
 def check(host: Host, probe: Probe, since: float | None) -> str:
-    """"" when kubelet is healthy and its Node Ready (with a heartbeat later than the second of
-    ``since``, when given); else why not."""
+    """"" when kubelet is healthy and its Node Ready (as a kubelet restarted at ``since`` sees it,
+    when given); else why not."""
     if probe.healthz is not None:
         why = host.healthz(*probe.healthz, timeout=CALL_TIMEOUT)
         if why:
@@ -56,8 +61,13 @@ def check(host: Host, probe: Probe, since: float | None) -> str:
         return str(e)
     if not node.ready:
         return f"Node {node.name} not Ready ({node.why})"
-    if since is not None and (node.heartbeat is None or node.heartbeat <= math.floor(since)):
-        return f"Node {node.name}: no heartbeat from the restarted kubelet yet"
+    if since is None:
+        return ""
+    if node.renewed is None or node.renewed <= since:
+        return f"Node {node.name}: the restarted kubelet has not renewed its Lease yet"
+    if host.wall() < since + probe.status_period:
+        return (f"Node {node.name}: Ready, until the restarted kubelet's first node status update "
+                f"({probe.status_period:g} s after the restart)")
     return ""
 
 

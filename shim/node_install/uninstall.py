@@ -131,7 +131,7 @@ def _probe(opts: Options, rec: KubeletRecord, ch: Changes, host: Host) -> readin
     pid = main_pid(ch, kubelet_mod.UNIT)
     try:
         k = kubelet_mod.find(ch.root, pid, host.command_line(pid) if pid > 0 else None, rec.config, opts.kubeconfig)
-        return readiness.Probe(k.healthz, k.kubeconfig, opts.node_name)
+        return readiness.Probe(k.healthz, k.kubeconfig, opts.node_name, k.status_update_seconds)
     except Refused:
         return readiness.Probe(("127.0.0.1", 10248), opts.kubeconfig or None, opts.node_name)
 

@@ -141,6 +141,7 @@ class FakeHost:
     units: dict[str, Unit] = field(default_factory=lambda: {"kubelet.service": Unit(True, True, 100)})
     loaded_units: set[str] = field(default_factory=set)  #: unit files systemd knows (at the last daemon-reload)
     kubelet_started_at: float = EPOCH - 100
+    last_renewal: float = EPOCH - 5  #: the Lease as the kubelet before the first restart renewed it
     kubelet_config_at_start: str = ""
     shim_config: dict[str, object] = field(default_factory=dict)  #: what the running shim read at start
     next_pid: int = 200
@@ -177,6 +178,8 @@ class FakeHost:
                                         for d in ("/etc/systemd/system", "/usr/lib/systemd/system"))}
             return Done(0, "", "")
         unit = self.units.setdefault(rest[0], Unit())
+        if verb == "show" and "InvocationID" in argv:
+            return Done(0, f"{unit.pid:032x}\n", "")
         if verb == "show":
             return Done(0, f"{unit.pid if unit.active else 0}\n", "")
         if verb == "is-active":
@@ -237,12 +240,18 @@ class FakeHost:
         return ""
 
     def node(self, kubeconfig: str, name: str | None, timeout: float) -> NodeView:
+        """A kubelet that comes back renews its Lease a second after its start and leaves the Node's
+        status as it was (Ready); one that does not renews nothing, and once its first status update
+        is due (10 s) writes NotReady if it runs at all."""
         assert kubeconfig == "/etc/kubernetes/kubelet.conf"
-        beat = self.kubelet_started_at + 2
-        if self._kubelet_running_ok() and self.wall() >= beat:
-            return NodeView(name or NODE, True, float(int(beat)), "KubeletReady: kubelet is posting ready status")
-        # the last status the Node got: Ready, from before the restart
-        return NodeView(name or NODE, True, float(int(EPOCH - 30)), "KubeletReady: kubelet is posting ready status")
+        ready = "KubeletReady: kubelet is posting ready status"
+        started = self.kubelet_started_at
+        if self._kubelet_running_ok():
+            renewed = started + 1 if self.wall() >= started + 1 else self.last_renewal
+            return NodeView(name or NODE, True, ready, renewed)
+        if self.units["kubelet.service"].active and self.wall() >= started + 10:
+            return NodeView(name or NODE, False, "KubeletNotReady: container runtime is down", self.last_renewal)
+        return NodeView(name or NODE, True, ready, self.last_renewal)
 
     def wall(self) -> float:
         return EPOCH + self.now

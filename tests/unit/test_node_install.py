@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from shim.node_install import install, uninstall
+from shim.node_install.host import NodeView
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, shipped
 from tests.unit.fake_node import KUBEADM_CONFIG, RUNTIME_SOCKET, FakeHost, kubeadm_node, snapshot
 
@@ -136,17 +137,33 @@ def test_a_kubelet_that_does_not_come_back_is_switched_back(node: tuple[Path, Fa
     assert "kubelet back on its own config after" in text
 
 
-def test_a_stale_ready_condition_does_not_count(node: tuple[Path, FakeHost]) -> None:
-    """The Node shows Ready (the old kubelet's last status) while the new kubelet never posts: that
-    is not "back"."""
+def test_a_ready_condition_the_restarted_kubelet_did_not_confirm_does_not_count(node: tuple[Path, FakeHost]) -> None:
+    """/healthz answers and the Node shows Ready (what the kubelet before wrote), but the restarted
+    kubelet never renews its Lease: it is not back."""
     root, host = node
-    host.healthz = lambda *a, **k: ""  # type: ignore[method-assign]  # /healthz fine, the Node never updated
-    real_node = host.node
-    host.node = lambda kc, name, t: real_node(kc, name, t) if host.kubelet_ok("") and "cri-shim" not in \
-        host.kubelet_config_at_start else type(real_node(kc, name, t))("node-a", True, 1.0, "stale")  # type: ignore
+    host.healthz = lambda *a, **k: ""  # type: ignore[method-assign]
+    host.node = lambda kc, name, t: NodeView("node-a", True, "KubeletReady", host.last_renewal)  # type: ignore
     rc, out = do_install(root, host, ready_timeout=10)
     assert rc == EXIT_ROLLED_BACK, out
-    assert "no heartbeat from the restarted kubelet yet" in "\n".join(out)
+    assert "Node node-a: the restarted kubelet has not renewed its Lease yet" in "\n".join(out)
+
+
+def test_back_means_ready_one_status_update_after_the_restart(node: tuple[Path, FakeHost]) -> None:
+    """A kubelet that renews its Lease at once but writes NotReady at its first status update
+    (10 s) is not back, although it looked fine for its first seconds."""
+    root, host = node
+    real = host.node
+    host.node = lambda kc, name, t: (  # type: ignore[method-assign]
+        NodeView("node-a", False, "KubeletNotReady: PLEG is not healthy", host.kubelet_started_at + 1)
+        if "cri-shim" in host.kubelet_config_at_start and host.wall() >= host.kubelet_started_at + 10
+        else real(kc, name, t) if "cri-shim" not in host.kubelet_config_at_start
+        else NodeView("node-a", True, "KubeletReady", host.kubelet_started_at + 1))
+    rc, out = do_install(root, host, ready_timeout=30)
+    assert rc == EXIT_ROLLED_BACK, out
+    text = "\n".join(out)
+    assert "failed: kubelet not back within 30 s of the switch: Node node-a not Ready (KubeletNotReady: PLEG is " \
+           "not healthy)" in text
+    assert (root / KUBELET_CONFIG).read_text() == KUBEADM_CONFIG
 
 
 def test_uninstall_restores_kubelet_byte_for_byte_and_removes_what_install_added(node: tuple[Path, FakeHost]) -> None:
