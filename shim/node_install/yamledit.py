@@ -24,6 +24,8 @@ from .. import safeyaml
 
 #: Kubelet reads at most this much config; a bigger file is not a kubelet config.
 MAX_BYTES = 1 << 20
+#: libyaml's marks count characters, as Python's str does
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class EditError(ValueError):
@@ -39,6 +41,7 @@ class Entry:
     raw: str  #: the value's characters as written ("" for ``key:`` with nothing after it)
     start: int  #: offset of the value's first character (just after the colon when empty)
     end: int  #: offset after its last character
+    after_colon: int  #: offset just after the key's colon
     line_start: int  #: offset of the first character of the key's line
     line_end: int  #: offset after the line's newline (or the end of the text)
 
@@ -55,7 +58,7 @@ def decode(data: bytes, where: str) -> str:
 def _root(text: str, where: str) -> yaml.MappingNode | None:
     try:
         safeyaml.check(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_LOADER)
     except (yaml.YAMLError, safeyaml.UnsafeYaml) as e:
         raise EditError(f"{where}: not valid YAML: {' '.join(str(e).split())}") from None
     if node is None:
@@ -98,9 +101,9 @@ def entries(text: str, where: str) -> dict[str, Entry]:
         line_start = text.rfind("\n", 0, key.start_mark.index) + 1
         nl = text.find("\n", value.end_mark.index)
         line_end = len(text) if nl < 0 else nl + 1
-        out[name] = Entry(name, yaml.safe_load(text[value.start_mark.index:value.end_mark.index] or "null"),
-                          text[value.start_mark.index:value.end_mark.index], value.start_mark.index,
-                          value.end_mark.index, line_start, line_end)
+        raw = text[value.start_mark.index:value.end_mark.index]
+        out[name] = Entry(name, yaml.safe_load(raw or "null"), raw, value.start_mark.index, value.end_mark.index,
+                          text.index(":", key.end_mark.index) + 1, line_start, line_end)
     return out
 
 
@@ -118,13 +121,27 @@ def render(value: str | bool | int) -> str:
     return json.dumps(value)  # a JSON string is a YAML double-quoted scalar
 
 
+def _append_at(text: str, root: yaml.MappingNode | None) -> int:
+    """Where new keys go: after the last entry, before a ``...`` document end marker if there is
+    one; when the text does not end with a newline, before the first entry instead (so that
+    removing the added lines gives back every byte)."""
+    end_marker = re.search(r"(?m)^\.\.\.[ \t]*(#.*)?$", text)
+    if end_marker is not None:
+        return end_marker.start()
+    if text.endswith("\n") or root is None or not root.value:
+        return len(text)
+    first = root.value[0][0].start_mark.index
+    return text.rfind("\n", 0, first) + 1
+
+
 #: ``edit``'s value for "remove the line this key is on".
 REMOVE = None
 
 
 def edit(text: str, changes: Mapping[str, str | None], where: str) -> str:
     """``text`` with each ``key: raw`` of ``changes`` set (``raw``: the value's characters, from
-    ``render``), appended when missing, or the key's line removed when ``raw`` is ``REMOVE``.
+    ``render``, or "" for ``key:`` with no value), appended when missing, or the key's line
+    removed when ``raw`` is ``REMOVE``.
     Raises EditError when that cannot be done without touching anything else."""
     root = _root(text, where)
     if root is not None and root.flow_style:
@@ -146,26 +163,22 @@ def edit(text: str, changes: Mapping[str, str | None], where: str) -> str:
             spans.append((entry.line_start, entry.line_end, ""))
             expected.pop(key, None)
             continue
-        expected[key] = yaml.safe_load(raw)
+        expected[key] = yaml.safe_load(raw or "null")
         if entry is None:
-            appended.append(f"{key}: {raw}{newline}")
+            appended.append(f"{key}:{' ' if raw else ''}{raw}{newline}")
         elif entry.raw != raw:
-            # ``key:`` with nothing after it: the value needs its space
-            spans.append((entry.start, entry.end, raw if entry.raw else " " + raw))
+            # ``key:`` with nothing after it: the value needs its space, and loses it again
+            spans.append((entry.start, entry.end, raw) if entry.raw and raw else
+                         (entry.after_colon, entry.end, " " + raw if raw else ""))
+    if appended:
+        at = _append_at(text, root)
+        if at == len(text) and text and not text.endswith("\n"):
+            appended.insert(0, newline)  # comments only, and no newline at the end
+        spans.append((at, at, "".join(appended)))
     out = text
     for start, end, new in sorted(spans, reverse=True):
         out = out[:start] + new + out[end:]
-    if appended:
-        # after the last entry: before a ``...`` document end marker, else at the end
-        at = len(out)
-        end_marker = re.search(r"(?m)^\.\.\.[ \t]*(#.*)?$", out)
-        if end_marker is not None:
-            at = end_marker.start()
-        head = out[:at]
-        if head and not head.endswith("\n"):
-            head += newline
-        out = head + "".join(appended) + out[at:]
     if parse(out, where) != expected:
         raise EditError(f"{where}: editing {', '.join(changes)} would change more than those keys; "
-                                 f"edit it by hand")
+                        f"edit it by hand")
     return out

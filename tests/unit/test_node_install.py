@@ -5,11 +5,17 @@ The same commands against real systemd and kubelet: tests/node/test_node_install
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shim.node_install import install, uninstall
 from shim.node_install.host import NodeView
@@ -320,3 +326,107 @@ def test_the_unit_runs_the_program_of_this_node(node: tuple[Path, FakeHost]) -> 
     assert "ExecStart=/opt/cri-shim/bin/cri-shim serve --config /etc/cri-shim/config.yaml\n" in unit
     assert unit.replace("/opt/cri-shim/bin/cri-shim serve", "/usr/local/bin/cri-shim serve").encode() == \
         shipped("cri-shim.service")
+
+
+# ------------------------------------------------------------------------------ any sequence of runs
+
+class NodeInstallStates(RuleBasedStateMachine):
+    """Installs (either mode, a broken config, a kubelet that does not come back on the shim),
+    installs again, dry runs, uninstalls and the operator's own edits of kubelet's config, in any
+    order. Always: kubelet runs and is healthy; a dry run changes nothing; a second install
+    changes nothing; while not installed, the node's files are as the operator left them (kubelet's
+    config byte for byte) and the shim is off; while installed, kubelet uses the shim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="node-install-"))
+        self.root = kubeadm_node(self.dir / "root")
+        self.host = FakeHost(self.root)
+        self.base = snapshot(self.root)  # the node without cri-shim, the operator's edits included
+        self.mode: str | None = None
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def expected(self) -> dict[str, object]:
+        return self.base
+
+    @rule(mode=st.sampled_from(["image-only", "full"]))
+    def install(self, mode: str) -> None:
+        rc, out = do_install(self.root, self.host, mode=mode)
+        if self.mode is not None and self.mode != mode:
+            assert rc == EXIT_REFUSED, out
+            return
+        assert rc == EXIT_OK, out
+        self.mode = mode
+
+    @precondition(lambda self: self.mode is not None)
+    @rule()
+    def install_again(self) -> None:
+        before, calls = snapshot(self.root), len(self.host.mutations())
+        rc, out = do_install(self.root, self.host, mode=self.mode)
+        assert rc == EXIT_OK and out[-1].startswith("nothing to change"), out
+        assert snapshot(self.root) == before and len(self.host.mutations()) == calls
+
+    @rule(which=st.sampled_from(["install", "uninstall"]))
+    def dry_run(self, which: str) -> None:
+        before, calls = snapshot(self.root), len(self.host.mutations())
+        rc, out = (do_install(self.root, self.host, mode=self.mode or "image-only", dry_run=True) if which == "install"
+                   else do_uninstall(self.root, self.host, dry_run=True))
+        assert rc == EXIT_OK, out
+        assert snapshot(self.root) == before and len(self.host.mutations()) == calls
+
+    @rule()
+    def install_with_a_broken_config(self) -> None:
+        before = snapshot(self.root)
+        broken = self.dir / "broken.yaml"
+        broken.write_text("upstream: unix:///run/containerd/containerd.sock.typo\n")
+        rc, out = do_install(self.root, self.host, mode=self.mode or "image-only", config=str(broken), shim_timeout=2)
+        assert rc == EXIT_ROLLED_BACK, out
+        assert snapshot(self.root) == before
+
+    @precondition(lambda self: self.mode is None)
+    @rule()
+    def install_on_a_kubelet_that_fails_on_the_shim(self) -> None:
+        self.host.kubelet_ok = lambda config: "cri-shim" not in config
+        try:
+            rc, out = do_install(self.root, self.host, ready_timeout=15)
+        finally:
+            self.host.kubelet_ok = lambda config: True
+        assert rc == EXIT_ROLLED_BACK, out
+
+    @rule()
+    def uninstall(self) -> None:
+        rc, out = do_uninstall(self.root, self.host)
+        assert rc == EXIT_OK, out
+        self.mode = None
+
+    @rule(domain=st.sampled_from(["example.internal", "cluster.local", "corp.example"]))
+    def operator_edits_kubelets_config(self, domain: str) -> None:
+        p = self.root / KUBELET_CONFIG
+        text = re.sub(r"(?m)^clusterDomain: .*$", f"clusterDomain: {domain}", p.read_text())
+        p.write_text(text)
+        base = self.base[KUBELET_CONFIG]
+        assert isinstance(base, tuple)
+        self.base[KUBELET_CONFIG] = (re.sub(rb"(?m)^clusterDomain: .*$", f"clusterDomain: {domain}".encode(),
+                                            base[0]), base[1])
+
+    @invariant()
+    def kubelet_is_healthy(self) -> None:
+        assert self.host.units["kubelet.service"].active and self.host.healthz("127.0.0.1", 10248, 1) == ""
+
+    @invariant()
+    def installed_or_not(self) -> None:
+        shim = self.host.units.get("cri-shim.service")
+        if self.mode is None:
+            assert snapshot(self.root) == self.base
+            assert shim is None or not (shim.active or shim.enabled)
+            return
+        doc = yaml.safe_load((self.root / KUBELET_CONFIG).read_text())
+        key = "imageServiceEndpoint" if self.mode == "image-only" else "containerRuntimeEndpoint"
+        assert doc[key] == SHIM_SOCKET and "cri-shim" in self.host.kubelet_config_at_start
+        assert shim is not None and shim.active and shim.enabled
+
+
+TestNodeInstallStates = NodeInstallStates.TestCase
+TestNodeInstallStates.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
