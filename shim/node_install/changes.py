@@ -10,8 +10,10 @@ owner of the file it replaces.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Callable
 from .host import Done, Host, HostError
 
 Say = Callable[[str], None]
+#: the abstract socket name a running install or uninstall holds, so that two never interleave
+LOCK = "cri-shim-node-install"
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class Changes:
         self.dry_run = dry_run
         self._before: list[_Before] = []
         self._dirs: list[str] = []  #: directories made, in the order made
+        self._lock: socket.socket | None = None
 
     def at(self, path: str) -> Path:
         """The node's ``path`` under ``root``."""
@@ -150,6 +155,25 @@ class Changes:
         for d in reversed(self._dirs):
             self.remove_dir(d, recursive=d in purge)
         self._dirs.clear()
+
+    def lock(self) -> None:
+        """One install or uninstall at a time on a node: an abstract unix socket name held while
+        this runs (no file left behind; gone with the process). HostError when another holds it."""
+        if self.dry_run:
+            return
+        name = LOCK if self.root == Path("/") else f"{LOCK}:{hashlib.sha256(bytes(self.root)).hexdigest()[:16]}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind("\0" + name)
+        except OSError:
+            sock.close()
+            raise HostError("another `cri-shim node install` or `uninstall` is running on this node") from None
+        self._lock = sock
+
+    def unlock(self) -> None:
+        sock, self._lock = self._lock, None
+        if sock is not None:
+            sock.close()
 
     # -- systemd -------------------------------------------------------------------
 

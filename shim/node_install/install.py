@@ -46,7 +46,7 @@ SHIM_UNIT = "cri-shim.service"
 SHIM_CONFIG = "/etc/cri-shim/config.yaml"
 UNIT_DIR = "/etc/systemd/system"
 #: where a package puts unit files (an install of ours would shadow them from UNIT_DIR)
-PACKAGED_UNIT_DIRS = ("/usr/lib/systemd/system", "/lib/systemd/system")
+PACKAGED_UNIT_DIRS = ("/lib/systemd/system", "/usr/lib/systemd/system")
 UNIT_FILE = SHIM_UNIT
 DROP_IN = "kubelet.service.d/10-cri-shim.conf"
 #: the program the shipped unit's ExecStart= runs
@@ -155,6 +155,18 @@ class _Progress:
 def install(opts: Options, root: Path, host: Host, say: Say) -> int:
     """Returns the exit status: EXIT_OK, EXIT_ROLLED_BACK or EXIT_REFUSED."""
     ch = Changes(root, host, say, opts.dry_run)
+    try:
+        ch.lock()
+    except HostError as e:
+        say(f"refused, nothing changed: {e}")
+        return EXIT_REFUSED
+    try:
+        return _install(opts, ch, host, say)
+    finally:
+        ch.unlock()
+
+
+def _install(opts: Options, ch: Changes, host: Host, say: Say) -> int:
     try:
         plan = _plan(opts, ch, host, say)
     except (Refused, HostError, EditError, ConfigError) as e:

@@ -45,6 +45,18 @@ class Options:
 def uninstall(opts: Options, root: Path, host: Host, say: Say) -> int:
     ch = Changes(root, host, say, opts.dry_run)
     try:
+        ch.lock()
+    except HostError as e:
+        say(f"refused, nothing changed: {e}")
+        return EXIT_REFUSED
+    try:
+        return _uninstall(opts, ch, host, say)
+    finally:
+        ch.unlock()
+
+
+def _uninstall(opts: Options, ch: Changes, host: Host, say: Say) -> int:
+    try:
         st = state.load(str(ch.at(state.STATE_FILE)))
     except ValueError as e:
         say(f"refused, nothing changed: {e}")

@@ -23,7 +23,6 @@ import base64
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,36 +293,42 @@ def _files(node: KubeNode) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(900)
-def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: KubeNode,
-                                                                     proxy: CountingProxy) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode", ["image-only", "full"])
+def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: KubeNode, proxy: CountingProxy,  # noqa: F811
+                                                                     mode: str) -> None:
     """A node whose kubelet runs a pod directly on containerd: `--dry-run` changes nothing;
-    `node install` switches kubelet's image endpoint to the shim (only those lines of kubelet's
-    config change), the running pod keeps running (same container, same process), and a new pod's
-    image is pulled through the shim (its pull sits in the shim's queue while the registry holds
-    the blob). A second install changes nothing (no file, no restart). `node uninstall` puts
-    kubelet's config back byte for byte, says which pins it gives up, and removes what install added;
-    both pods still run. A second uninstall has nothing to do."""
+    `node install` switches kubelet's image endpoint (full mode: its runtime endpoint) to the shim,
+    changing only those lines of kubelet's config; the running pod keeps running (same container,
+    never restarted), and a new pod's image is pulled through the shim (its pull sits in the
+    shim's queue while the registry holds the blob). A second install changes nothing (no file, no
+    restart). `node uninstall` puts kubelet's config back byte for byte, names the pin it gives up,
+    and removes what install added; both pods still run. A second uninstall has nothing to do."""
     node = kube_node
     steady = f"steady-{NODE}"
     before = node.running()[steady]
+    if mode == "image-only":
+        switched = node.original + f"imageServiceEndpoint: {SHIM_SOCKET}\n".encode()
+        line = f"    +imageServiceEndpoint: {SHIM_SOCKET}"
+    else:
+        switched = node.original.replace(b'containerRuntimeEndpoint: ""', f"containerRuntimeEndpoint: {SHIM_SOCKET}".encode())
+        line = f"    +containerRuntimeEndpoint: {SHIM_SOCKET}"
+    switched += b"serializeImagePulls: false\nregistryPullQPS: 0\n"
 
     # --dry-run: every change printed, none made
-    r = node.cri_shim("node", "install", "--dry-run")
+    r = node.cri_shim("node", "install", "--mode", mode, "--dry-run")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"    +imageServiceEndpoint: {SHIM_SOCKET}" in r.stdout, r.stdout
-    assert "would run systemctl restart kubelet.service" in r.stdout, r.stdout
+    assert line in r.stdout and "would run systemctl restart kubelet.service" in r.stdout, r.stdout
     assert node.kubelet_config() == node.original
     assert not any(node.present(p) for p in SHIM_PATHS)
 
     kubelet_pid = node.pid("kubelet")
     t0 = time.time()
-    r = node.cri_shim("node", "install")
+    r = node.cri_shim("node", "install", "--mode", mode)
     took = time.time() - t0
     assert r.returncode == 0, r.stdout + r.stderr
-    print(f"\nnode install took {took:.1f} s:\n{r.stdout}")
+    print(f"\nnode install --mode {mode} took {took:.1f} s:\n{r.stdout}")
     assert "checked: Version through unix:///run/cri-shim/cri-shim.sock answers containerd" in r.stdout
-    assert node.kubelet_config() == node.original + (f"imageServiceEndpoint: {SHIM_SOCKET}\n"
-                                                     "serializeImagePulls: false\nregistryPullQPS: 0\n").encode()
+    assert node.kubelet_config() == switched
     assert node.pid("kubelet") != kubelet_pid
     assert node.m.show("cri-shim", "ActiveState", "UnitFileState") == {"ActiveState": "active",
                                                                         "UnitFileState": "enabled"}
@@ -333,17 +338,16 @@ def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: K
     assert (now["id"], now["podSandboxId"]) == (before["id"], before["podSandboxId"])
     assert now["metadata"].get("attempt", 0) == 0
     # a new pod's image goes through the shim: its pull waits in the shim while the blob is held
-    after_image = node.images.variant(node.registry, "node/install-after").ref
+    after_image = node.images.variant(node.registry, f"node/install-{mode}").ref
     proxy.hold_blobs()
-    held = threading.Event()
     try:
-        after = node.add_pod("after", after_image)
+        after = node.add_pod(f"after-{mode}", after_image)
         deadline = time.monotonic() + 60
-        while not held.is_set():
+        while True:
             st = node.m.status_json()
             pulls = st["pulls"]["in_flight"] + st["pulls"]["queued"]  # type: ignore[index]
-            if any(str(p["image"]).endswith("node/install-after:v1") for p in pulls):
-                held.set()
+            if any(str(p["image"]).endswith(f"node/install-{mode}:v1") for p in pulls):
+                break
             assert time.monotonic() < deadline, f"kubelet's pull never reached the shim: {st['pulls']}"
             time.sleep(0.2)
     finally:
@@ -352,12 +356,12 @@ def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: K
 
     # install again: nothing changes
     files, pids = _files(node), (node.pid("kubelet"), node.pid("cri-shim"))
-    r = node.cri_shim("node", "install")
+    r = node.cri_shim("node", "install", "--mode", mode)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "nothing to change" in r.stdout, r.stdout
     assert _files(node) == files and (node.pid("kubelet"), node.pid("cri-shim")) == pids
 
-    # the operator pins the pod's image (a reload); uninstall gives the pin up, and says so
+    # the operator pins the new pod's image (a reload); uninstall gives the pin up, and says so
     cfg = yaml.safe_load(node.m.path("/etc/cri-shim/config.yaml").read_text())
     cfg["pins"]["images"] = [after_image]
     node.m.write("/etc/cri-shim/config.yaml", yaml.safe_dump(cfg))
@@ -423,3 +427,38 @@ def test_a_kubelet_not_back_in_time_is_switched_back(kube_node: KubeNode) -> Non
     assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
     node.wait_ready(after=t0)
     assert node.running()[f"steady-{NODE}"]["id"] == steady["id"]
+
+
+def test_the_packages_unit_is_used_as_it_is(kube_node: KubeNode) -> None:
+    """The node package's layout (docs/install.md, the .deb): the unit under /lib/systemd/system
+    with a drop-in pointing ExecStart= at /usr/bin/cri-shim, nothing in /usr/local/bin. install
+    writes no unit of its own: it enables and starts the package's (which runs /usr/bin/cri-shim),
+    adds only the config and kubelet's drop-in; uninstall stops and disables it and leaves the
+    package's files."""
+    node, m = kube_node, kube_node.m
+    unit, drop_in = "/lib/systemd/system/cri-shim.service", "/lib/systemd/system/cri-shim.service.d/10-deb.conf"
+    m.write(unit, (REPO / "systemd" / "cri-shim.service").read_text())
+    m.write(drop_in, "[Service]\nExecStart=\nExecStart=/usr/bin/cri-shim serve --config /etc/cri-shim/config.yaml\n")
+    m.run("rm", "/usr/local/bin/cri-shim")
+    m.run("ln", "-s", "/opt/cri-shim/bin/cri-shim", "/usr/bin/cri-shim")
+    m.systemctl("daemon-reload")
+    try:
+        r = node.cri_shim("node", "install")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"{unit}: shipped by the package, used as it is" in r.stdout, r.stdout
+        assert not node.present("/etc/systemd/system/cri-shim.service")
+        shown = m.show("cri-shim", "ActiveState", "UnitFileState", "ExecStart", "FragmentPath")
+        assert (shown["ActiveState"], shown["UnitFileState"], shown["FragmentPath"]) == ("active", "enabled", unit)
+        assert "path=/usr/bin/cri-shim" in shown["ExecStart"], shown
+        r = node.cri_shim("node", "uninstall")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert node.kubelet_config() == node.original
+        assert node.present(unit) and node.present(drop_in)
+        assert m.show("cri-shim", "ActiveState", "UnitFileState") == {"ActiveState": "inactive",
+                                                                       "UnitFileState": "disabled"}
+        assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
+    finally:
+        m.systemctl("disable", "--now", "cri-shim.service", check=False)
+        m.remove([unit, drop_in, "/usr/bin/cri-shim"])
+        m.run("ln", "-sf", "/opt/cri-shim/bin/cri-shim", "/usr/local/bin/cri-shim")
+        m.systemctl("daemon-reload")

@@ -175,7 +175,7 @@ class FakeHost:
         if verb == "daemon-reload":
             self.loaded_units = {name for name in ("cri-shim.service",)
                                  if any((self.root / d.lstrip("/") / name).exists()
-                                        for d in ("/etc/systemd/system", "/usr/lib/systemd/system"))}
+                                        for d in ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system"))}
             return Done(0, "", "")
         unit = self.units.setdefault(rest[0], Unit())
         if verb == "show" and "InvocationID" in argv:

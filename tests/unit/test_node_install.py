@@ -306,14 +306,14 @@ def test_a_config_in_place_is_kept_and_one_given_is_installed_and_put_back(node:
 
 def test_packaged_units_are_used_as_they_are(node: tuple[Path, FakeHost]) -> None:
     root, host = node
-    for rel in ("usr/lib/systemd/system/cri-shim.service", "usr/lib/systemd/system/kubelet.service.d/10-cri-shim.conf"):
+    for rel in ("lib/systemd/system/cri-shim.service", "lib/systemd/system/kubelet.service.d/10-cri-shim.conf"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text("[Unit]\n")
     host.loaded_units.add("cri-shim.service")
     rc, out = do_install(root, host)
     assert rc == EXIT_OK, out
     assert not (root / "etc/systemd/system/cri-shim.service").exists()
-    assert "/usr/lib/systemd/system/cri-shim.service: shipped by the package, used as it is" in out
+    assert "/lib/systemd/system/cri-shim.service: shipped by the package, used as it is" in out
     assert ["systemctl", "daemon-reload"] not in host.calls
 
 
@@ -430,3 +430,19 @@ class NodeInstallStates(RuleBasedStateMachine):
 
 TestNodeInstallStates = NodeInstallStates.TestCase
 TestNodeInstallStates.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
+
+
+def test_one_run_at_a_time(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    from shim.node_install.changes import Changes
+
+    held = Changes(root, host, print, dry_run=False)
+    held.lock()
+    try:
+        rc, out = do_install(root, host)
+        assert rc == EXIT_REFUSED and "another `cri-shim node install` or `uninstall` is running" in out[-1]
+        rc, out = do_uninstall(root, host)
+        assert rc == EXIT_REFUSED
+    finally:
+        held.unlock()
+    assert do_install(root, host)[0] == EXIT_OK
