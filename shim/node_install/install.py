@@ -431,9 +431,16 @@ def _switch_kubelet(plan: Plan, progress: _Progress, ch: Changes, host: Host, sa
             ch.write(record.backup, k.config_data, f"copy of {k.config_path} as it is, for uninstall", mode=0o600,
                      show=False)
             progress.state.kubelet = record
-        record.sha256_after = state.sha256(plan.kubelet_config)
+        elif state.sha256(k.config_data) != record.sha256_after:
+            # changed since install wrote it (kubeadm upgrade node rewrites it): the copy is no longer
+            # the file this edit is made on, so uninstall puts back the keys, not the copy
+            record.exact = False
         for key, value in plan.kubelet_keys.items():
-            record.keys.setdefault(key, [found[key].raw if key in found else None, value])[1] = value
+            now = found[key].raw if key in found else None
+            if key not in record.keys or now != record.keys[key][1]:
+                record.keys[key] = [now, value]  # its value before is the one it has now
+            record.keys[key][1] = value
+        record.sha256_after = state.sha256(plan.kubelet_config)
         record.confirmed = False
         _save(progress, ch)  # before kubelet's file: a run cut short is undone by uninstall
         ch.write(k.config_path, plan.kubelet_config,

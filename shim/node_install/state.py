@@ -50,6 +50,9 @@ class KubeletRecord:
     #: key -> [value as written before (None: absent), value as install wrote it]
     keys: dict[str, list[str | None]]
     confirmed: bool = False  #: kubelet came back Ready on the new settings
+    #: the copy is the file install's keys were set in (false once the file changed under install
+    #: and install set its keys again): uninstall may put the copy back
+    exact: bool = True
 
 
 @dataclass

@@ -99,7 +99,7 @@ def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, sa
     if digest == rec.sha256_before:
         say(f"kubelet's config {rec.config} is as it was before install")
         return True
-    if original is not None and digest in (rec.sha256_after, None):
+    if original is not None and rec.exact and digest in (rec.sha256_after, None):
         ch.write(rec.config, original, "kubelet's config, as it was before install, byte for byte")
     else:
         _keys_back(rec, current, ch, say)

@@ -332,8 +332,8 @@ def test_the_unit_runs_the_program_of_this_node(node: tuple[Path, FakeHost]) -> 
 
 class NodeInstallStates(RuleBasedStateMachine):
     """Installs (either mode, a broken config, a kubelet that does not come back on the shim),
-    installs again, dry runs, uninstalls and the operator's own edits of kubelet's config, in any
-    order. Always: kubelet runs and is healthy; a dry run changes nothing; a second install
+    installs again, dry runs, uninstalls, the operator's own edits of kubelet's config and
+    kubeadm's rewrites of it, in any order. Always: kubelet runs and is healthy; a dry run changes nothing; a second install
     changes nothing; while not installed, the node's files are as the operator left them (kubelet's
     config byte for byte) and the shim is off; while installed, kubelet uses the shim."""
 
@@ -411,6 +411,18 @@ class NodeInstallStates(RuleBasedStateMachine):
         self.base[KUBELET_CONFIG] = (re.sub(rb"(?m)^clusterDomain: .*$", f"clusterDomain: {domain}".encode(),
                                             base[0]), base[1])
 
+    @precondition(lambda self: self.mode is not None)
+    @rule(domain=st.sampled_from(["upgraded.local", "cluster.local"]))
+    def kubeadm_upgrade_rewrites_kubelets_config_then_install(self, domain: str) -> None:
+        """The file replaced by one without install's lines (kubeadm upgrade node), then install again."""
+        base = self.base[KUBELET_CONFIG]
+        assert isinstance(base, tuple)
+        rewritten = re.sub(rb"(?m)^clusterDomain: .*$", f"clusterDomain: {domain}".encode(), base[0])
+        (self.root / KUBELET_CONFIG).write_bytes(rewritten)
+        self.base[KUBELET_CONFIG] = (rewritten, base[1])
+        rc, out = do_install(self.root, self.host, mode=self.mode)
+        assert rc == EXIT_OK, out
+
     @invariant()
     def kubelet_is_healthy(self) -> None:
         assert self.host.units["kubelet.service"].active and self.host.healthz("127.0.0.1", 10248, 1) == ""
@@ -446,3 +458,23 @@ def test_one_run_at_a_time(node: tuple[Path, FakeHost]) -> None:
     finally:
         held.unlock()
     assert do_install(root, host)[0] == EXIT_OK
+
+
+def test_a_config_rewritten_under_install_is_switched_again_and_uninstall_keeps_the_rewrite(
+        node: tuple[Path, FakeHost]) -> None:
+    """`kubeadm upgrade node` rewrites kubelet's config from its ConfigMap: install's lines are gone
+    and another key changed. install switches it again (kubelet restarted); uninstall then takes out
+    install's lines and keeps the upgrade's file, not the copy from before the first install."""
+    root, host = node
+    assert do_install(root, host)[0] == EXIT_OK
+    upgraded = KUBEADM_CONFIG.replace("clusterDomain: cluster.local", "clusterDomain: upgraded.local")
+    (root / KUBELET_CONFIG).write_text(upgraded)
+    restarts = host.calls.count(["systemctl", "restart", "kubelet.service"])
+    rc, out = do_install(root, host)
+    assert rc == EXIT_OK, out
+    assert host.calls.count(["systemctl", "restart", "kubelet.service"]) == restarts + 1
+    assert (root / KUBELET_CONFIG).read_text() == upgraded + (f"imageServiceEndpoint: {SHIM_SOCKET}\n"
+                                                           "serializeImagePulls: false\nregistryPullQPS: 0\n")
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert (root / KUBELET_CONFIG).read_text() == upgraded
