@@ -96,8 +96,9 @@ def _node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                     "starts the shim and checks that Version through its socket names the runtime kubelet uses; "
                     "then sets imageServiceEndpoint (full mode: containerRuntimeEndpoint) in kubelet's own config "
                     "file (a copy kept under /var/lib/cri-shim/install), restarts kubelet and waits until kubelet's "
-                    "/healthz answers and its Node is Ready with a new heartbeat (read with kubelet's own "
-                    "kubeconfig). When a check fails, everything is switched back. Exit 0: done, or nothing to "
+                    "/healthz answers, its Lease is renewed and its Node is still Ready one status update period "
+                    "later (read with kubelet's own kubeconfig). When a check fails, everything is switched back. "
+                    "--dry-run prints every change and makes none. Exit 0: done, or nothing to "
                     "change; 1: a check failed and the changes were undone; 2: refused, nothing changed.")
     ins.add_argument("--mode", choices=["image-only", "full"], default="image-only",
                      help="image-only (default): kubelet's image calls go through the shim; full: every CRI call")
@@ -127,7 +128,8 @@ def _node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _node_check_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kubeconfig", help="a kubeconfig that may read this Node (default: kubelet's --kubeconfig, "
+    p.add_argument("--kubeconfig", help="a kubeconfig that may read this Node and its Lease in kube-node-lease "
+                                        "(default: kubelet's --kubeconfig, "
                                         "else /etc/kubernetes/kubelet.conf or /var/lib/kubelet/kubeconfig; \"\": "
                                         "none, kubelet's /healthz only)")
     p.add_argument("--node-name", help="this node's Node (default: the kubeconfig's user, system:node:<name>)")

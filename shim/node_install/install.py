@@ -6,8 +6,9 @@ it, checking each step, and switch everything back by itself when a check fails.
    The runtime kubelet uses answers ``Version``: that endpoint becomes the shim's ``upstream``.
 2. Files: ``/etc/cri-shim/config.yaml`` (``--config``; else the one in place; else the shipped
    config.example.yaml with ``upstream`` set), ``/etc/systemd/system/cri-shim.service`` and the
-   kubelet drop-in ``kubelet.service.d/10-cri-shim.conf`` (each only when the package did not
-   ship it under /usr/lib/systemd/system); ``daemon-reload``, enable and start the shim.
+   kubelet drop-in ``kubelet.service.d/10-cri-shim.conf`` (each only when a package did not
+   ship it under /lib/systemd/system or /usr/lib/systemd/system); ``daemon-reload``, enable and
+   start the shim.
 3. ``Version`` through the shim's socket must name the runtime kubelet uses, within
    ``--shim-timeout``; else everything above is undone.
 4. kubelet's config file: ``imageServiceEndpoint`` (or ``containerRuntimeEndpoint`` in full
@@ -53,7 +54,7 @@ DROP_IN = "kubelet.service.d/10-cri-shim.conf"
 SHIPPED_EXECUTABLE = "/usr/local/bin/cri-shim"
 #: the mode -> the shipped snippet of kubelet settings it merges
 MODES = {"image-only": "kubelet-image-only.yaml", "full": "kubelet-full.yaml"}
-#: settings of the snippets that are not endpoints: kubelet's own pull limits (README)
+#: settings of the snippets that are not endpoints: kubelet's own pull limits (docs/pulls.md)
 PULL_SETTINGS = ("serializeImagePulls", "registryPullQPS")
 #: the unit's StateDirectory= (the shim's state files); removed by uninstall when install made it
 SHIM_STATE_DIR = "/var/lib/cri-shim"
