@@ -1,4 +1,4 @@
-"""Command line: ``cri-shim serve | check-config | status | fleet status | controller``."""
+"""Command line: ``cri-shim serve | check-config | status | fleet status | controller | node install|uninstall``."""
 
 from __future__ import annotations
 
@@ -81,7 +81,61 @@ def _parser() -> argparse.ArgumentParser:
                          "write or the set's generation change, whichever is later) is stale (default 120)")
     ct.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     ct.add_argument("--log-format", choices=["text", "json"], default="text")
+    _node_parser(sub)
     return p
+
+
+def _node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    nd = sub.add_parser("node", help="put cri-shim on this node and switch kubelet to it, or undo that (as root)",
+                        description="One command per node, and one to undo it; both idempotent. "
+                                    "docs/install.md, 'A node, with cri-shim node install'.")
+    actions = nd.add_subparsers(dest="action", required=True)
+    ins = actions.add_parser(
+        "install", help="install the config, the unit and the kubelet drop-in, start the shim, switch kubelet",
+        description="Puts /etc/cri-shim/config.yaml, the cri-shim.service unit and kubelet's drop-in in place, "
+                    "starts the shim and checks that Version through its socket names the runtime kubelet uses; "
+                    "then sets imageServiceEndpoint (full mode: containerRuntimeEndpoint) in kubelet's own config "
+                    "file (a copy kept under /var/lib/cri-shim/install), restarts kubelet and waits until kubelet's "
+                    "/healthz answers, its Lease is renewed and its Node is still Ready one status update period "
+                    "later (read with kubelet's own kubeconfig). When a check fails, everything is switched back. "
+                    "--dry-run prints every change and makes none. Exit 0: done, or nothing to "
+                    "change; 1: a check failed and the changes were undone; 2: refused, nothing changed.")
+    ins.add_argument("--mode", choices=["image-only", "full"], default="image-only",
+                     help="image-only (default): kubelet's image calls go through the shim; full: every CRI call")
+    ins.add_argument("--config", help="a shim config file to install as /etc/cri-shim/config.yaml (default: keep "
+                                      "the one in place, else the shipped config.example.yaml with upstream set "
+                                      "to the runtime kubelet uses)")
+    ins.add_argument("--kubelet-config", help="kubelet's config file (default: kubelet's --config)")
+    _node_check_flags(ins)
+    ins.add_argument("--shim-timeout", type=float, default=30.0,
+                     help="seconds for the shim to answer Version through its socket (default 30)")
+    ins.add_argument("--keep-pull-settings", action="store_true",
+                     help="leave kubelet's serializeImagePulls and registryPullQPS as they are (default: false and "
+                          "0, as the shipped kubelet snippet says)")
+    ins.add_argument("--executable", help="the cri-shim program the unit runs (default /usr/local/bin/cri-shim "
+                                          "if it exists, else this program)")
+    ins.add_argument("--dry-run", action="store_true", help="print every change (files with their diff, systemctl "
+                                                            "calls) and make none")
+    un = actions.add_parser(
+        "uninstall", help="switch kubelet back, then stop the shim and remove what install added",
+        description="Puts kubelet's config back byte for byte (only the keys install set, if the file changed "
+                    "since), restarts kubelet and waits for it; then stops the shim (its pins are given up only "
+                    "then, and the images they kept are named) and removes or puts back every file install wrote. "
+                    "Exit 0: done, or nothing to undo; 1: kubelet is not back, or a step failed (run it again); "
+                    "2: refused.")
+    _node_check_flags(un)
+    un.add_argument("--dry-run", action="store_true", help="print every change and make none")
+
+
+def _node_check_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kubeconfig", help="a kubeconfig that may read this Node and its Lease in kube-node-lease "
+                                        "(default: kubelet's --kubeconfig, "
+                                        "else /etc/kubernetes/kubelet.conf or /var/lib/kubelet/kubeconfig; \"\": "
+                                        "none, kubelet's /healthz only)")
+    p.add_argument("--node-name", help="this node's Node (default: the kubeconfig's user, system:node:<name>)")
+    p.add_argument("--ready-timeout", type=float, default=120.0,
+                   help="seconds for kubelet to be healthy and its Node Ready after a restart (default 120; "
+                        "switching back after a failed install, at least 60)")
 
 
 def _controller(args: argparse.Namespace) -> int:
@@ -104,6 +158,32 @@ def _controller(args: argparse.Namespace) -> int:
     except ConfigException as e:
         print(f"cri-shim: cannot start the controller: {e} (outside a Pod, pass --kubeconfig)", file=sys.stderr)
         return 2
+
+
+def _node(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from .node_install import install, uninstall
+    from .node_install.host import SystemHost
+
+    if os.geteuid() != 0:
+        print(f"cri-shim node {args.action}: run it as root", file=sys.stderr)
+        return install.EXIT_REFUSED
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if args.action == "uninstall":
+        return uninstall.uninstall(uninstall.Options(kubeconfig=args.kubeconfig, node_name=args.node_name,
+                                                     ready_timeout=args.ready_timeout, dry_run=args.dry_run),
+                                   Path("/"), SystemHost(), say)
+    running = os.path.abspath(sys.argv[0]) if os.path.basename(sys.argv[0]) == "cri-shim" else shutil.which("cri-shim")
+    opts = install.Options(mode=args.mode, config=args.config, kubelet_config=args.kubelet_config,
+                           kubeconfig=args.kubeconfig, node_name=args.node_name, shim_timeout=args.shim_timeout,
+                           ready_timeout=args.ready_timeout, pull_settings=not args.keep_pull_settings,
+                           executable=args.executable, running=running, dry_run=args.dry_run)
+    return install.install(opts, Path("/"), SystemHost(), say)
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -189,7 +269,7 @@ def _status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"serve": _serve, "check-config": _check_config, "status": _status, "fleet": _fleet,
-               "controller": _controller}[args.command]
+               "controller": _controller, "node": _node}[args.command]
     return handler(args)
 
 

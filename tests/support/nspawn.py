@@ -54,11 +54,12 @@ class Machine:
     """One booted container. ``binds``: (host path, container path, read_only)."""
 
     def __init__(self, root: str, *, src: Path, log_path: Path,
-                 binds: Sequence[tuple[str | Path, str, bool]] = ()) -> None:
+                 binds: Sequence[tuple[str | Path, str, bool]] = (), extra_args: Sequence[str] = ()) -> None:
         self.root = root
         self.src = src
         self.log_path = log_path
         self.binds = list(binds)
+        self.extra_args = list(extra_args)  # more systemd-nspawn options, e.g. --capability=CAP_SYSLOG
         self.name = f"cri-shim-test-{os.getpid()}-{next(_names)}"
         self._proc: subprocess.Popen[bytes] | None = None
         self.pid1: int | None = None
@@ -78,6 +79,7 @@ class Machine:
             cmd.append(f"--bind-ro={CA_BUNDLE}")
         for host, inside, ro in self.binds:
             cmd.append(f"--bind{'-ro' if ro else ''}={host}:{inside}")
+        cmd += self.extra_args
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
