@@ -5,7 +5,8 @@
   of a scripted runtime or none), ``tests/e2e`` (``e2e``: real containerd, registry, crictl),
   ``tests/crio`` (``crio``, marked in its modules; the CRI-O case of a runtime-parametrized
   test in ``tests/e2e`` is marked ``crio`` instead of ``e2e``), ``tests/node`` (``node``: real kubelet,
-  systemd), ``tests/cluster`` (``cluster``), ``tests/soak`` (``soak``).
+  systemd), ``tests/cluster`` (``cluster``), ``tests/package`` (``package``: the OCI image and
+  the .deb, built and checked), ``tests/soak`` (``soak``).
 * When a test fails, the log tails of the fixtures it used (containerd,
   registry, shims: anything with ``log_tail()`` or ``log_tails()``) are
   attached to its report.
@@ -49,6 +50,7 @@ _PROCESS_DIR = Path(__file__).parent / "process"
 _E2E_DIR = Path(__file__).parent / "e2e"
 _NODE_DIR = Path(__file__).parent / "node"
 _CLUSTER_DIR = Path(__file__).parent / "cluster"
+_PACKAGE_DIR = Path(__file__).parent / "package"
 
 #: Longest unix socket path (``sun_path`` is 108 bytes with its NUL).
 SUN_PATH_MAX = 107
@@ -148,6 +150,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.node)
         elif _CLUSTER_DIR in Path(str(item.path)).parents:
             item.add_marker(pytest.mark.cluster)
+        elif _PACKAGE_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.package)
 
 
 @pytest.hookimpl(hookwrapper=True)
