@@ -7,7 +7,7 @@ image-set names only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import grpc
 from prometheus_client import (
@@ -122,6 +122,30 @@ class Metrics(PullEvents):
 
     def flight_released(self, flight: Flight, why: str) -> None:
         self.pull_slot_released.inc()
+
+    # imagesets.events.ImageSetEvents (a Protocol: image sets are loaded only when configured)
+    def set_counts(self, set_name: str, counts: Mapping[str, int]) -> None:
+        for state, n in counts.items():
+            self.image_set_images.labels(set_name, state).set(n)
+
+    def set_removed(self, set_name: str, states: tuple[str, ...]) -> None:
+        for state in states:
+            self.image_set_images.remove(set_name, state)
+
+    def runtime_listed(self) -> None:
+        self.image_set_reconciles.inc()
+
+    def prefetch_started(self) -> None:
+        self.pull_requests_total.labels("background").inc()
+
+    def invalid_declarations(self, source: str, count: int) -> None:
+        self.image_set_invalid.labels(source).set(count)
+
+    def state_file_write_failed(self) -> None:
+        self.image_sets_state_write_failures.inc()
+
+    def state_file_error(self, failing: bool) -> None:
+        self.image_sets_state_file_error.set(1 if failing else 0)
 
     # cri.call.CallObserver (intercepted calls only: passthrough is not timed)
     def observe_call(self, method: str, seconds: float, code: grpc.StatusCode) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from shim.config import ImageSetsConfig
 from shim.imagesets.manager import ImageSets
+from shim.imagesets.reconciler import Environment
 from shim.observability.metrics import Metrics
 from shim.images.pin_set import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
@@ -103,7 +104,8 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
 
     h = Harness(None, scheduler, metrics, pin_updates, disk, upstream)  # type: ignore[arg-type]
     h.sets = ImageSets(config, upstream, scheduler, metrics, on_pins=pin_updates.append, pins=lambda: h.pins,
-                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05,
+                       use_inotify=use_inotify, poll_seconds=0.05,
+                       env=Environment(statvfs=statvfs, disk_recheck_seconds=0.05),
                        **(options or {}))
     if load_state:  # as the app does, before serving
         h.sets.load_state()
@@ -347,7 +349,7 @@ async def test_images_removed_behind_our_back_come_back_on_resync(runtime, store
     store.add("registry.local/a:1")
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/a:1"]))
     async with image_sets(runtime, tmp_path) as h:
-        h.sets.reconciler.resync_seconds = 0.1
+        h.sets.reconciler.runtime.resync_seconds = 0.1
         await reconciled(h, "warm", 1)
         store.remove("registry.local/a:1")
         await eventually(lambda: store.pulls == ["registry.local/a:1"] and store.has("registry.local/a:1"))

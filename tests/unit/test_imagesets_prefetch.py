@@ -170,7 +170,7 @@ async def test_a_hung_image_fs_info_does_not_stop_reconciling(runtime, store, tm
         assert store.pulls == []  # the guard holds the pull: free space is unknown
         hang.set()
         store.install()  # a runtime that answers again
-        h.sets.reconciler.resync_seconds = 0.05
+        h.sets.reconciler.runtime.resync_seconds = 0.05
         h.sets.resync()
         await reconciled(h, "warm", 1)
 

@@ -12,9 +12,13 @@ import grpc
 
 from shim.config import ImageSetsConfig
 from shim.credentials import DockerConfigFiles
+from shim.credentials.prefetch import PrefetchCredentials
 from shim.imagesets.due import FORGET_SECONDS, DueQueue, RetryBudget
 from shim.imagesets.loader import ImageSet
-from shim.imagesets.reconciler import Reconciler, _edit
+from shim.imagesets.prefetch import Prefetch
+from shim.imagesets.reconciler import Reconciler
+from shim.imagesets.runtime_view import RuntimeNames
+from shim.imagesets.table import diff_versions
 from shim.observability.metrics import Metrics
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
@@ -135,8 +139,9 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
 def _reconciler(**cfg: object) -> tuple[Reconciler, None]:
     config = ImageSetsConfig(docker_config=(), **cfg)  # type: ignore[arg-type]
     metrics = Metrics()
-    rec = Reconciler(config, None, PullScheduler(4, 2, observers=[metrics]), metrics,  # type: ignore[arg-type]
-                     credentials=DockerConfigFiles(()))
+    prefetch = Prefetch(None, PullScheduler(4, 2, observers=[metrics]),  # type: ignore[arg-type]
+                        PrefetchCredentials(DockerConfigFiles(())), metrics)
+    rec = Reconciler(config, None, prefetch, metrics)  # type: ignore[arg-type]
     return rec, None
 
 
@@ -176,14 +181,14 @@ def test_an_edit_of_a_large_set_applies_exactly_what_changed() -> None:
     snap = rec.snapshot()
     assert snap.sets["a"].counts.declared == 10_001 and snap.sets["a"].counts.unknown == 10_001
     assert snap.totals.declared == 10_003  # 10,001 of a, r/i5:1 and r/other:1 of b
-    gone, added = _edit(_set("a", names), _set("a", edited))
+    gone, added = diff_versions(_set("a", names), _set("a", edited))
     assert gone == [("r/i5:1", "")] and added == [(("r/first:1", ""), "r/first:1"), (("r/middle:1", ""), "r/middle:1")]
     many = [f"r/new{i}:1" for i in range(100)]  # above EDIT_SCAN_MIN: one pass finds their places
-    gone, added = _edit(_set("a", names), _set("a", many[:50] + names[1:] + many[50:]))
+    gone, added = diff_versions(_set("a", names), _set("a", many[:50] + names[1:] + many[50:]))
     assert gone == [("r/i0:1", "")] and [spelled for _, spelled in added] == many
     with_handler = ImageSet(name="a", kind="ImageSet", pin=False, refs=tuple(names), spelled=tuple(names),
                             generation="3", source="/sets/a.yaml", handlers=("kata",) + ("",) * 9_999)
-    gone, added = _edit(_set("a", names), with_handler)
+    gone, added = diff_versions(_set("a", names), with_handler)
     assert gone == [("r/i0:1", "")] and added == [(("r/i0:1", "kata"), "r/i0:1")]
     rec.set_sets({"a": with_handler})
     snap = rec.snapshot()
@@ -279,7 +284,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
 
 
 def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> None:
-    rec, _ = _reconciler()
+    names_of = RuntimeNames()
 
     def listed(*images: tuple[list[str], list[str]]) -> bytes:
         r = api_pb2.ListImagesResponse()
@@ -288,11 +293,11 @@ def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> 
         return r.SerializeToString()
     d = "sha256:" + "b" * 64
     first = listed((["busybox:1", "docker.io/library/busybox:1"], [f"busybox@{d}"]), (["Not A Name"], []))
-    names, count = rec._present_names(first)
+    names, count = names_of.read(first)
     assert count == 2 and names == {"docker.io/library/busybox:1", f"docker.io/library/busybox@{d}", "Not A Name"}
-    assert rec._present_names(first)[0] == names  # unchanged: served from the names' normal forms kept
-    names, count = rec._present_names(listed((["quay.io/x/y:2"], [])))
-    assert count == 1 and names == {"quay.io/x/y:2"} and list(rec._norm_cache) == ["quay.io/x/y:2"]
+    assert names_of.read(first)[0] == names  # unchanged: served from the names' normal forms kept
+    names, count = names_of.read(listed((["quay.io/x/y:2"], [])))
+    assert count == 1 and names == {"quay.io/x/y:2"} and names_of.kept() == ["quay.io/x/y:2"]
 
 
 async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for_it(runtime, tmp_path) -> None:
