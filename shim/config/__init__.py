@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import yaml
 
-from . import safeyaml
-from .cri.routing import check_allowed_services
-from .image_patterns import validate_pattern
-from .observability.logs import (
+from .. import safeyaml
+from ..cri.routing import check_allowed_services
+from ..image_patterns import validate_pattern
+from ..observability.logs import (
     DEFAULT_MAX_REPEATS,
     DEFAULT_REPEAT_WINDOW_SECONDS,
     QUOTE_MAX_CHARS,
     cut,
     shown,
 )
-from .safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
+from ..safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
 
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
@@ -517,7 +517,7 @@ def _rules(key: str, v: Any) -> tuple[HandlerRule, ...]:
 
 def _request_bytes(key: str, v: Any) -> tuple[tuple[str, int], ...]:
     """server.max_request_bytes as written: CRI method name -> size (merged over the defaults in _check_server)."""
-    from .cri.methods import (
+    from ..cri.methods import (
         KNOWN_METHODS,  # local import: the proto module is only needed here
     )
 
@@ -572,7 +572,7 @@ def _check_image_sets(cfg: ImageSetsConfig, d: Mapping[str, Any]) -> ImageSetsCo
         missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
         raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
     if cfg.credential_provider_config:
-        from .credentials.plugins import (  # local import: only when used
+        from ..credentials.plugins import (  # local import: only when used
             ProviderConfigError,
             load_config,
         )
