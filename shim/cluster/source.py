@@ -33,7 +33,6 @@ from ..credentials import Credential
 from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
-from ..observability.metrics import Metrics
 from . import grant, objects, state
 from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
@@ -41,6 +40,7 @@ from .informer import Informer
 from .objects import Kind, SecretRef, Selected
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
+from .source_events import SourceEvents
 
 _log = logs.get("cluster")
 SOURCE = "cluster"
@@ -64,10 +64,10 @@ def _slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets, metrics: Metrics) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents) -> None:
         self.cfg = cfg
         self.sets = sets
-        self.metrics = metrics
+        self.events = events  # the metrics
         self.node_name = node_name(cfg)
         self.labels: dict[str, str] | None = None  # None: not known yet
         self.selected: dict[str, Selected] = {}
@@ -153,12 +153,12 @@ class ClusterSource:
 
     def _write_failed(self, e: OSError) -> None:
         self.state_write_failures += 1
-        self.metrics.cluster_state_write_failures.inc()
+        self.events.cluster_state_write_failed()
         self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
 
     def _state_problem(self, error: str) -> None:
         self.state_error = error
-        self.metrics.cluster_state_file_error.set(1 if error else 0)
+        self.events.cluster_state_error(bool(error))
 
     # ------------------------------------------------------------------ selection
 
@@ -305,8 +305,8 @@ class ClusterSource:
         return out
 
     def _report(self) -> None:
-        self.metrics.image_set_invalid.labels(SOURCE).set(len(self.refused))
-        self.metrics.image_set_secret_errors.set(len(self.secret_errors()))
+        self.events.invalid_declarations(SOURCE, len(self.refused))
+        self.events.secret_errors(len(self.secret_errors()))
 
     def _overrides(self) -> dict[str, Any]:
         """The narrowest per-role override of any selected set: fewest lanes, longest cooldown."""
@@ -528,9 +528,9 @@ class ClusterSource:
     def _clear_metrics(self) -> None:
         """The gauges this source sets, at 0: a stopped source (or a new one before its first
         apply) must not leave a previous source's state-file error or counts behind."""
-        self.metrics.cluster_state_file_error.set(0)
-        self.metrics.image_set_invalid.labels(SOURCE).set(0)
-        self.metrics.image_set_secret_errors.set(0)
+        self.events.cluster_state_error(False)
+        self.events.invalid_declarations(SOURCE, 0)
+        self.events.secret_errors(0)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

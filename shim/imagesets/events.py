@@ -26,8 +26,8 @@ class ImageSetEvents(Protocol):
     def invalid_declarations(self, source: str, count: int) -> None:
         """``count`` declarations of ``source`` (file, cluster) have a newest version that is refused."""
 
-    def state_file_write_failed(self) -> None:
+    def image_sets_state_write_failed(self) -> None:
         """A write of image_sets.state_file failed (the check at start, or a save)."""
 
-    def state_file_error(self, failing: bool) -> None:
+    def image_sets_state_error(self, failing: bool) -> None:
         """Whether image_sets.state_file cannot be read or written now."""

@@ -105,7 +105,7 @@ class ImageSets:
         self.state_write_failures = 0  # the start check and every save that failed
         self.loaded_from_state = 0  # files whose last valid text the state file held at start
         self._unsaved = False  # the last save failed: tried again after retry_max_seconds
-        events.state_file_error(False)  # not a previous ImageSets' (a reload that changed the dir)
+        events.image_sets_state_error(False)  # not a previous ImageSets' (a reload that changed the dir)
 
     # ------------------------------------------------------------------ state file
 
@@ -153,12 +153,12 @@ class ImageSets:
 
     def _write_failed(self, e: OSError) -> None:
         self.state_write_failures += 1
-        self.events.state_file_write_failed()
+        self.events.image_sets_state_write_failed()
         self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
 
     def _state_problem(self, error: str) -> None:
         self.state_error = error
-        self.events.state_file_error(bool(error))
+        self.events.image_sets_state_error(bool(error))
 
     def _publish(self) -> None:
         """The pins in force (the ledger's) reach the image service once the directory (when there
@@ -324,7 +324,7 @@ class ImageSets:
             self.watcher.close()
             self.watcher = None
         await asyncio.to_thread(self.parser.close)
-        self.events.state_file_error(False)  # no image sets, no state file
+        self.events.image_sets_state_error(False)  # no image sets, no state file
         self.events.invalid_declarations(FILE_SOURCE, 0)  # ... and no file refused
 
     def snapshot(self) -> Snapshot:

@@ -50,8 +50,8 @@ from ..config import PullsConfig
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..observability import logs
-from ..observability.metrics import Metrics
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
+from .events import ProgressEvents
 from .progress import (
     RATE_WINDOW_SECONDS,
     FlightProgress,
@@ -105,7 +105,7 @@ class _Cleanup:
 class ProgressPoller(PullEvents):
     upstream: Upstream
     scheduler: PullScheduler
-    metrics: Metrics
+    events: ProgressEvents  # the metrics
     cfg: PullsConfig
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
@@ -125,7 +125,7 @@ class ProgressPoller(PullEvents):
     _closed: bool = False
 
     def __post_init__(self) -> None:
-        self.client = ContentClient(self.upstream, lambda m: self.metrics.progress_calls.labels(m).inc())
+        self.client = ContentClient(self.upstream, self.events.content_called)
         self.scheduler.subscribe(self)
 
     # ------------------------------------------------------------------ configuration
@@ -195,7 +195,7 @@ class ProgressPoller(PullEvents):
             self._count_bytes(p, only_seen=True)
         seconds = now - p.started
         if p.known and p.downloaded >= (1 << 20) and seconds > 0:
-            self.metrics.pull_throughput.observe(p.downloaded / seconds)
+            self.events.pull_throughput(p.downloaded / seconds)
         if t.digest is None and t.repo:
             self.recent.append(t)
         if t.stalled and p.manifest is not None:
@@ -411,7 +411,7 @@ class ProgressPoller(PullEvents):
                                       t.domain, p.bytes_done, p.bytes_total)
         t.stalled = True
         if self.scheduler.fail_running(t.flight, RpcError(STALL_CODE, message)):
-            self.metrics.pull_no_progress.labels(phase).inc()
+            self.events.pull_made_no_progress(phase)
             logs.log(_log, logging.WARNING, "pull made no progress; cancelled", image=t.flight.key.image,
                      phase=phase, registry=t.domain, idle_seconds=round(idle, 1),
                      bytes=f"{human_bytes(p.bytes_done)}/{human_bytes(p.bytes_total)}", waiters=t.flight.waiters)
@@ -424,7 +424,7 @@ class ProgressPoller(PullEvents):
                 continue
             base = self.counted.setdefault(d, p.baseline.get(d, v))
             if v > base:
-                self.metrics.pull_bytes.inc(v - base)
+                self.events.downloaded(v - base)
                 self.counted[d] = v
 
     def _step(self, t: Tracked, step: int, now: float) -> None:
@@ -448,7 +448,7 @@ class ProgressPoller(PullEvents):
         message = stall_message(t.flight.key.image, stall, self.cfg.stall_min_bytes_per_second)
         t.stalled = True
         if self.scheduler.fail_running(t.flight, RpcError(STALL_CODE, message)):
-            self.metrics.pull_stalls.inc()
+            self.events.pull_stalled()
             logs.log(_log, logging.WARNING, "pull stalled; cancelled", image=t.flight.key.image,
                      moved_bytes=stall.moved, window_seconds=stall.window,
                      min_bytes_per_second=self.cfg.stall_min_bytes_per_second, waiters=t.flight.waiters)
@@ -486,8 +486,7 @@ class ProgressPoller(PullEvents):
 
     def _publish_gauges(self) -> None:
         known = [t.progress for t in self.running.values() if t.progress.known]
-        self.metrics.pull_in_flight_bytes.labels("done").set(sum(p.bytes_done for p in known))
-        self.metrics.pull_in_flight_bytes.labels("total").set(sum(p.bytes_total for p in known))
+        self.events.in_flight_bytes(sum(p.bytes_done for p in known), sum(p.bytes_total for p in known))
 
 
 def _source_host(domain: str) -> str:

@@ -180,7 +180,7 @@ def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path:
     src.cfg = dataclasses.replace(src.cfg, state_file=str(blocker / "cri-shim" / "state.json"))
 
     def metric(name: str) -> float | None:
-        return src.metrics.registry.get_sample_value(name)
+        return src.events.registry.get_sample_value(name)
 
     def errors() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -212,7 +212,7 @@ def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path:
 
     src._state_problem("x")
     assert metric("cri_shim_cluster_state_file_error") == 1.0
-    ClusterSource(src.cfg, sets, src.metrics)  # type: ignore[arg-type]  # a reload that changed cluster.*
+    ClusterSource(src.cfg, sets, src.events)  # type: ignore[arg-type]  # a reload that changed cluster.*
     assert metric("cri_shim_cluster_state_file_error") == 0.0  # the new source starts clean
 
 
