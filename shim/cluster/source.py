@@ -30,16 +30,16 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..config import ClusterConfig
 from ..credentials import Credential
-from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
-from . import grant, objects, state
+from . import objects, state
 from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
+from .selection import Applied, select_sets
 from .source_events import SourceEvents
 
 _log = logs.get("cluster")
@@ -53,14 +53,6 @@ def node_name(cfg: ClusterConfig) -> str:
 
 def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
     return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
-
-
-def _slim(obj: dict[str, Any]) -> dict[str, Any]:
-    """What the state file keeps of an object: no managedFields, no status."""
-    meta = {k: v for k, v in (obj.get("metadata") or {}).items()
-            if k in ("name", "uid", "generation", "resourceVersion", "annotations")}
-    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
-            "spec": obj.get("spec") or {}}
 
 
 class ClusterSource:
@@ -165,61 +157,15 @@ class ClusterSource:
     def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
                 mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, *, gate: bool = True,
                 read: bool = True) -> bool:
-        """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed.
-        ``gate``: hold a paced set's generation until granted (not for the state file's sets, all in force).
-        ``read``: ``own`` is what the API server holds now (not the state file's, nor kept while the
-        ImageSets cannot be listed): a set it no longer selects is confirmed gone (the pin ledger).
-
-        A set whose newest version is refused (an invalid image name, an unreadable field) keeps
-        its last valid version in force, and the state file keeps that version's object: an
-        invalid edit never unpins. It is reported in ``refused`` (status row, Degraded, Event)."""
-        previous, old_own, old_pinned = self.selected, self._own_raw, self._pinned_raw
-        selected, errors = objects.select(labels, own)
-        refused: dict[str, objects.Refused] = {}
-        own_raw: dict[str, dict[str, Any]] = {}
-        by_own = {o["metadata"]["name"]: o for o in own}
-        held: dict[str, Selected] = {}
-        kept_names: set[str] = set()  # in force as applied before, not as read now
-        for name, obj in by_own.items():
-            if name in selected:
-                if gate and grant.paced(obj) and self._hold(name, obj, previous, old_own, selected, own_raw, held):
-                    if name in selected:
-                        kept_names.add(name)
-                    continue
-                own_raw[name] = _slim(obj)
-            elif (err := errors.get(objects.source_of(obj))) is not None:
-                kept = self._keep(previous, name, "ImageSet", old_own, selected, own_raw)
-                kept_names.add(name)
-                refused[name] = objects.Refused(name, "ImageSet", objects.generation_of(obj), err, kept)
-        if mco is not None:
-            pinned, pools = mco
-            listed = objects.pool_sets(pools, labels)
-            for err in listed.errors:
-                errors[err.split(".spec", 1)[0]] = err
-            pinned_objs = [o for o in pinned if o["metadata"]["name"] in listed.names]
-            undecided = listed.undecided - listed.names
-        else:
-            pinned_objs, undecided = list(old_pinned.values()), set()
-        pinned_raw: dict[str, dict[str, Any]] = {}
-        for name in sorted(undecided):  # a pool that cannot be read keeps what it gave
-            self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
-            kept_names.add(name)
-        for obj in pinned_objs:
-            name = obj["metadata"]["name"]
-            if name in selected:  # an ImageSet of that name is in force (a refused one with no valid version is not)
-                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
-                                                  "ignoring this one")
-                continue
-            try:
-                sel = objects.pinned_set(obj)
-            except SetFileError as e:
-                errors[objects.source_of(obj)] = str(e)
-                kept = self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
-                kept_names.add(name)
-                refused[name] = objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e), kept)
-                continue
-            selected[name] = sel
-            pinned_raw[name] = _slim(obj)
+        """Select (selection.py) and hand over; ``mco`` None keeps the PinnedImageSets applied last.
+        True when the sets in force changed. ``gate``: hold a paced set's generation until granted
+        (not for the state file's sets, all in force). ``read``: ``own`` is what the API server
+        holds now (not the state file's, nor kept while the ImageSets cannot be listed): a set it
+        no longer selects is confirmed gone (the pin ledger). A refused set is reported in
+        ``refused`` (status row, Degraded, Event)."""
+        result = select_sets(self.node_name, labels, own, mco,
+                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate)
+        selected, errors, refused, held = result.applied.selected, result.errors, result.refused, result.held
         own_keys = {f"cluster:{r.kind}/{n}" for n, r in refused.items()}  # logged below, with what stays
         for key, err in errors.items():
             if self.errors.get(key) != err and key not in own_keys:
@@ -245,52 +191,21 @@ class ClusterSource:
         self.last_refused.update((n, r.generation) for n, r in refused.items())
         for name in self.last_refused.keys() - refused.keys() - selected.keys():  # no longer declared here
             del self.last_refused[name]
-        self._own_raw, self._pinned_raw = own_raw, pinned_raw
+        self._own_raw, self._pinned_raw = result.applied.own_raw, result.applied.pinned_raw
         changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
-        if mco is None:
-            kept_names.update(n for n, s in selected.items() if s.set.kind == "PinnedImageSet")
         self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
                              held={n: s.set for n, s in held.items()},
                              uids={n: s.uid for n, s in (*selected.items(), *held.items())},
-                             fresh=frozenset((selected.keys() - kept_names) | held.keys()) if read else frozenset(),
-                             present=frozenset(selected.keys() | refused.keys() | held.keys() | undecided),
+                             fresh=frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
+                             present=frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
                              decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
                                            (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
         self.sets.set_overrides(**self._overrides())
         self._report()
         return changed
-
-    def _hold(self, name: str, obj: dict[str, Any], previous: dict[str, Selected], old_raw: dict[str, dict[str, Any]],
-              selected: dict[str, Selected], raw: dict[str, dict[str, Any]], held: dict[str, Selected]) -> bool:
-        """A paced set's generation without a grant: keep the version in force (if any) and hold the
-        new one (pins only). False when it applies: granted, in force already, or nothing to pull."""
-        new, old = selected[name], previous.get(name)
-        own_old = old is not None and old.set.kind == "ImageSet" and name in old_raw
-        if grant.granted(obj, self.node_name) or (old is not None and own_old
-                                                   and (old.set.generation == new.set.generation
-                                                        or not grant.adds_images(new.set, old.set))):
-            return False
-        held[name] = new
-        if own_old and old is not None:
-            selected[name] = old
-            raw[name] = old_raw[name]
-        else:
-            del selected[name]
-        return True
-
-    @staticmethod
-    def _keep(previous: dict[str, Selected], name: str, kind: str, old_raw: dict[str, dict[str, Any]],
-              selected: dict[str, Selected], raw: dict[str, dict[str, Any]]) -> str:
-        """Keep the version of ``name`` applied last (when it was of this kind); its generation, or ""."""
-        old = previous.get(name)
-        if old is None or old.set.kind != kind or name in selected or name not in old_raw:
-            return ""
-        selected[name] = old
-        raw[name] = old_raw[name]
-        return old.set.generation
 
     def secret_errors(self) -> dict[str, str]:
         """Set name -> why a pull Secret it names cannot be used (its last good entries, if any, stay)."""
