@@ -10,7 +10,7 @@ leader Lease for the elector (leader.py). Only the leader writes. Work follows t
   selecting its node;
 * a (re-)list marks every set;
 * an ImageSet whose ``imagePullSecrets`` changed updates the Role nodes read Secrets by (pull_secrets.py);
-* a set with a node that turns stale if nothing changes gets one timer, at that due time (marks.py).
+* a set with a node that turns stale if nothing changes gets one timer, at that due time (work_queue.py).
 
 MCO's PinnedImageSets, when served, get the same truth in PinnedImageSetReports (pinned.py): the
 Node and NodeImageSetStatus events above mark them too, and the same batches recompute them.
@@ -39,9 +39,9 @@ from ..cluster.reachability import Reachability, readyz
 from . import grants, report, rollout, truth
 from .apply import Applier
 from .leader import LeaderElector
-from .marks import Marks
 from .pinned import PinnedReports
 from .pull_secrets import PullSecretRoles
+from .work_queue import WorkQueue
 
 
 def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
@@ -82,7 +82,7 @@ class Controller:
                                             backoff_initial=backoff_initial, backoff_max=backoff_max)
         self.secret_roles = PullSecretRoles(api, request_timeout=request_timeout)  # nodes read what sets name
         self._wake = asyncio.Event()
-        self.marks = Marks(self._wake)
+        self.work = WorkQueue(self._wake)
         self.applier = Applier(self.custom, request_timeout)
         self.pinned = PinnedReports(api, self._wake, self.applier, leading=lambda: self.elector.leading,
                                     nodes=self.nodes,
@@ -97,7 +97,7 @@ class Controller:
     # ------------------------------------------------------------------ what changed
 
     def mark(self, *names: str) -> None:
-        self.marks.mark(*names)
+        self.work.mark(*names)
 
     def _mark_all(self) -> None:
         self.mark(*self.sets.items)
@@ -157,7 +157,7 @@ class Controller:
         self.mark(*names)
 
     def _forget(self, name: str) -> None:
-        self.marks.forget(name)
+        self.work.forget(name)
         self._written.pop(name, None)
         self._started.pop(name, None)
         self._grant_times.pop(name, None)
@@ -186,7 +186,7 @@ class Controller:
                           stale_after=self.stale_after, expected=self._expected,
                           paced=decision is not None or bool(rollout_error), granted=granted, reports=reports)
         self.recomputes += 1
-        self.marks.schedule(name, t.next_due)
+        self.work.schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now, decision=decision, rollout_error=rollout_error)
         if report.unchanged(view, status) or not self.elector.leading:
             return
@@ -226,16 +226,16 @@ class Controller:
                 self._wake.clear()
                 if not (self.nodes.synced and self.sets.synced and self.statuses.synced):
                     continue  # each informer's list marks every set once it is synced
-                for name in self.marks.take():
+                for name in self.work.take():
                     await self.reconcile(name)
                 if self.pinned.synced:  # each of its informers' lists marks every PinnedImageSet
-                    for name in self.pinned.marks.take():
+                    for name in self.pinned.work.take():
                         await self.pinned.reconcile(name)
                 if self.secret_roles.dirty and not await self.secret_roles.sync():
                     asyncio.get_running_loop().call_later(5.0, self._wake.set)
                 await asyncio.sleep(self.batch_interval)
         finally:
-            self.marks.stop()
+            self.work.stop()
             self._written.clear()
             self.secret_roles.lost_lead()
             self.pinned.lost_lead()

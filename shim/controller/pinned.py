@@ -37,7 +37,7 @@ from ..cluster.objects import PINNED_IMAGE_SETS, PINNED_REPORT, Kind, pool_liste
 from ..observability import logs
 from . import pools, report, truth
 from .apply import Applier
-from .marks import Marks
+from .work_queue import WorkQueue
 
 _log = logs.get("controller")
 KEYS = ("pinnedimagesets", "machineconfigpools", "pinnedimagesetreports")
@@ -70,7 +70,7 @@ class PinnedReports:
         self.stale_after = stale_after
         self.request_timeout = request_timeout
         self.discovery_interval = discovery_interval
-        self.marks = Marks(wake)
+        self.work = WorkQueue(wake)
         self.kinds: tuple[Kind, Kind] | None = None  # (PinnedImageSet, MachineConfigPool) as served
         self.discovered = False
         self.error = ""
@@ -147,7 +147,7 @@ class PinnedReports:
     # ------------------------------------------------------------------ what changed
 
     def mark_all(self) -> None:
-        self.marks.mark(*self.sets)
+        self.work.mark(*self.sets)
 
     def _set_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
@@ -155,20 +155,20 @@ class PinnedReports:
         elif kind == "DELETED":  # its report goes with it (owner reference)
             self._forget(_name(old))
         else:
-            self.marks.mark(_name(new))
+            self.work.mark(_name(new))
 
     def _pool_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.mark_all()
         elif pools.spec_changed(old, new):
             names = {n for p in (old, new) if p is not None for n in pool_listed(p.get("spec") or {})}
-            self.marks.mark(*(names & self.sets.keys()))
+            self.work.mark(*(names & self.sets.keys()))
 
     def _report_event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
             self.mark_all()
         elif _name(new or old) in self.sets:
-            self.marks.mark(_name(new or old))
+            self.work.mark(_name(new or old))
 
     def node_moved(self, before: dict[str, str] | None, after: dict[str, str] | None) -> None:
         """A Node added, deleted or relabelled: the sets of the pools selecting it before or after."""
@@ -177,7 +177,7 @@ class PinnedReports:
         for labels in (before, after):
             if labels is not None:
                 names |= pools.sets_selecting(ps, labels)
-        self.marks.mark(*(names & self.sets.keys()))
+        self.work.mark(*(names & self.sets.keys()))
 
     def status_changed(self, old: Obj, new: Obj, labels: dict[str, str] | None) -> None:
         """A NodeImageSetStatus event: the sets its rows name, and those of its node's pools."""
@@ -186,15 +186,15 @@ class PinnedReports:
                  for r in ((obj or {}).get("status") or {}).get(key) or [] if r.get("kind") == kind}
         if labels is not None:
             names |= pools.sets_selecting(self.pools, labels)
-        self.marks.mark(*(names & self.sets.keys()))
+        self.work.mark(*(names & self.sets.keys()))
 
     def _forget(self, name: str) -> None:
-        self.marks.forget(name)
+        self.work.forget(name)
         self._written.pop(name, None)
         self._started.pop(name, None)
 
     def lost_lead(self) -> None:
-        self.marks.stop()
+        self.work.stop()
         self._written.clear()
 
     # ------------------------------------------------------------------ acting (leader only)
@@ -222,11 +222,11 @@ class PinnedReports:
         listing = pools.listing(name, self.pools)
         t = truth.compute(obj, self.nodes.items, self.statuses.items, now=now, changed_at=started,
                           stale_after=self.stale_after, selection=pools.selection(listing), expected=self._expected)
-        self.marks.schedule(name, t.next_due)
+        self.work.schedule(name, t.next_due)
         status = report.status_of(view, t, started=started, now=now)
         body = report.pinned_report_body(obj, status, [str(p["metadata"]["name"]) for p in listing])
         if (owned and report.unchanged(view, body["status"])) or not self.leading():
             return
         if await self.applier.apply(PINNED_REPORT, name, body, status=False, what="the PinnedImageSet's report",
-                                    retry=self.marks.mark):
+                                    retry=self.work.mark):
             self._written[name] = body["status"]

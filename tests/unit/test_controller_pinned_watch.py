@@ -47,22 +47,22 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
         kube.discovery[f"/apis/{MCO}"] = group("v1")
         kube.discovery[f"/apis/{MCO}/v1"] = resources("machineconfigpools", "pinnedimagesets")
         await until(lambda: p.synced and len(p.informers) == 3 and set(p.sets) == {"a", "b"}, "watched once served")
-        await until(lambda: p.marks.dirty == {"a", "b"}, "the lists mark every set")
-        p.marks.take()
+        await until(lambda: p.work.dirty == {"a", "b"}, "the lists mark every set")
+        p.work.take()
 
         p.node_moved({"role": "db"}, {"role": "worker"})  # relabelled into the worker pool
-        assert p.marks.take() == ["a"]
+        assert p.work.take() == ["a"]
         p.status_changed(None, {"status": {"sets": [{"name": "b", "kind": "PinnedImageSet"},
                                                     {"name": "a", "kind": "ImageSet"}]}}, None)
-        assert p.marks.take() == ["b"]  # an ImageSet row of the same name is not this set's
+        assert p.work.take() == ["b"]  # an ImageSet row of the same name is not this set's
 
         kube.put(MCP_V1, {**pool("infra", {"matchLabels": {"role": "infra"}}, ["b"]), "status": {"machineCount": 2}})
         kube.put(PIS_V1, pis("c", ["reg/c:1"]))  # an event after the pool's: the pool's has been seen
-        await until(lambda: "c" in p.marks.dirty, "the new set marked")
-        assert p.marks.take() == ["c"]  # MCO writing the pool's status marks nothing
+        await until(lambda: "c" in p.work.dirty, "the new set marked")
+        assert p.work.take() == ["c"]  # MCO writing the pool's status marks nothing
         kube.put(MCP_V1, pool("infra", {"matchLabels": {"role": "infra"}}, ["c"]))  # lists c instead of b
-        await until(lambda: p.marks.dirty == {"b", "c"}, "the sets listed before and after")
-        p.marks.take()
+        await until(lambda: p.work.dirty == {"b", "c"}, "the sets listed before and after")
+        p.work.take()
 
         await p.reconcile("a")  # computed, not written: not leading
         assert p.applier.writes == 0 and not any(path.startswith(REPORTS + "/") for path, _ in kube.requests)

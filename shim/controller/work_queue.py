@@ -8,7 +8,9 @@ import asyncio
 import time
 
 
-class Marks:
+class WorkQueue:
+    """Set names to recompute: added now (``mark``) or at a time (``schedule``), taken in batches (``take``)."""
+
     def __init__(self, wake: asyncio.Event) -> None:
         self.wake = wake
         self.dirty: set[str] = set()
