@@ -12,7 +12,8 @@ from shim.cluster.source import ClusterSource
 from shim.cluster.node_report import NodeReport
 from shim.observability.metrics import Metrics
 from tests.unit.test_cluster_source import fake_informer, node
-from tests.unit.test_imagesets import eventually, image_sets, reconciled, store  # noqa: F401  (fixture)
+from tests.unit.test_imagesets import image_sets, reconciled, store  # noqa: F401  (fixture)
+from tests.support.wait import wait_for
 
 OLD, NEW, ADDED = "registry.local/app:v1", "registry.local/app:v2", "registry.local/side:v1"
 
@@ -54,7 +55,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
 
         # generation 2 adds NEW (missing) and ADDED (present); n1 is not granted
         recompute(src, paced(2, [NEW, ADDED]))
-        await eventually(lambda: pins(h) == {"app:v1", "app:v2", "side:v1"}, what="new images pinned at once")
+        await wait_for(lambda: pins(h) == {"app:v1", "app:v2", "side:v1"}, what="new images pinned at once")
         assert src.sets.reconciler.sets["web"].generation == "1" and set(src.held) == {"web"}
         assert store.pulls == []  # nothing of generation 2 pulled, the version in force kept (pinned)
         assert src.status()["awaiting_grant"] == {"web": {"generation": "2", "in_force_generation": "1"}}
@@ -72,7 +73,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
 
         # granted: generation 2 applies, NEW is pulled, OLD's pin goes with the old version
         recompute(src, paced(2, [NEW, ADDED], granted=["n2", "n1"]))
-        await eventually(lambda: NEW in store.pulls, what="NEW pulled once granted")
+        await wait_for(lambda: NEW in store.pulls, what="NEW pulled once granted")
         await reconciled(h, "web", 2)
         assert pins(h) == {"app:v2", "side:v1"} and src.held == {}
         # the controller drops n1 from the list once it reports generation 2: it goes on without it
@@ -87,9 +88,9 @@ async def test_a_generation_that_adds_no_image_needs_no_grant_and_a_new_set_wait
         cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
         src = ClusterSource(cfg, h.sets, Metrics())
         recompute(src, paced(1, [OLD, NEW]))  # a new set: nothing in force; OLD present -> pinned, NEW not pulled
-        await eventually(lambda: pins(h) == {"app:v1", "app:v2"}, what="pins without a grant")
+        await wait_for(lambda: pins(h) == {"app:v1", "app:v2"}, what="pins without a grant")
         assert "web" not in h.sets.reconciler.sets and store.pulls == []
         recompute(src, paced(1, [OLD, NEW], granted=["n1"]))
-        await eventually(lambda: NEW in store.pulls, what="NEW pulled once granted")
+        await wait_for(lambda: NEW in store.pulls, what="NEW pulled once granted")
         recompute(src, paced(2, [OLD], failureThreshold=3))  # drops an image, changes the rollout: no grant needed
         assert src.sets.reconciler.sets["web"].generation == "2" and src.held == {}

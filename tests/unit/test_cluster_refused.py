@@ -229,8 +229,8 @@ async def test_file_with_a_bad_set_keeps_every_set_of_it_and_is_reported(runtime
         await reconciled(h, "two", 1)
         write(f, own_file("one", GOOD[:2], pin=True) + "---\n" + own_file("two", [*GOOD[2:], UPPER], pin=True))
         await reconciled(h, "two", 1)
-        from tests.unit.test_imagesets import eventually
-        await eventually(lambda: str(f) in h.status()["file_errors"])
+        from tests.support.wait import wait_for
+        await wait_for(lambda: str(f) in h.status()["file_errors"])
         assert h.set_status("one")["pinned"] == 2 and h.set_status("two")["pinned"] == 1
         assert h.metrics.registry.get_sample_value("cri_shim_image_set_invalid", {"source": "file"}) == 1
         assert "must be lowercase" in h.status()["file_errors"][str(f)]

@@ -18,6 +18,7 @@ from shim.cluster import objects, state
 from shim.cluster.informer import backoff
 from shim.cluster.source import ClusterSource
 from shim.observability.metrics import Metrics
+from tests.support.wait import wait_for
 
 
 def own(name: str, images: list[str], selector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -227,9 +228,9 @@ async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
     loop = asyncio.create_task(src._apply_loop())
     try:
         src._dirty.set()
-        await until(lambda: src.state_write_failures >= 2)  # the save after the change, then a retry
+        await wait_for(lambda: src.state_write_failures >= 2)  # the save after the change, then a retry
         blocker.unlink()
-        await until(lambda: not src.state_error)
+        await wait_for(lambda: not src.state_error)
         assert Path(src.cfg.state_file).exists()
         n = src.state_write_failures
         await asyncio.sleep(0.3)
@@ -257,19 +258,12 @@ async def test_an_apply_that_raises_keeps_the_sets_and_is_tried_again(tmp_path: 
     loop = asyncio.create_task(src._apply_loop())
     try:
         src._dirty.set()
-        await until(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
+        await wait_for(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
         assert "a" in src.selected
         assert any(r.getMessage().startswith("cluster image sets not applied") for r in caplog.records)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-
-
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def test_node_status_changes_do_not_reselect(tmp_path: Path) -> None:

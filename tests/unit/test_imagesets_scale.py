@@ -23,7 +23,8 @@ from shim.observability.metrics import Metrics
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
 from tests.support.prefetch_store import SERVICE, FakeImages
-from tests.unit.test_imagesets import eventually, image_sets, own, reconciled, write
+from tests.unit.test_imagesets import image_sets, own, reconciled, write
+from tests.support.wait import wait_for
 
 
 # ------------------------------------------------------------------ the due-time queue
@@ -125,7 +126,7 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
                           retry_per_second=0.001) as h:  # a burst of one retry, then one every 1,000 s
         await reconciled(h, "warm", 1)  # fast.local's retry was not held back by slow.local's
         # 4 wait while the one retry with the token runs, 5 once it failed again (a busy machine may poll late)
-        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
+        await wait_for(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
                          what="slow.local's other retries to wait for a token")
         assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
         s = h.set_status("warm")
@@ -212,10 +213,10 @@ async def test_counts_match_the_images_as_pulls_finish_and_fail(runtime, tmp_pat
     f = tmp_path / "a.yaml"
     f.write_text(own("warm", ["registry.local/here:1", "registry.local/new:1", "registry.local/gone:1"]))
     async with image_sets(runtime, tmp_path, retry_initial_seconds=0.05, retry_max_seconds=0.05) as h:
-        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["present"] == 2 and h.set_status("warm")["failed"] == 1,
+        await wait_for(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["present"] == 2 and h.set_status("warm")["failed"] == 1,
                          what="two present, one failed")
         write(f, own("warm", ["registry.local/here:1", "registry.local/other:1"]))  # gone dropped, other added
-        await eventually(lambda: h.set_status("warm")["declared"] == 2, what="the edit to apply")
+        await wait_for(lambda: h.set_status("warm")["declared"] == 2, what="the edit to apply")
         s = await reconciled(h, "warm", 2)
         assert (s["declared"], s["failed"], s["queued"], s["pulling"]) == (2, 0, 0, 0)
         assert s["last_error"] == "" and "failed_reasons" not in s
@@ -268,7 +269,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
     (tmp_path / "b.yaml").write_text(own("huge", [f"registry.local/h{i}:1" for i in range(4)]))
     async with image_sets(runtime, tmp_path, max_images=3, retry_initial_seconds=5.0) as h:
-        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
+        await wait_for(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
                          what="one failed image")
         source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, held={}, secret_errors=dict, informers={})
         node = NodeReport(source, h.sets, None,  # type: ignore[arg-type]
@@ -311,14 +312,14 @@ async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for
         store.list_gate = asyncio.Event()  # the next full pass hangs in the runtime
         lists = store.lists
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
         write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1", "reg.local/here:1"]))
         store.add("reg.local/here:1")  # pulled by someone else: found by its ImageStatus
-        await eventually(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
+        await wait_for(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
         assert store.lists == lists + 1 and h.set_status("big")["present"] == 3
         passes = h.sets.reconciler.passes
         store.list_gate.set()  # its answer is from before both: it neither re-pulls nor forgets them
-        await eventually(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
+        await wait_for(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
         assert h.set_status("big")["present"] == 3 and store.pulls == ["reg.local/new:1"]
 
 
@@ -344,15 +345,15 @@ async def test_a_probe_that_fails_while_the_full_pass_is_on_its_way_is_tried_aga
         store.list_gate = asyncio.Event()
         lists = store.lists
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
         write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1"]))
-        await eventually(lambda: bool(failed and h.status()["runtime_error"]), what="the lookup to fail")
+        await wait_for(lambda: bool(failed and h.status()["runtime_error"]), what="the lookup to fail")
         for _ in range(5):  # wakes of the loop while the list is on its way
             h.sets.reconciler.configure(h.sets.reconciler.cfg)
             await asyncio.sleep(0.02)
         assert len(failed) == 1 and store.pulls == []
         store.list_gate.set()
-        await eventually(lambda: store.finished == ["reg.local/new:1"], what="new:1 pulled after the failed lookup")
+        await wait_for(lambda: store.finished == ["reg.local/new:1"], what="new:1 pulled after the failed lookup")
         await reconciled(h, "big", 2)
 
 
@@ -367,17 +368,17 @@ async def test_a_failing_image_the_runtime_got_while_the_full_pass_was_on_its_wa
     store.fail("reg.local/x:1", 10_000, grpc.StatusCode.UNAUTHENTICATED)
     (tmp_path / "a.yaml").write_text(own("s", ["reg.local/old:1", "reg.local/x:1"]))
     async with image_sets(runtime, tmp_path, retry_initial_seconds=0.2, retry_max_seconds=0.2) as h:
-        await eventually(lambda: h.status()["images"]["failed"] == 1, what="x failed")
+        await wait_for(lambda: h.status()["images"]["failed"] == 1, what="x failed")
         store.add("reg.local/x:1")  # kubelet pulled it
         store.list_gate = asyncio.Event()
         lists, pulls = store.lists, len(store.pulls)
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
-        await eventually(lambda: len(store.pulls) > pulls and h.status()["images"]["failed"] == 1,
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: len(store.pulls) > pulls and h.status()["images"]["failed"] == 1,
                          what="x retried (and failed again) while the list is on its way")
         passes = h.sets.reconciler.passes
         store.list_gate.set()
-        await eventually(lambda: h.sets.reconciler.passes > passes, what="the list to land")
+        await wait_for(lambda: h.sets.reconciler.passes > passes, what="the list to land")
         store.list_gate = None
         h.sets.reconciler.resync_seconds = 0.05  # later passes (one may land while a retry is pulling)
         h.sets.resync()
