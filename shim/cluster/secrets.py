@@ -62,6 +62,10 @@ class PullSecrets:
         """The pull secrets each applied set names now (``sync`` watches them)."""
         self.by_set = by_set
 
+    def watches(self) -> dict[SecretRef, asyncio.Task[None]]:
+        """The Secrets watched now, and the task of each watch."""
+        return {ref: task for ref, (_, task) in self._watches.items()}
+
     def _secrets_named(self) -> set[SecretRef]:
         return {r for refs in self.by_set.values() for r in refs}
 

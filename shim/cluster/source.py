@@ -90,6 +90,10 @@ class ClusterSource:
         self.mco_error = ""
         self._mco_tasks: dict[str, asyncio.Task[None]] = {}
 
+    def mark_changed(self) -> None:
+        """Something the selection reads changed (the informers call this): the apply loop runs again."""
+        self._dirty.set()
+
     def credentials_for(self, set_names: frozenset[str]) -> list[tuple[str, Credential]]:
         """The entries of the pull secrets the applied sets ``set_names`` name (once started)."""
         return self.secrets.for_sets(set_names) if self.secrets is not None else []
@@ -127,7 +131,9 @@ class ClusterSource:
         logs.log(_log, logging.INFO, "cluster image sets loaded from the state file", file=self.cfg.state_file,
                  sets=len(self.selected))
 
-    def _save(self) -> None:
+    def save_state(self) -> None:
+        """Write what is applied now to cluster.state_file (the apply loop does after every apply,
+        in a thread); a failure is logged, counted and tried again later."""
         assert self.labels is not None
         try:
             state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
@@ -204,7 +210,7 @@ class ClusterSource:
                              decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
                                            (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
         self.sets.set_overrides(**self._overrides())
-        self._report()
+        self.report()
         return changed
 
     def secret_errors(self) -> dict[str, str]:
@@ -219,7 +225,8 @@ class ClusterSource:
                 out[name] = "; ".join(bad)
         return out
 
-    def _report(self) -> None:
+    def report(self) -> None:
+        """The refused sets and the unusable pull Secrets, to the metrics."""
         self.events.invalid_declarations(SOURCE, len(self.refused))
         self.events.secret_errors(len(self.secret_errors()))
 
@@ -277,7 +284,7 @@ class ClusterSource:
         self.reach = Reachability(lambda: readyz(api, self.cfg.request_timeout_seconds),
                                   probe_interval=self.cfg.probe_interval_seconds,
                                   request_timeout=self.cfg.request_timeout_seconds)
-        self._common = dict(on_change=self._dirty.set, reach=self.reach, watch_timeout=self.cfg.watch_timeout_seconds,
+        self._common = dict(on_change=self.mark_changed, reach=self.reach, watch_timeout=self.cfg.watch_timeout_seconds,
                             request_timeout=self.cfg.request_timeout_seconds,
                             backoff_initial=self.cfg.backoff_initial_seconds,
                             backoff_max=self.cfg.backoff_max_seconds)
@@ -296,7 +303,7 @@ class ClusterSource:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
                        for name, inf in self.informers.items()]
-        self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
+        self._tasks.append(loop.create_task(self.apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
         self._tasks.append(loop.create_task(self._identity_check(api), name="cluster-identity"))
         if self.cfg.mco:  # in the background: the shim serves before any API request is answered
@@ -388,12 +395,13 @@ class ClusterSource:
             self.informers[key] = inf
             self._mco_tasks[key] = loop.create_task(inf.run(), name=f"cluster-watch-{key}")
 
-    async def _apply_loop(self) -> None:
+    async def apply_loop(self) -> None:
+        """Apply what the informers know each time one of them changed (``mark_changed``); run by ``start``."""
         while True:
             try:  # while the last save failed, it is tried again when nothing else happened meanwhile
                 await asyncio.wait_for(self._dirty.wait(), self.cfg.backoff_max_seconds if self._unsaved else None)
             except TimeoutError:
-                await asyncio.to_thread(self._save)
+                await asyncio.to_thread(self.save_state)
                 continue
             self._dirty.clear()
             try:
@@ -406,7 +414,7 @@ class ClusterSource:
                 self._dirty.set()
                 continue
             if applied:
-                await asyncio.to_thread(self._save)
+                await asyncio.to_thread(self.save_state)
                 self.changed.set()
                 if self.secrets is not None:
                     self.secrets.sync()
@@ -423,7 +431,7 @@ class ClusterSource:
         due = self.secrets.due()
         if due and await self.secrets.refresh(due):
             self.sets.retry_failed()
-        self._report()
+        self.report()
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._mco_tasks.values()]

@@ -192,10 +192,10 @@ async def test_410_during_a_watch_lists_once_more(kube: FakeKube) -> None:
     task = asyncio.ensure_future(inf.run())
     try:
         await wait_for(lambda: kube.count(NODES, watch=True) == 1, what="watching")
-        for q in kube._watchers[NODES]:
-            q.put_nowait({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                                      "message": "too old resource version"}})
-        await wait_for(lambda: kube.count(NODES, watch=False) == 2 and kube.count(NODES, watch=True) == 2, what="listed again, then watching")
+        kube.watch_event(NODES, {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                                             "message": "too old resource version"}})
+        await wait_for(lambda: kube.count(NODES, watch=False) == 2 and kube.count(NODES, watch=True) == 2,
+                       what="listed again, then watching")
         assert inf.failures == 0 and inf.lists == 2
     finally:
         task.cancel()
@@ -312,7 +312,7 @@ async def test_secret_watched_by_name_rotation_applies_without_a_get(kube: FakeK
         await wait_for(lambda: [c.password for _, c in ps.for_sets(frozenset({"s"}))] == ["two"], what="rotated")
         assert changed and ps.status() == {"ns/pull": "ok"}
         assert not any("/secrets/" in p for p, _ in kube.requests)  # never read by GET
-        tasks = [t for _, t in ps._watches.values()]
+        tasks = list(ps.watches().values())
         ps.by_set = {}
         ps.sync()
         assert ps.for_sets(frozenset({"s"})) == [] and ps.entries == {}

@@ -66,7 +66,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
         degraded = next(c for c in doc["status"]["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "False"  # waiting is not failing
         # the state file keeps the version in force: a restart without the API keeps generation 1
-        src._save()  # as the apply loop does after each apply
+        src.save_state()  # as the apply loop does after each apply
         src2 = ClusterSource(cfg, h.sets, Metrics())
         src2.load_state()
         assert src2.selected["web"].set.generation == "1"
