@@ -2,18 +2,10 @@
 
 Watches this node's Node (labels), the shim's ImageSets and, when ``cluster.mco`` is on, MCO's
 PinnedImageSets and MachineConfigPools; whenever one of them changes, selects the sets that
-apply to this node and hands them to the image-set manager (one diff against the runtime).
-
-Safe without the API: what was applied last is saved to ``cluster.state_file`` and loaded
-before the shim serves. While a resource cannot be read (API down, not installed, forbidden),
-the sets it gave last stay in force: losing the API never unpins or drops a set. Only a
-successful read that no longer selects a set removes it (the object deleted, the node's labels
-or a pool no longer selecting it). A set whose newest version cannot be applied (an image name
-the shim refuses, a field it cannot read) keeps its last valid version, in force and in the
-state file, and is reported (``refused``: status row, Degraded ``InvalidSet``, Event, metric).
-A state file that cannot be written is an error in the log, in ``cri-shim status`` and in
-metrics, at start (checked before serving) and on every failed save; a failed save is tried
-again every ``cluster.backoff_max_seconds``.
+apply to this node (selection.py) and hands them to the image-set manager. What was applied
+last is saved to ``cluster.state_file`` and loaded before the shim serves; while a resource
+cannot be read, the sets it gave last stay in force. docs/image-sets.md ("Safe without the
+API", "A version that cannot be applied") has the rules.
 """
 
 from __future__ import annotations
