@@ -35,16 +35,6 @@ class PinsSnapshot(Mapping[str, str]):
         self._base, self._changes, self._len = base, changes, length
         self.index, self.version = index, version
 
-    def with_extra(self, pairs: Iterable[tuple[str, str]]) -> PinsSnapshot:
-        """This snapshot plus (ref, set) pairs it does not hold (pins a source holds for sets it
-        has not declared yet): costs the pairs and this snapshot's changes, not the base."""
-        changes, length = dict(self._changes), self._len
-        for ref, set_name in pairs:
-            if ref not in self and changes.get(ref) is None:
-                changes[ref] = set_name
-                length += 1
-        return PinsSnapshot(self._base, changes, length, self.index, self.version)
-
     def get(self, ref: str, default: str | None = None) -> str | None:  # type: ignore[override]
         v = self._changes.get(ref, _ABSENT)
         if v is _ABSENT:

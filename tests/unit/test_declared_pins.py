@@ -51,12 +51,3 @@ def test_snapshots_agree_with_a_plain_dict_across_new_bases(monkeypatch) -> None
         assert all(n not in snap for n in names if n not in expected)
         taken.append((dict(snap), snap))
     assert all(dict(snap) == copy for copy, snap in taken)  # type: ignore[call-overload]
-
-
-def test_held_pins_join_a_snapshot_without_changing_it() -> None:
-    pins = DeclaredPins()
-    pins.add("a", ["r/x:1"])
-    snap = pins.snapshot()
-    merged = snap.with_extra([("r/held:1", "paced"), ("r/x:1", "paced"), ("r/held:1", "other")])
-    assert dict(merged) == {"r/x:1": "a", "r/held:1": "paced"} and len(merged) == 2
-    assert dict(snap) == {"r/x:1": "a"} and merged.version == snap.version and merged.index is pins
