@@ -85,7 +85,7 @@ class ImageSets:
         self._ledgered: dict[str, ImageSet] = {}  # set -> the version put in the ledger last (by identity)
         self._published = -1  # the ledger version handed to on_pins last
         self.credentials = PrefetchCredentials(DockerConfigFiles(cfg.docker_config), set_credentials)
-        prefetch = Prefetch(upstream, scheduler, self.credentials, events, handler_for)
+        prefetch = Prefetch(cfg, upstream, scheduler, self.credentials, events, handler_for)
         self.reconciler = Reconciler(cfg, upstream, prefetch, events,
                                      PinsView(pins, self.ledger.covers) if pins is not None else None,
                                      env or Environment())

@@ -18,6 +18,7 @@ from typing import Callable
 
 import grpc
 
+from ..config import ImageSetsConfig
 from ..credentials.prefetch import PrefetchCredentials
 from ..cri.methods import PULL_IMAGE
 from ..cri.upstream import Upstream
@@ -49,8 +50,10 @@ class Pulled:
 
 
 class Prefetch:
-    def __init__(self, upstream: Upstream, scheduler: PullScheduler, credentials: PrefetchCredentials,
-                 events: ImageSetEvents, handler_for: HandlerFor | None = None) -> None:
+    def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler,
+                 credentials: PrefetchCredentials, events: ImageSetEvents,
+                 handler_for: HandlerFor | None = None) -> None:
+        self.cfg = cfg  # the reconciler's (Reconciler.configure keeps it current)
         self.upstream = upstream
         self.scheduler = scheduler
         self.credentials = credentials

@@ -94,7 +94,7 @@ class Reconciler:
     # ------------------------------------------------------------------ inputs
 
     def configure(self, cfg: ImageSetsConfig) -> None:
-        self.cfg = self.runtime.cfg = cfg
+        self.cfg = self.runtime.cfg = self.prefetch.cfg = cfg
         self.retries.configure(cfg.retry_per_second)
         self._wake.set()
 

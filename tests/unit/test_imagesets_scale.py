@@ -140,7 +140,7 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
 def _reconciler(**cfg: object) -> tuple[Reconciler, None]:
     config = ImageSetsConfig(docker_config=(), **cfg)  # type: ignore[arg-type]
     metrics = Metrics()
-    prefetch = Prefetch(None, PullScheduler(4, 2, observers=[metrics]),  # type: ignore[arg-type]
+    prefetch = Prefetch(config, None, PullScheduler(4, 2, observers=[metrics]),  # type: ignore[arg-type]
                         PrefetchCredentials(DockerConfigFiles(())), metrics)
     rec = Reconciler(config, None, prefetch, metrics)  # type: ignore[arg-type]
     return rec, None
