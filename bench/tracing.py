@@ -154,6 +154,7 @@ def run_micro(args: argparse.Namespace) -> None:
 MICRO = """
 import time, grpc
 from shim.observability.tracing import Tracing
+from shim.cri.methods import canonical
 from shim.grpc_engine.proxy import forward_metadata
 n = N_CALLS
 md = (("user-agent", "kubelet"), ("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"), ("tracestate", "k=v"))
@@ -165,7 +166,7 @@ def cpu(fn, n):
     t = time.process_time()
     fn(n)
     return (time.process_time() - t) / n * 1e6
-t = Tracing.from_env()
+t = Tracing.from_env(route=canonical)
 assert t.enabled
 def scan(n):
     for _ in range(n):

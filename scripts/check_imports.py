@@ -10,10 +10,13 @@
 3. shim/relay/ never uses grpc.aio (``import grpc.aio``, ``from grpc import aio``,
    ``from grpc.aio import ...`` or ``grpc.aio.<...>``) nor grpc's thread-pool server
    (``grpc.server``), at any level: the relay engine is independent of the grpc engine.
+4. No test (tests/) reads a private attribute (``obj._x``) of another module's object: a
+   behaviour worth testing gets a public accessor. Allowed: ``self._x``, ``cls._x``,
+   ``super()._x``, and names the test file itself defines (its own classes' privates).
 
 The package rules (relay -> grpc_engine, images -> relay, runtime_handlers -> images,
-cri -> relay/images/process, ...) are import-linter contracts in pyproject.toml
-([tool.importlinter]).
+cri -> relay/images/process, metrics and tracing -> process only, no cycle between packages, ...)
+are import-linter contracts in pyproject.toml ([tool.importlinter]).
 
 Usage: scripts/check_imports.py [--root DIR] [--graph]. Exit status 1 when a rule is broken.
 """
@@ -233,6 +236,42 @@ def relay_grpc_aio(modules: dict[str, Path], root: Path) -> list[str]:
     return found
 
 
+def _defined_privates(tree: ast.Module) -> set[str]:
+    """Private names a file defines itself: functions and classes, and attributes it assigns."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if (isinstance(sub, ast.Attribute) and _private(sub.attr) and isinstance(sub.value, ast.Name)
+                            and sub.value.id in ("self", "cls")):
+                        names.add(sub.attr)
+                    elif isinstance(sub, ast.Name) and _private(sub.id):
+                        names.add(sub.id)
+    return names
+
+
+def private_reads_in_tests(root: Path) -> list[str]:
+    """Reads of ``obj._x`` in tests/ where ``obj`` is another module's object (rule 4)."""
+    found: list[str] = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        own = _defined_privates(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)) or node.attr in own:
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                continue
+            found.append(f"{path.relative_to(root)}:{node.lineno}: .{node.attr}")
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="the repository")
@@ -254,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "function-level ones too):": [show(graph, cyc) for cyc in found],
         "private names imported from another package:": private_imports(modules, root),
         "shim/relay uses grpc.aio or grpc.server (the relay engine must not):": relay_grpc_aio(modules, root),
+        "tests read a private attribute of another module's object:": private_reads_in_tests(root),
     }
     failed = False
     for rule, lines in broken.items():
@@ -264,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("  " + line.strip())
     if not failed:
         print(f"check_imports: {len(modules)} modules, no import cycle, no private name taken from another "
-              "package; shim/relay uses no grpc.aio")
+              "package; shim/relay uses no grpc.aio; no test reads another module's private attribute")
     return 1 if failed else 0
 
 

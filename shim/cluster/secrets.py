@@ -62,7 +62,11 @@ class PullSecrets:
         """The pull secrets each applied set names now (``sync`` watches them)."""
         self.by_set = by_set
 
-    def _named(self) -> set[SecretRef]:
+    def watches(self) -> dict[SecretRef, asyncio.Task[None]]:
+        """The Secrets watched now, and the task of each watch."""
+        return {ref: task for ref, (_, task) in self._watches.items()}
+
+    def _secrets_named(self) -> set[SecretRef]:
         return {r for refs in self.by_set.values() for r in refs}
 
     def for_sets(self, names: frozenset[str]) -> list[tuple[str, Credential]]:
@@ -81,7 +85,7 @@ class PullSecrets:
         """Watch every Secret the sets name now (``by_set``), and only those."""
         if self._watcher is None:
             return
-        named = self._named()
+        named = self._secrets_named()
         for ref in list(self._watches):
             if ref not in named:
                 inf, task = self._watches.pop(ref)
@@ -140,7 +144,7 @@ class PullSecrets:
     def due(self) -> list[SecretRef]:
         """The Secrets to GET now: not watched, and not read for ``refresh_seconds``."""
         now = self._clock()
-        return sorted((r for r in self._named() if r not in self._watches
+        return sorted((r for r in self._secrets_named() if r not in self._watches
                        and now - self._fetched.get(r, -1e18) >= self.refresh_seconds),
                       key=lambda r: (r.namespace, r.name))
 
@@ -187,4 +191,4 @@ class PullSecrets:
 
     def status(self) -> dict[str, Any]:
         return {f"{r.namespace}/{r.name}": self.errors.get(r, "ok") for r in
-                sorted(self._named(), key=lambda r: (r.namespace, r.name))}
+                sorted(self._secrets_named(), key=lambda r: (r.namespace, r.name))}

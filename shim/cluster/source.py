@@ -2,18 +2,10 @@
 
 Watches this node's Node (labels), the shim's ImageSets and, when ``cluster.mco`` is on, MCO's
 PinnedImageSets and MachineConfigPools; whenever one of them changes, selects the sets that
-apply to this node and hands them to the image-set manager (one diff against the runtime).
-
-Safe without the API: what was applied last is saved to ``cluster.state_file`` and loaded
-before the shim serves. While a resource cannot be read (API down, not installed, forbidden),
-the sets it gave last stay in force: losing the API never unpins or drops a set. Only a
-successful read that no longer selects a set removes it (the object deleted, the node's labels
-or a pool no longer selecting it). A set whose newest version cannot be applied (an image name
-the shim refuses, a field it cannot read) keeps its last valid version, in force and in the
-state file, and is reported (``refused``: status row, Degraded ``InvalidSet``, Event, metric).
-A state file that cannot be written is an error in the log, in ``cri-shim status`` and in
-metrics, at start (checked before serving) and on every failed save; a failed save is tried
-again every ``cluster.backoff_max_seconds``.
+apply to this node (selection.py) and hands them to the image-set manager. What was applied
+last is saved to ``cluster.state_file`` and loaded before the shim serves; while a resource
+cannot be read, the sets it gave last stay in force. docs/image-sets.md ("Safe without the
+API", "A version that cannot be applied") has the rules.
 """
 
 from __future__ import annotations
@@ -30,17 +22,17 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..config import ClusterConfig
 from ..credentials import Credential
-from ..imagesets.loader import SetFileError
 from ..imagesets.manager import ImageSets
 from ..observability import logs
-from ..observability.metrics import Metrics
-from . import grant, objects, state
+from . import objects, state
 from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
+from .selection import Applied, select_sets
+from .source_events import SourceEvents
 
 _log = logs.get("cluster")
 SOURCE = "cluster"
@@ -55,19 +47,11 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
     return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
 
 
-def _slim(obj: dict[str, Any]) -> dict[str, Any]:
-    """What the state file keeps of an object: no managedFields, no status."""
-    meta = {k: v for k, v in (obj.get("metadata") or {}).items()
-            if k in ("name", "uid", "generation", "resourceVersion", "annotations")}
-    return {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "metadata": meta,
-            "spec": obj.get("spec") or {}}
-
-
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets, metrics: Metrics) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents) -> None:
         self.cfg = cfg
         self.sets = sets
-        self.metrics = metrics
+        self.events = events  # the metrics
         self.node_name = node_name(cfg)
         self.labels: dict[str, str] | None = None  # None: not known yet
         self.selected: dict[str, Selected] = {}
@@ -97,6 +81,10 @@ class ClusterSource:
         self.mco_checks = 0  # discovery answers
         self.mco_error = ""
         self._mco_tasks: dict[str, asyncio.Task[None]] = {}
+
+    def mark_changed(self) -> None:
+        """Something the selection reads changed (the informers call this): the apply loop runs again."""
+        self._dirty.set()
 
     def credentials_for(self, set_names: frozenset[str]) -> list[tuple[str, Credential]]:
         """The entries of the pull secrets the applied sets ``set_names`` name (once started)."""
@@ -135,7 +123,9 @@ class ClusterSource:
         logs.log(_log, logging.INFO, "cluster image sets loaded from the state file", file=self.cfg.state_file,
                  sets=len(self.selected))
 
-    def _save(self) -> None:
+    def save_state(self) -> None:
+        """Write what is applied now to cluster.state_file (the apply loop does after every apply,
+        in a thread); a failure is logged, counted and tried again later."""
         assert self.labels is not None
         try:
             state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
@@ -153,73 +143,27 @@ class ClusterSource:
 
     def _write_failed(self, e: OSError) -> None:
         self.state_write_failures += 1
-        self.metrics.cluster_state_write_failures.inc()
+        self.events.cluster_state_write_failed()
         self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
 
     def _state_problem(self, error: str) -> None:
         self.state_error = error
-        self.metrics.cluster_state_file_error.set(1 if error else 0)
+        self.events.cluster_state_error(bool(error))
 
     # ------------------------------------------------------------------ selection
 
     def _select(self, labels: dict[str, str], own: list[dict[str, Any]],
                 mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, *, gate: bool = True,
                 read: bool = True) -> bool:
-        """Select and hand over; ``mco`` None keeps the PinnedImageSets applied last. True when changed.
-        ``gate``: hold a paced set's generation until granted (not for the state file's sets, all in force).
-        ``read``: ``own`` is what the API server holds now (not the state file's, nor kept while the
-        ImageSets cannot be listed): a set it no longer selects is confirmed gone (the pin ledger).
-
-        A set whose newest version is refused (an invalid image name, an unreadable field) keeps
-        its last valid version in force, and the state file keeps that version's object: an
-        invalid edit never unpins. It is reported in ``refused`` (status row, Degraded, Event)."""
-        previous, old_own, old_pinned = self.selected, self._own_raw, self._pinned_raw
-        selected, errors = objects.select(labels, own)
-        refused: dict[str, objects.Refused] = {}
-        own_raw: dict[str, dict[str, Any]] = {}
-        by_own = {o["metadata"]["name"]: o for o in own}
-        held: dict[str, Selected] = {}
-        kept_names: set[str] = set()  # in force as applied before, not as read now
-        for name, obj in by_own.items():
-            if name in selected:
-                if gate and grant.paced(obj) and self._hold(name, obj, previous, old_own, selected, own_raw, held):
-                    if name in selected:
-                        kept_names.add(name)
-                    continue
-                own_raw[name] = _slim(obj)
-            elif (err := errors.get(objects.source_of(obj))) is not None:
-                kept = self._keep(previous, name, "ImageSet", old_own, selected, own_raw)
-                kept_names.add(name)
-                refused[name] = objects.Refused(name, "ImageSet", objects.generation_of(obj), err, kept)
-        if mco is not None:
-            pinned, pools = mco
-            listed = objects.pool_sets(pools, labels)
-            for err in listed.errors:
-                errors[err.split(".spec", 1)[0]] = err
-            pinned_objs = [o for o in pinned if o["metadata"]["name"] in listed.names]
-            undecided = listed.undecided - listed.names
-        else:
-            pinned_objs, undecided = list(old_pinned.values()), set()
-        pinned_raw: dict[str, dict[str, Any]] = {}
-        for name in sorted(undecided):  # a pool that cannot be read keeps what it gave
-            self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
-            kept_names.add(name)
-        for obj in pinned_objs:
-            name = obj["metadata"]["name"]
-            if name in selected:  # an ImageSet of that name is in force (a refused one with no valid version is not)
-                errors[objects.source_of(obj)] = (f"PinnedImageSet {name}: an ImageSet of the same name applies; "
-                                                  "ignoring this one")
-                continue
-            try:
-                sel = objects.pinned_set(obj)
-            except SetFileError as e:
-                errors[objects.source_of(obj)] = str(e)
-                kept = self._keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)
-                kept_names.add(name)
-                refused[name] = objects.Refused(name, "PinnedImageSet", objects.generation_of(obj), str(e), kept)
-                continue
-            selected[name] = sel
-            pinned_raw[name] = _slim(obj)
+        """Select (selection.py) and hand over; ``mco`` None keeps the PinnedImageSets applied last.
+        True when the sets in force changed. ``gate``: hold a paced set's generation until granted
+        (not for the state file's sets, all in force). ``read``: ``own`` is what the API server
+        holds now (not the state file's, nor kept while the ImageSets cannot be listed): a set it
+        no longer selects is confirmed gone (the pin ledger). A refused set is reported in
+        ``refused`` (status row, Degraded, Event)."""
+        result = select_sets(self.node_name, labels, own, mco,
+                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate)
+        selected, errors, refused, held = result.applied.selected, result.errors, result.refused, result.held
         own_keys = {f"cluster:{r.kind}/{n}" for n, r in refused.items()}  # logged below, with what stays
         for key, err in errors.items():
             if self.errors.get(key) != err and key not in own_keys:
@@ -245,53 +189,21 @@ class ClusterSource:
         self.last_refused.update((n, r.generation) for n, r in refused.items())
         for name in self.last_refused.keys() - refused.keys() - selected.keys():  # no longer declared here
             del self.last_refused[name]
-        self._own_raw, self._pinned_raw = own_raw, pinned_raw
+        self._own_raw, self._pinned_raw = result.applied.own_raw, result.applied.pinned_raw
         changed = {n: s.set for n, s in selected.items()} != {n: s.set for n, s in self.selected.items()}
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
-        if mco is None:
-            kept_names.update(n for n, s in selected.items() if s.set.kind == "PinnedImageSet")
         self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
                              held={n: s.set for n, s in held.items()},
                              uids={n: s.uid for n, s in (*selected.items(), *held.items())},
-                             fresh=frozenset((selected.keys() - kept_names) | held.keys()) if read else frozenset(),
-                             present=frozenset(selected.keys() | refused.keys() | held.keys() | undecided),
+                             fresh=frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
+                             present=frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
                              decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
                                            (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
         self.sets.set_overrides(**self._overrides())
-        self._report()
+        self.report()
         return changed
-
-    def _hold(self, name: str, obj: dict[str, Any], previous: dict[str, Selected], old_raw: dict[str, dict[str, Any]],
-              selected: dict[str, Selected], raw: dict[str, dict[str, Any]], held: dict[str, Selected]) -> bool:
-        """A paced set's generation without a grant: keep the version in force (if any) and hold the
-        new one (pins only). False when it applies: granted, in force already, or nothing to pull."""
-        new, old = selected[name], previous.get(name)
-        own_old = old is not None and old.set.kind == "ImageSet" and name in old_raw
-        # in force already: the same object (uid: a set deleted and created again is new) and generation
-        if grant.granted(obj, self.node_name) or (old is not None and own_old
-                                                   and ((old.uid, old.set.generation) == (new.uid, new.set.generation)
-                                                        or not grant.adds_images(new.set, old.set))):
-            return False
-        held[name] = new
-        if own_old and old is not None:
-            selected[name] = old
-            raw[name] = old_raw[name]
-        else:
-            del selected[name]
-        return True
-
-    @staticmethod
-    def _keep(previous: dict[str, Selected], name: str, kind: str, old_raw: dict[str, dict[str, Any]],
-              selected: dict[str, Selected], raw: dict[str, dict[str, Any]]) -> str:
-        """Keep the version of ``name`` applied last (when it was of this kind); its generation, or ""."""
-        old = previous.get(name)
-        if old is None or old.set.kind != kind or name in selected or name not in old_raw:
-            return ""
-        selected[name] = old
-        raw[name] = old_raw[name]
-        return old.set.generation
 
     def secret_errors(self) -> dict[str, str]:
         """Set name -> why a pull Secret it names cannot be used (its last good entries, if any, stay)."""
@@ -305,9 +217,10 @@ class ClusterSource:
                 out[name] = "; ".join(bad)
         return out
 
-    def _report(self) -> None:
-        self.metrics.image_set_invalid.labels(SOURCE).set(len(self.refused))
-        self.metrics.image_set_secret_errors.set(len(self.secret_errors()))
+    def report(self) -> None:
+        """The refused sets and the unusable pull Secrets, to the metrics."""
+        self.events.invalid_declarations(SOURCE, len(self.refused))
+        self.events.secret_errors(len(self.secret_errors()))
 
     def _overrides(self) -> dict[str, Any]:
         """The narrowest per-role override of any selected set: fewest lanes, longest cooldown."""
@@ -363,7 +276,7 @@ class ClusterSource:
         self.reach = Reachability(lambda: readyz(api, self.cfg.request_timeout_seconds),
                                   probe_interval=self.cfg.probe_interval_seconds,
                                   request_timeout=self.cfg.request_timeout_seconds)
-        self._common = dict(on_change=self._dirty.set, reach=self.reach, watch_timeout=self.cfg.watch_timeout_seconds,
+        self._common = dict(on_change=self.mark_changed, reach=self.reach, watch_timeout=self.cfg.watch_timeout_seconds,
                             request_timeout=self.cfg.request_timeout_seconds,
                             backoff_initial=self.cfg.backoff_initial_seconds,
                             backoff_max=self.cfg.backoff_max_seconds)
@@ -382,7 +295,7 @@ class ClusterSource:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
                        for name, inf in self.informers.items()]
-        self._tasks.append(loop.create_task(self._apply_loop(), name="cluster-apply"))
+        self._tasks.append(loop.create_task(self.apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
         self._tasks.append(loop.create_task(self._identity_check(api), name="cluster-identity"))
         if self.cfg.mco:  # in the background: the shim serves before any API request is answered
@@ -474,12 +387,13 @@ class ClusterSource:
             self.informers[key] = inf
             self._mco_tasks[key] = loop.create_task(inf.run(), name=f"cluster-watch-{key}")
 
-    async def _apply_loop(self) -> None:
+    async def apply_loop(self) -> None:
+        """Apply what the informers know each time one of them changed (``mark_changed``); run by ``start``."""
         while True:
             try:  # while the last save failed, it is tried again when nothing else happened meanwhile
                 await asyncio.wait_for(self._dirty.wait(), self.cfg.backoff_max_seconds if self._unsaved else None)
             except TimeoutError:
-                await asyncio.to_thread(self._save)
+                await asyncio.to_thread(self.save_state)
                 continue
             self._dirty.clear()
             try:
@@ -492,7 +406,7 @@ class ClusterSource:
                 self._dirty.set()
                 continue
             if applied:
-                await asyncio.to_thread(self._save)
+                await asyncio.to_thread(self.save_state)
                 self.changed.set()
                 if self.secrets is not None:
                     self.secrets.sync()
@@ -509,7 +423,7 @@ class ClusterSource:
         due = self.secrets.due()
         if due and await self.secrets.refresh(due):
             self.sets.retry_failed()
-        self._report()
+        self.report()
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._mco_tasks.values()]
@@ -529,9 +443,9 @@ class ClusterSource:
     def _clear_metrics(self) -> None:
         """The gauges this source sets, at 0: a stopped source (or a new one before its first
         apply) must not leave a previous source's state-file error or counts behind."""
-        self.metrics.cluster_state_file_error.set(0)
-        self.metrics.image_set_invalid.labels(SOURCE).set(0)
-        self.metrics.image_set_secret_errors.set(0)
+        self.events.cluster_state_error(False)
+        self.events.invalid_declarations(SOURCE, 0)
+        self.events.secret_errors(0)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

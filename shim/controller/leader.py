@@ -226,7 +226,9 @@ class LeaderElector:
         self.holder = self.identity
         return True
 
-    async def _try(self) -> bool:
+    async def try_once(self) -> bool:
+        """One acquire or renew attempt; a failure to read or write the Lease is logged and counts
+        as lost. Its end is the last try ``next_try`` weighs."""
         started = self._clock()  # a renewal counts from before its request: the server may apply it at once
         try:
             ok = await self.try_acquire_or_renew()
@@ -245,7 +247,7 @@ class LeaderElector:
     async def _acquire(self) -> None:
         """Until we hold the Lease: try at each poll, or when the observed record expires, or
         when the watch shows it changed (a release; a renewal only moves the expiry)."""
-        while not await self._try():
+        while not await self.try_once():
             next_poll = self._clock() + self.retry_period * (1 + 0.2 * random.random())
             while (wait := self.next_try(next_poll) - self._clock()) > 0:
                 self._changed.clear()
@@ -282,7 +284,7 @@ class LeaderElector:
             if left > 0:
                 try:
                     async with asyncio.timeout(left):
-                        if await self._try():
+                        if await self.try_once():
                             continue
                 except TimeoutError:
                     pass

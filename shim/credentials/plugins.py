@@ -234,11 +234,11 @@ class PluginProviders:
             async with asyncio.timeout(self.timeout):
                 out = await _answer(proc, request.encode())
         except TimeoutError:
-            await _kill(proc)
+            await kill_plugin(proc)
             self._failed(p, f"no answer within {self.timeout:g} s; killed")
             return "", None
         except asyncio.CancelledError:
-            await _kill(proc)
+            await kill_plugin(proc)
             raise
         if out is None:
             self._failed(p, f"answer larger than {MAX_OUTPUT_BYTES} bytes; killed")
@@ -312,13 +312,13 @@ async def _answer(proc: asyncio.subprocess.Process, request: bytes) -> bytes | N
     while chunk := await proc.stdout.read(65536):
         out += chunk
         if len(out) > MAX_OUTPUT_BYTES:
-            await _kill(proc)
+            await kill_plugin(proc)
             return None
     await proc.wait()
     return bytes(out)
 
 
-async def _kill(proc: asyncio.subprocess.Process) -> None:
+async def kill_plugin(proc: asyncio.subprocess.Process) -> None:
     """Kill the plugin and reap it. asyncio's wait() returns only once the process has exited
     and its pipes are closed, and a flood's stdout stops being read when the reader's buffer is
     full, so the output left in the pipe is drained (discarded) first. A grandchild that keeps

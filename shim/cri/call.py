@@ -21,9 +21,9 @@ from typing import AsyncIterator, Awaitable, Callable, Iterator
 import grpc
 
 from ..errors import Metadata, RpcError
-from ..observability.tracing import NOOP_SPAN, Span, Tracing
 from .deadline import Deadline, ended
 from .peer import Peer
+from .tracer import NOOP_SPAN, Span, Tracer
 from .upstream import Upstream
 
 # Request headers that belong to the hop, not to the call: never forwarded as the call's metadata.
@@ -72,7 +72,7 @@ class Observation:
     """Around one intercepted call, in either engine: its SERVER span (``call.span``, and
     ``call.metadata`` rewritten to carry it upstream) and its rpc duration, by final code."""
 
-    def __init__(self, on_call: CallObserver | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(self, on_call: CallObserver | None = None, tracing: Tracer | None = None) -> None:
         self.on_call = on_call
         self.tracing = tracing if tracing is not None and tracing.enabled else None
 

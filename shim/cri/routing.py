@@ -110,6 +110,10 @@ class Router(Generic[H]):
             memo[path] = decision
         return decision
 
+    def remembered(self) -> list[str]:
+        """The paths whose decision is kept (at most MEMO_ENTRIES, each at most MEMO_PATH_MAX long)."""
+        return list(self._memo)
+
     def _decide(self, path: str) -> Intercept[H] | Refusal | None:
         method = canonical(path)
         if method is None:  # grpc-go's own answer

@@ -20,7 +20,7 @@ from .service import ImageService, counting_upstream_errors, decode
 async def image_status(svc: ImageService, request: bytes, call: Call) -> bytes:
     req = decode(api_pb2.ImageStatusRequest, request)
     check_image_name(req.image.image, "ImageStatusRequest.image.image")
-    request = inject_image_handler(svc.handlers, svc.metrics, request, req)
+    request = inject_image_handler(svc.handlers, svc.events, request, req)
     with counting_upstream_errors(svc, "ImageStatus"):
         response = await call.forward(request)
     return mark_status(svc.pins, response)

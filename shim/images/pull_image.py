@@ -61,12 +61,12 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
         decision = await svc.handlers.for_pull(req, call)
         if decision is not None:
             handler, how = decision.handler, decision.source
-            request = inject(request, image, decision, svc.metrics, logging.INFO)
+            request = inject(request, image, decision, svc.events, logging.INFO)
     namespace = req.sandbox_config.metadata.namespace if svc.dedup_per_namespace else ""
     key = pull_key(req, handler, namespace=namespace, sent_as=call.sent_as)
     # kubelet (root) and server.trusted_uids go first; any other local client within its share (pulls/slots.py)
     priority = Priority.FOREGROUND if call.peer.trusted else Priority.UNTRUSTED
-    svc.metrics.pull_requests_total.labels(priority.name.lower()).inc()
+    svc.events.pull_requested(priority.name.lower())
     span = call.span
     if span.is_recording():
         span.set_attributes({"cri_shim.image": image, "cri_shim.runtime_handler": handler,

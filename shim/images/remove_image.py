@@ -122,7 +122,7 @@ def removal_request(request: bytes, req: api_pb2.RemoveImageRequest, image: api_
 
 async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     # a runtime_handlers rule's handler, for the lookup too
-    request = inject_image_handler(svc.handlers, svc.metrics, request)
+    request = inject_image_handler(svc.handlers, svc.events, request)
     await svc.wait_declared_pins()
     pins = svc.pins
     if pins:
@@ -138,7 +138,7 @@ async def remove_image(svc: ImageService, request: bytes, call: Call) -> bytes:
         if pin is not None:
             tags = ",".join(image.repo_tags) or "<none>"
             if svc.pins_enforce:
-                svc.metrics.remove_denied.inc()
+                svc.events.remove_denied()
                 logs.log(_log, logging.INFO, "remove refused: image is pinned", image=name, id=image.id,
                          tags=tags, pin=pins.describe(pin))
                 raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -11,13 +11,13 @@ from typing import Iterable, Iterator, Mapping, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from ..cri.tracer import NO_TRACING, Tracer
 from ..cri.upstream import Upstream
 from ..errors import RpcError, invalid_request
 from ..observability import logs
-from ..observability.metrics import Metrics
-from ..observability.tracing import Tracing
 from ..pulls.scheduler import PullScheduler
 from ..runtime_handlers.resolver import HandlerResolver
+from .events import ImageEvents
 from .pin_set import PinSet
 
 M = TypeVar("M", bound=Message)
@@ -31,9 +31,9 @@ class ImageService:
 
     upstream: Upstream
     scheduler: PullScheduler
-    metrics: Metrics
+    events: ImageEvents  # the metrics
     handlers: HandlerResolver | None = None  # runtime_handlers (KEP-4216), when configured
-    tracing: Tracing = field(default_factory=Tracing.off)
+    tracing: Tracer = NO_TRACING
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     pins_enforce: bool = True  # pins.mode
     dedup_per_namespace: bool = False  # pulls.dedup_per_namespace
@@ -103,10 +103,10 @@ def decode(cls: type[M], data: bytes) -> M:
 
 @contextlib.contextmanager
 def counting_upstream_errors(svc: ImageService, method: str) -> Iterator[None]:
-    """Count the runtime's errors on an intercepted call (metrics.upstream_errors); they pass on unchanged."""
+    """Count the runtime's errors on an intercepted call (``upstream_error``); they pass on unchanged."""
     try:
         yield
     except RpcError as e:
         if e.from_upstream:
-            svc.metrics.upstream_errors.labels(method, e.code.name).inc()
+            svc.events.upstream_error(method, e.code.name)
         raise

@@ -22,17 +22,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..config import ImageSetsConfig
+from ..credentials.dockerconfig import DockerConfigFiles
+from ..credentials.prefetch import PrefetchCredentials, SetCredentials
 from ..cri.upstream import Upstream
 from ..images.pin_set import PinSet
 from ..observability import logs
-from ..observability.metrics import Metrics
 from ..pins.declared_pins import PinsSnapshot
 from ..pins.ledger import Entry, PinLedger
 from ..pulls.scheduler import PullScheduler
 from . import state
+from .events import ImageSetEvents
 from .loader import ImageSet, SetDirectory
 from .parse_process import ParseProcess
-from .reconciler import Reconciler
+from .prefetch import HandlerFor, Prefetch
+from .reconciler import Environment, Reconciler
+from .report import PinsView
 from .snapshot import Snapshot
 from .watcher import POLL_SECONDS, DirWatcher
 
@@ -63,20 +67,28 @@ class ImageSets:
     A set name taken by the directory is refused in another source (reported in its errors).
     """
 
-    def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, metrics: Metrics, *,
+    def __init__(self, cfg: ImageSetsConfig, upstream: Upstream, scheduler: PullScheduler, events: ImageSetEvents, *,
                  on_pins: PinSink, ledger: PinLedger | None = None, pins: Callable[[], PinSet] | None = None,
-                 use_inotify: bool = True, poll_seconds: float = POLL_SECONDS, **reconciler_options: Any) -> None:
-        """``ledger``: the node's pin ledger (the process's, loaded already); None: one in memory."""
+                 handler_for: HandlerFor | None = None, set_credentials: SetCredentials | None = None,
+                 env: Environment | None = None, use_inotify: bool = True,
+                 poll_seconds: float = POLL_SECONDS) -> None:
+        """``ledger``: the node's pin ledger (the process's, loaded already); None: one in memory.
+        ``pins``: the pins in force (the image service's), for the pinned counts of a snapshot.
+        ``handler_for`` and ``set_credentials``: see prefetch.py and credentials/prefetch.py.
+        No file is read here: ``load_state`` and ``start`` read them."""
         self.cfg = cfg
-        self.metrics = metrics
+        self.events = events
         self.parser = ParseProcess()  # started at the first file to read: YAML never holds our GIL
         self.directory = SetDirectory(cfg.dir, cfg.max_file_bytes, self.parser.parse)
         self._on_pins = on_pins
         self.ledger = ledger if ledger is not None else PinLedger("")
         self._ledgered: dict[str, ImageSet] = {}  # set -> the version put in the ledger last (by identity)
         self._published = -1  # the ledger version handed to on_pins last
-        self.reconciler = Reconciler(cfg, upstream, scheduler, metrics, pins=pins, pinned_fully=self.ledger.covers,
-                                     **reconciler_options)
+        self.credentials = PrefetchCredentials(DockerConfigFiles(cfg.docker_config), set_credentials)
+        prefetch = Prefetch(cfg, upstream, scheduler, self.credentials, events, handler_for)
+        self.reconciler = Reconciler(cfg, upstream, prefetch, events,
+                                     PinsView(pins, self.ledger.covers) if pins is not None else None,
+                                     env or Environment())
         self._use_inotify = use_inotify
         self._poll_seconds = poll_seconds
         self.watcher: DirWatcher | None = None
@@ -93,7 +105,7 @@ class ImageSets:
         self.state_write_failures = 0  # the start check and every save that failed
         self.loaded_from_state = 0  # files whose last valid text the state file held at start
         self._unsaved = False  # the last save failed: tried again after retry_max_seconds
-        metrics.image_sets_state_file_error.set(0)  # not a previous ImageSets' (a reload that changed the dir)
+        events.image_sets_state_error(False)  # not a previous ImageSets' (a reload that changed the dir)
 
     # ------------------------------------------------------------------ state file
 
@@ -141,12 +153,12 @@ class ImageSets:
 
     def _write_failed(self, e: OSError) -> None:
         self.state_write_failures += 1
-        self.metrics.image_sets_state_write_failures.inc()
+        self.events.image_sets_state_write_failed()
         self._state_problem(f"{self.cfg.state_file}: cannot write: {e.strerror or e}")
 
     def _state_problem(self, error: str) -> None:
         self.state_error = error
-        self.metrics.image_sets_state_file_error.set(1 if error else 0)
+        self.events.image_sets_state_error(bool(error))
 
     def _publish(self) -> None:
         """The pins in force (the ledger's) reach the image service once the directory (when there
@@ -160,6 +172,7 @@ class ImageSets:
 
     async def start(self) -> None:
         """Returns at once: the first scan and reconcile run in the background."""
+        self.credentials.load_plugins(self.cfg.credential_provider_config, self.cfg.credential_provider_bin_dir)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.reconciler.run(), name="image-sets-reconcile")]
         if self.cfg.dir:
@@ -171,6 +184,8 @@ class ImageSets:
         """Reload with the same directory and state file (a new one means a new ImageSets)."""
         self.cfg = cfg
         self.directory.configure(cfg.max_file_bytes)
+        self.credentials.docker_config.configure(cfg.docker_config)
+        self.credentials.load_plugins(cfg.credential_provider_config, cfg.credential_provider_bin_dir)
         self.reconciler.configure(dataclasses.replace(cfg, **self._overrides))
 
     def set_overrides(self, **overrides: Any) -> None:
@@ -283,7 +298,7 @@ class ImageSets:
             if path in self.directory.files:
                 logs.log(_log, logging.INFO, "image set file accepted again", file=path)
         self.file_errors = result.errors
-        self.metrics.image_set_invalid.labels("file").set(len(result.errors))
+        self.events.invalid_declarations(FILE_SOURCE, len(result.errors))
         first = self.scans == 0
         self.scans += 1
         if result.changed or first:
@@ -309,8 +324,8 @@ class ImageSets:
             self.watcher.close()
             self.watcher = None
         await asyncio.to_thread(self.parser.close)
-        self.metrics.image_sets_state_file_error.set(0)  # no image sets, no state file
-        self.metrics.image_set_invalid.labels("file").set(0)  # ... and no file refused
+        self.events.image_sets_state_error(False)  # no image sets, no state file
+        self.events.invalid_declarations(FILE_SOURCE, 0)  # ... and no file refused
 
     def snapshot(self) -> Snapshot:
         """What every set in force stands at (typed; costs the number of sets)."""

@@ -7,7 +7,7 @@ image-set names only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import grpc
 from prometheus_client import (
@@ -19,6 +19,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ..images.events import ImageEvents
+from ..pulls.events import ProgressEvents
 from ..pulls.scheduler import Flight, PullEvents
 from ..pulls.slots import Running
 from .metrics_http import MetricsServer
@@ -28,8 +30,13 @@ _THROUGHPUT_BUCKETS = tuple(float(2**i) for i in range(14, 32, 2))  # 16 KiB/s .
 _RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
-class Metrics(PullEvents):
-    """Every metric the shim exports. Observes the scheduler (PullEvents) and intercepted calls (CallObserver)."""
+class Metrics(PullEvents, ProgressEvents, ImageEvents):
+    """Every metric the shim exports, fed by the events of the packages that produce them: the
+    scheduler (PullEvents), the pull-progress poller (ProgressEvents), the image calls
+    (ImageEvents, HandlerEvents), intercepted calls (cri.call.CallObserver), and, loaded only when
+    configured, image sets (imagesets.events.ImageSetEvents) and the cluster source
+    (cluster.source_events.SourceEvents): those two are Protocols this class satisfies without
+    importing them; mypy checks it where process/app.py hands the metrics over."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -46,9 +53,9 @@ class Metrics(PullEvents):
                                     "before going upstream.", ["priority"], buckets=_WAIT_BUCKETS, registry=r)
         self.dedup_joins = Counter("cri_shim_pull_dedup_joins", "PullImage calls that joined an identical "
                                    "pull already queued or running.", registry=r)
-        self.remove_denied = Counter("cri_shim_remove_denied", "RemoveImage calls refused because the "
+        self.remove_denied_total = Counter("cri_shim_remove_denied", "RemoveImage calls refused because the "
                                      "image is pinned.", registry=r)
-        self.handler_injected = Counter("cri_shim_runtime_handler_injected", "Runtime handlers set on "
+        self.handler_injected_total = Counter("cri_shim_runtime_handler_injected", "Runtime handlers set on "
                                         "image requests, by how they were chosen.", ["source"], registry=r)
         self.upstream_errors = Counter("cri_shim_upstream_errors", "Errors returned by the runtime to calls "
                                        "the shim made itself (intercepted calls and their lookups; one per "
@@ -71,7 +78,7 @@ class Metrics(PullEvents):
                                   "only).", registry=r)
         self.pull_in_flight_bytes = Gauge("cri_shim_pull_in_flight_bytes", "Running upstream pulls whose size is "
                                           "known: bytes done and total.", ["kind"], registry=r)
-        self.pull_throughput = Histogram("cri_shim_pull_throughput_bytes_per_second", "Bytes an upstream pull "
+        self.pull_throughput_hist = Histogram("cri_shim_pull_throughput_bytes_per_second", "Bytes an upstream pull "
                                          "downloaded divided by its running time (pulls of 1 MiB or more).",
                                          buckets=_THROUGHPUT_BUCKETS, registry=r)
         self.progress_calls = Counter("cri_shim_pull_progress_calls", "Calls the pull-progress poller made to the "
@@ -122,6 +129,73 @@ class Metrics(PullEvents):
 
     def flight_released(self, flight: Flight, why: str) -> None:
         self.pull_slot_released.inc()
+
+    # ProgressEvents (the pull-progress poller's)
+    def content_called(self, method: str) -> None:
+        self.progress_calls.labels(method).inc()
+
+    def downloaded(self, nbytes: int) -> None:
+        self.pull_bytes.inc(nbytes)
+
+    def pull_throughput(self, bytes_per_second: float) -> None:
+        self.pull_throughput_hist.observe(bytes_per_second)
+
+    def in_flight_bytes(self, done: int, total: int) -> None:
+        self.pull_in_flight_bytes.labels("done").set(done)
+        self.pull_in_flight_bytes.labels("total").set(total)
+
+    def pull_stalled(self) -> None:
+        self.pull_stalls.inc()
+
+    def pull_made_no_progress(self, phase: str) -> None:
+        self.pull_no_progress.labels(phase).inc()
+
+    # ImageEvents and HandlerEvents (the intercepted image calls')
+    def pull_requested(self, priority: str) -> None:
+        self.pull_requests_total.labels(priority).inc()
+
+    def remove_denied(self) -> None:
+        self.remove_denied_total.inc()
+
+    def upstream_error(self, method: str, code: str) -> None:
+        self.upstream_errors.labels(method, code).inc()
+
+    def handler_injected(self, source: str) -> None:
+        self.handler_injected_total.labels(source).inc()
+
+    # imagesets.events.ImageSetEvents (invalid_declarations: cluster.source_events.SourceEvents too)
+    def set_counts(self, set_name: str, counts: Mapping[str, int]) -> None:
+        for state, n in counts.items():
+            self.image_set_images.labels(set_name, state).set(n)
+
+    def set_removed(self, set_name: str, states: tuple[str, ...]) -> None:
+        for state in states:
+            self.image_set_images.remove(set_name, state)
+
+    def runtime_listed(self) -> None:
+        self.image_set_reconciles.inc()
+
+    def prefetch_started(self) -> None:
+        self.pull_requests_total.labels("background").inc()
+
+    def invalid_declarations(self, source: str, count: int) -> None:
+        self.image_set_invalid.labels(source).set(count)
+
+    def image_sets_state_write_failed(self) -> None:
+        self.image_sets_state_write_failures.inc()
+
+    def image_sets_state_error(self, failing: bool) -> None:
+        self.image_sets_state_file_error.set(1 if failing else 0)
+
+    # cluster.source_events.SourceEvents
+    def secret_errors(self, count: int) -> None:
+        self.image_set_secret_errors.set(count)
+
+    def cluster_state_write_failed(self) -> None:
+        self.cluster_state_write_failures.inc()
+
+    def cluster_state_error(self, failing: bool) -> None:
+        self.cluster_state_file_error.set(1 if failing else 0)
 
     # cri.call.CallObserver (intercepted calls only: passthrough is not timed)
     def observe_call(self, method: str, seconds: float, code: grpc.StatusCode) -> None:

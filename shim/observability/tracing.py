@@ -43,7 +43,6 @@ from opentelemetry.trace import Span as Span
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ..cri.methods import canonical
 from ..errors import Metadata, RpcError
 from . import logs
 
@@ -54,7 +53,6 @@ if TYPE_CHECKING:  # the SDK and its exporters are imported only when tracing is
 
 _log = logs.get("tracing")
 
-NOOP_SPAN: Span = trace.INVALID_SPAN  # what handlers see when there is no span (tracing off)
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 DEFAULT_SERVICE_NAME = "cri-shim"
 SHUTDOWN_EXPORT_SECONDS = 3.0  # at exit, how long the last spans may take to export
@@ -90,15 +88,23 @@ def _sampled_flag(traceparent: str | bytes) -> bool | None:
         return None
 
 
-def rpc_attributes(method: str) -> dict[str, str]:
-    """Service and method as the runtime routes ``method`` (methods.canonical)."""
-    service, _, name = span_name(method).rpartition("/")
-    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+Route = Callable[[str], "str | None"]  # a :path -> the method the runtime routes it to (cri.methods.canonical)
 
 
-def span_name(method: str) -> str:
-    routed = canonical(method)
+def _unrouted(path: str) -> str | None:
+    return None
+
+
+def span_name(method: str, route: Route) -> str:
+    """``service/method`` as the runtime routes ``method``; the method as sent if it routes nowhere."""
+    routed = route(method)
     return routed[1:] if routed is not None else method
+
+
+def rpc_attributes(method: str, route: Route) -> dict[str, str]:
+    """Service and method as the runtime routes ``method``."""
+    service, _, name = span_name(method, route).rpartition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
 
 def redact_url(url: str) -> str:
@@ -118,10 +124,14 @@ class TracingConfigError(ValueError):
 
 
 class Tracing:
-    """Spans for intercepted calls; all methods assume ``enabled`` unless noted."""
+    """Spans for intercepted calls; all methods assume ``enabled`` unless noted. ``route`` names
+    a span after the method the runtime routes a call to (process/app.py gives
+    cri.methods.canonical); without it, after the method as sent."""
 
-    def __init__(self, provider: TracerProvider | None = None, description: dict[str, str] | None = None) -> None:
+    def __init__(self, provider: TracerProvider | None = None, description: dict[str, str] | None = None, *,
+                 route: Route = _unrouted) -> None:
         self.provider = provider
+        self._route = route
         self.enabled = provider is not None
         self.description: dict[str, str] = dict(description or {})  # exporter, protocol, endpoint: logs, status
         self._tracer = provider.get_tracer("cri-shim", shim_version()) if provider is not None else None
@@ -135,7 +145,7 @@ class Tracing:
         return cls()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Tracing:
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, route: Route = _unrouted) -> Tracing:
         """Build from OTEL_* variables (see module doc). Never raises: a bad value logs and gives ``off()``.
 
         The OpenTelemetry SDK reads some variables (sampler, exporter options) from
@@ -155,7 +165,7 @@ class Tracing:
         provider = TracerProvider(resource=_resource(), shutdown_on_exit=False)
         for exporter in exporters:
             provider.add_span_processor(BatchSpanProcessor(exporter))
-        tracing = cls(provider, description)
+        tracing = cls(provider, description, route=route)
         logs.log(_log, logging.INFO, "tracing on", **description,
                  sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
         return tracing
@@ -179,8 +189,8 @@ class Tracing:
         """
         assert self._tracer is not None
         parent = self._propagator.extract(metadata, getter=_GETTER)
-        span = self._tracer.start_span(span_name(method), context=parent, kind=SpanKind.SERVER,
-                                       attributes=rpc_attributes(method))
+        span = self._tracer.start_span(span_name(method, self._route), context=parent, kind=SpanKind.SERVER,
+                                       attributes=rpc_attributes(method, self._route))
         return span, self.inject(span, metadata)
 
     def inject(self, span: Span, metadata: Metadata) -> Metadata:
@@ -211,8 +221,8 @@ class Tracing:
         if self._tracer is None or not parent.is_recording():
             yield metadata
             return
-        span = self._tracer.start_span(span_name(method), context=trace.set_span_in_context(parent),
-                                       kind=SpanKind.CLIENT, attributes=rpc_attributes(method))
+        span = self._tracer.start_span(span_name(method, self._route), context=trace.set_span_in_context(parent),
+                                       kind=SpanKind.CLIENT, attributes=rpc_attributes(method, self._route))
         code, details = grpc.StatusCode.OK, None
         try:
             yield self.inject(span, metadata)

@@ -73,7 +73,8 @@ class DeclaredPins:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def _set(self, ref: str, set_name: str | None) -> None:
+    def _record_owner(self, ref: str, set_name: str | None) -> None:
+        """The set pinning ``ref`` is now ``set_name`` (None: no set): a change the next snapshot carries."""
         self._changes[ref] = set_name
         self.version += 1
 
@@ -85,7 +86,7 @@ class DeclaredPins:
             if first != set_name:
                 more.setdefault(ref, []).append(set_name)
             else:
-                self._set(ref, set_name)
+                self._record_owner(ref, set_name)
 
     def remove(self, set_name: str, refs: Iterable[str]) -> None:
         """``set_name`` no longer pins ``refs``; another set pinning one of them keeps it pinned."""
@@ -95,10 +96,10 @@ class DeclaredPins:
             if owner.get(ref) == set_name:
                 if rest:
                     owner[ref] = rest.pop(0)
-                    self._set(ref, owner[ref])
+                    self._record_owner(ref, owner[ref])
                 else:
                     del owner[ref]
-                    self._set(ref, None)
+                    self._record_owner(ref, None)
             elif rest and set_name in rest:
                 rest.remove(set_name)
             else:

@@ -19,6 +19,7 @@ from ..cri.methods import (
     REMOVE_POD_SANDBOX,
     RUN_POD_SANDBOX,
     STREAM_IMAGES,
+    canonical,
 )
 from ..cri.routing import Router
 from ..cri.upstream import Upstream
@@ -53,7 +54,7 @@ class App:
         """Every part is built complete from ``cfg``. Raises ConfigError on a value only a part can check."""
         self.cfg = cfg
         self.started_at = time.monotonic()
-        self.tracing = tracing if tracing is not None else Tracing.from_env()
+        self.tracing = tracing if tracing is not None else Tracing.from_env(route=canonical)
         self.admin: AdminServer | None = None
         self.metrics = Metrics()
         self.upstream = Upstream(cfg.upstream, cfg.server.max_message_bytes)

@@ -58,6 +58,10 @@ class SlotLease(PullEvents):
             for flight in self.scheduler.holding:
                 self._arm(flight)
 
+    def leased(self) -> list[int]:
+        """The flights (by seq, in the order their lease began) whose lease runs now."""
+        return list(self._timers)
+
     def flight_started(self, flight: Flight, waited: float) -> None:
         self._arm(flight)
 

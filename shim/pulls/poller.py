@@ -1,36 +1,14 @@
-"""One poller for the progress of every upstream pull, and the stall guard.
+"""One poller for the progress of every upstream pull, and the stall and no-progress guards.
 
-While at least one pull is running upstream, every ``pulls.progress_interval_seconds``
-the poller asks the runtime, whatever the number of pulls (the first time one interval
-after a pull starts, so a pull that ends sooner costs no poll):
-
-1. ``Content/ListStatuses``: every ingest in progress (blob digest, offset, total);
-2. at most one ``Content/List`` (filters OR-ed): the manifests that may be a new pull's,
-   and whether the blobs of known pulls that are not being written are committed;
-3. at most ``MAX_READS_PER_TICK`` ``Content/Read`` of a manifest newly tied to a pull
-   (each manifest is read once; the layer list and sizes come from it);
-4. after a stall, a few ``Content/Abort`` for the cancelled pull's leftover ingests.
-
-From that each pull gets bytes done/total, rate, ETA, layers done/total and a phase:
-``resolving`` (manifest not known yet), ``downloading``, ``unpacking`` (every blob
-committed, the runtime still working: no bytes move, and that is no stall), or
-``unknown`` (the runtime has no content API, e.g. CRI-O; or which manifest is this
-pull's cannot be told for sure). Nothing is guessed.
-
-A pull whose download moves fewer than ``pulls.stall_min_bytes_per_second`` over the
-whole stall window is failed for every waiter with UNAVAILABLE and its upstream
-PullImage is cancelled; its ingests left in the runtime are then aborted.
-
-The no-progress guard (``pulls.no_progress_timeout_seconds``, on by default) does the
-same to a pull that made no progress at all for that long, so that hung registries
-cannot hold every slot of the pull cap: while ``resolving``, no manifest or index of
-its repository changed and no ingest that is no known pull's moved; while
-``downloading``, its bytes done did not grow. ``unpacking`` always counts as progress;
-a pull whose progress is ``unknown`` is not judged here: after the same timeout it gives
-back its slot instead (lease.py, asking ``unjudged``). A pull with no download of its own
-open may be waiting for the runtime (containerd 2.x's transfer service downloads at most
-``max_concurrent_downloads`` blobs node-wide): it is ended only once no ingest on the
-node has moved for the timeout either.
+While at least one pull runs upstream, every ``pulls.progress_interval_seconds`` the poller
+asks the runtime's content API (containerd's; none on CRI-O) what is being downloaded, the
+same few calls whatever the number of pulls (``tick``). From that each pull gets bytes and
+layers done and total, a rate and a phase (resolving, downloading, unpacking, or unknown:
+nothing is guessed). The stall guard (``pulls.stall_timeout_seconds``) fails a pull whose
+download moves too slowly, the no-progress guard (``pulls.no_progress_timeout_seconds``) one
+that made no progress at all, both with UNAVAILABLE for every waiter; a pull whose progress
+cannot be judged gives its slot back instead (lease.py, asking ``unjudged``). docs/pulls.md
+("Pull progress and the stall guard") says which calls, which bounds, and why.
 """
 
 from __future__ import annotations
@@ -50,8 +28,8 @@ from ..config import PullsConfig
 from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..observability import logs
-from ..observability.metrics import Metrics
 from .content import ContentClient, NoContentApi, digest_filter, repo_filters
+from .events import ProgressEvents
 from .progress import (
     RATE_WINDOW_SECONDS,
     FlightProgress,
@@ -105,7 +83,7 @@ class _Cleanup:
 class ProgressPoller(PullEvents):
     upstream: Upstream
     scheduler: PullScheduler
-    metrics: Metrics
+    events: ProgressEvents  # the metrics
     cfg: PullsConfig
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
@@ -125,7 +103,7 @@ class ProgressPoller(PullEvents):
     _closed: bool = False
 
     def __post_init__(self) -> None:
-        self.client = ContentClient(self.upstream, lambda m: self.metrics.progress_calls.labels(m).inc())
+        self.client = ContentClient(self.upstream, self.events.content_called)
         self.scheduler.subscribe(self)
 
     # ------------------------------------------------------------------ configuration
@@ -195,7 +173,7 @@ class ProgressPoller(PullEvents):
             self._count_bytes(p, only_seen=True)
         seconds = now - p.started
         if p.known and p.downloaded >= (1 << 20) and seconds > 0:
-            self.metrics.pull_throughput.observe(p.downloaded / seconds)
+            self.events.pull_throughput(p.downloaded / seconds)
         if t.digest is None and t.repo:
             self.recent.append(t)
         if t.stalled and p.manifest is not None:
@@ -411,7 +389,7 @@ class ProgressPoller(PullEvents):
                                       t.domain, p.bytes_done, p.bytes_total)
         t.stalled = True
         if self.scheduler.fail_running(t.flight, RpcError(STALL_CODE, message)):
-            self.metrics.pull_no_progress.labels(phase).inc()
+            self.events.pull_made_no_progress(phase)
             logs.log(_log, logging.WARNING, "pull made no progress; cancelled", image=t.flight.key.image,
                      phase=phase, registry=t.domain, idle_seconds=round(idle, 1),
                      bytes=f"{human_bytes(p.bytes_done)}/{human_bytes(p.bytes_total)}", waiters=t.flight.waiters)
@@ -424,7 +402,7 @@ class ProgressPoller(PullEvents):
                 continue
             base = self.counted.setdefault(d, p.baseline.get(d, v))
             if v > base:
-                self.metrics.pull_bytes.inc(v - base)
+                self.events.downloaded(v - base)
                 self.counted[d] = v
 
     def _step(self, t: Tracked, step: int, now: float) -> None:
@@ -448,7 +426,7 @@ class ProgressPoller(PullEvents):
         message = stall_message(t.flight.key.image, stall, self.cfg.stall_min_bytes_per_second)
         t.stalled = True
         if self.scheduler.fail_running(t.flight, RpcError(STALL_CODE, message)):
-            self.metrics.pull_stalls.inc()
+            self.events.pull_stalled()
             logs.log(_log, logging.WARNING, "pull stalled; cancelled", image=t.flight.key.image,
                      moved_bytes=stall.moved, window_seconds=stall.window,
                      min_bytes_per_second=self.cfg.stall_min_bytes_per_second, waiters=t.flight.waiters)
@@ -486,8 +464,7 @@ class ProgressPoller(PullEvents):
 
     def _publish_gauges(self) -> None:
         known = [t.progress for t in self.running.values() if t.progress.known]
-        self.metrics.pull_in_flight_bytes.labels("done").set(sum(p.bytes_done for p in known))
-        self.metrics.pull_in_flight_bytes.labels("total").set(sum(p.bytes_total for p in known))
+        self.events.in_flight_bytes(sum(p.bytes_done for p in known), sum(p.bytes_total for p in known))
 
 
 def _source_host(domain: str) -> str:

@@ -280,6 +280,10 @@ class PullScheduler:
         queue = [row(f) for f in self._queue]
         return {"queued": queue, "in_flight": [row(f) for f in sorted(self._running, key=lambda f: f.seq)]}
 
+    def flights(self) -> dict[tuple[str, str], list[Flight]]:
+        """(image, handler) -> its queued and running flights, oldest first: those a new pull may join."""
+        return {k: list(v) for k, v in self._flights.items()}
+
     # ------------------------------------------------------------------ internals
 
     def _joinable(self, key: PullKey, priority: Priority) -> Flight | None:

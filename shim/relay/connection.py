@@ -333,6 +333,10 @@ class ClientConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ back-pressure
 
+    def paused(self, which: str) -> frozenset[str]:
+        """Why the shim does not read ``which`` (client, upstream) now; empty while it reads it."""
+        return frozenset(self._paused[which])
+
     def pause(self, which: str, reason: str) -> None:
         reasons = self._paused[which]
         transport = self.client if which == "client" else self.upstream

@@ -16,47 +16,14 @@ sockets (tests/unit/test_relay_core*.py). The core coordinates one object per co
 - pings.py: which PINGs the shim answers itself, and how many;
 - memory.py / limits.py: what intercepted requests may hold (``server.*``).
 
-Frames pass through unchanged (the runtime's SETTINGS gain a HEADER_TABLE_SIZE of at
-most settings.MAX_TABLE_SIZE and the shim's MAX_HEADER_LIST_SIZE), so for every method
-we don't intercept the runtime's answer reaches the client byte for byte. The runtime's
-PINGs are the exception: the shim answers them (unless the runtime reads slowly,
-``runtime_slow``), as any HTTP/2 peer would; they are about the connection, not a call. The runtime
-judges the relayed streams; the shim judges what it consumes itself, as containerd
-(grpc-go) would. What the core itself decides:
+Frames pass through unchanged, so for every method the shim does not intercept the
+runtime's answer reaches the client byte for byte. What the core decides itself (routing,
+refused streams, the bounds of intercepted requests, the runtime's PINGs, the server role
+without a runtime) is listed in docs/design.md ("What the relay core decides").
 
-- Routing: a new stream's ``:path`` is routed once (shim/cri/routing.py): relayed,
-  refused with a status, or answered by its handler, which the stream carries to the
-  adapter (``Request.stream.handler``).
-- After the shim's GOAWAY, a new stream is refused (REFUSED_STREAM) and never relayed.
-- At most ``server.max_concurrent_streams`` streams (relayed and intercepted) are open
-  at once per connection, or fewer if the runtime advertises a lower
-  SETTINGS_MAX_CONCURRENT_STREAMS; a new stream beyond it is refused (REFUSED_STREAM)
-  and never relayed (more than REFUSED_STREAMS_BURST refusals at once or
-  REFUSED_STREAMS_PER_SECOND a second: GOAWAY ENHANCE_YOUR_CALM).
-- Header blocks beyond ``server.max_header_list_bytes`` decoded: the stream is refused
-  with RST_STREAM FRAME_SIZE_ERROR, as grpc-go does.
-- Intercepted streams: receive window enforced (FLOW_CONTROL_ERROR), DATA refunded in
-  batches, request at most its method's limit (refused on the message's declared
-  length); at most ``server.max_intercepted_streams`` at once per connection and
-  ``server.max_intercepted_calls`` over all connections; a request's header list and
-  body count in the request buffer from its first frame until its handler ends
-  (``handler_ended``), RESOURCE_EXHAUSTED beyond; a request not complete within the
-  stall timeout is ended (``expire_incomplete``). Their late frames are consumed.
-- A header block that the shim consumes but that changed the client's HPACK table is
-  still forwarded to the runtime, with END_STREAM cleared and followed by RST_STREAM
-  CANCEL: the runtime's table stays in step and it never gets a request body.
-- The shim's own frames never go inside a runtime header block left open: they wait
-  for its END_HEADERS (output.py).
-
-Without a runtime (unreachable at connect, out of file descriptors, or lost with
-local calls still running) the core is the server: it acknowledges SETTINGS and
-PING, refunds DATA, and answers every new stream UNAVAILABLE with ``message``.
-
-Size: about 700 lines, over the ~500 of the other modules on purpose. What is left here
-is what touches several concepts at once (a new stream's routing decides its state, its
-budget, what the runtime gets and what the client gets) and the two frame loops, which
-stay in one function each: they are the per-frame hot path, with every object they use
-held in locals and no call or allocation per frame beyond the frame's own bytes.
+It is about 700 lines on purpose: what is left here touches several concepts at once (a new
+stream's routing decides its state, its budget, what the runtime gets and what the client
+gets), and the two frame loops stay in one function each, as the per-frame hot path.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ runtime's decoder does. It does no more work than that:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 from hpack.huffman_table import decode_huffman
@@ -83,6 +85,12 @@ def _string(data: bytes, i: int, n: int) -> tuple[bytes, bool, int]:
     return Decoder._raw(data, i)
 
 
+class CacheUse(NamedTuple):
+    bytes: int  # charged against path_cache_bytes: both caches
+    paths: int  # fields whose :path value is kept
+    blocks: int  # header blocks whose :path is kept
+
+
 class Decoder:
     """HPACK decoder that mirrors the peer's dynamic table.
 
@@ -111,6 +119,10 @@ class Decoder:
     def restore(self, snap: Snapshot) -> None:
         self.max_size, self.size, self.dynamic = snap[0], snap[1], list(snap[2])
         self._forget_blocks()
+
+    def cache_use(self) -> CacheUse:
+        """What the caches hold now (``bytes`` is what counts against ``path_cache_bytes``)."""
+        return CacheUse(self._cache_used, len(self._path_cache), len(self._blocks))
 
     def clear_cache(self) -> None:
         self._forget_blocks()

@@ -8,7 +8,6 @@ ImageStatus and RemoveImage carry no pod: only rules without pod matchers apply 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
@@ -18,15 +17,13 @@ from ..errors import check_image_name
 from ..observability import logs
 from ..proto.runtime.v1 import api_pb2
 from .decision import Decision
+from .events import HandlerEvents
 from .resolver import HandlerResolver
-
-if TYPE_CHECKING:
-    from ..observability.metrics import Metrics
 
 _log = logs.get("handlers")
 
 
-def inject_image_handler(handlers: HandlerResolver | None, metrics: Metrics, request: bytes,
+def inject_image_handler(handlers: HandlerResolver | None, events: HandlerEvents, request: bytes,
                          decoded_req: api_pb2.ImageStatusRequest | api_pb2.RemoveImageRequest | None = None) -> bytes:
     """ImageStatus / RemoveImage request bytes with a rule's handler appended to ImageSpec.
 
@@ -46,12 +43,12 @@ def inject_image_handler(handlers: HandlerResolver | None, metrics: Metrics, req
     decision = handlers.for_image(spec)
     if decision is None:
         return request
-    return inject(request, spec.image, decision, metrics)
+    return inject(request, spec.image, decision, events)
 
 
-def inject(request: bytes, image: str, decision: Decision, metrics: Metrics, level: int = logging.DEBUG) -> bytes:
+def inject(request: bytes, image: str, decision: Decision, events: HandlerEvents, level: int = logging.DEBUG) -> bytes:
     """``request`` with ``decision.handler`` appended to its ImageSpec, counted
     (cri_shim_runtime_handler_injected) and logged: the one place a handler is injected."""
-    metrics.handler_injected.labels(decision.kind).inc()
+    events.handler_injected(decision.kind)
     logs.log(_log, level, "runtime handler injected", image=image, handler=decision.handler, source=decision.source)
     return with_runtime_handler(request, decision.handler)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -22,20 +22,10 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from tests.support import cri
 from tests.support.apiserver import ControlPlane
 from tests.support.kube import Admin
+from tests.support.wait import wait_for_blocking as wait_for
 
 SHIM = ("cri-shim.io", "v1")
 MCO = "machineconfiguration.openshift.io"
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def shim_config(cp: ControlPlane, tmp: Path, node: str, **extra: Any) -> dict[str, Any]:

@@ -8,8 +8,6 @@ by CRI-O's bare ID) is refused naming the set.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -19,16 +17,9 @@ from tests.support.crio import Crio
 from tests.support.image_fleet import metric, pinned_set
 from tests.support.proxy import CountingProxy
 from tests.support.registry import free_port
+from tests.support.wait import wait_for_blocking as wait_for
 
 pytestmark = pytest.mark.crio
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_pinned_image_set_present_and_pinned(crio: Crio, make_image, proxy: CountingProxy, shim_factory,

@@ -27,10 +27,11 @@ import pytest
 
 from shim.proto.runtime.v1 import api_pb2 as pb
 from tests.e2e.test_handlers_containerd2 import runtime_used, snapshots
-from tests.e2e.test_pull_storm import metric, pool, resolves, results, storm, wait_for  # noqa: F401 (fixture)
+from tests.e2e.test_pull_storm import metric, pool, resolves, results, storm  # noqa: F401 (fixture)
 from tests.support import cri
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
 from tests.support.registry import RegistryWithProxy, free_port
+from tests.support.wait import wait_for_blocking as wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +85,7 @@ def test_two_spellings_of_one_image_make_one_resolve(containerd, shim_factory, m
     proxy.hold_blobs()
     calls = storm(pool, shim.socket, [cri.pull_image_request(spellings[i % 2]) for i in range(12)])
     try:
-        wait_for(lambda: metric(port, "cri_shim_pull_requests_total") >= 12, what="12 pulls at the shim")
+        wait_for(lambda: metric(port, "cri_shim_pull_requests_total") >= 12, timeout=20.0, what="12 pulls at the shim")
         proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
     finally:
         proxy.release_blobs()
@@ -128,14 +129,15 @@ def test_kubelet_pull_with_a_pull_secret_and_a_prefetch_declared_meanwhile_make_
         [kubelet] = storm(pool, shim.socket, [kubelet_req.SerializeToString()])
         proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
         image_set(sets / "warm.yaml", "warm", [img.ref])  # declared while kubelet's pull runs
-        wait_for(lambda: metric(port, "cri_shim_pull_dedup_joins_total") == 1, what="the prefetch to join")
+        wait_for(lambda: metric(port, "cri_shim_pull_dedup_joins_total") == 1, timeout=20.0,
+                 what="the prefetch to join")
         running = status(shim)["pulls"]["in_flight"]
         assert [r["waiters"] for r in running] == [2]
     finally:
         proxy.release_blobs()
     [answer] = results([kubelet])
     assert answer.ok, answer.error_tuple()
-    wait_for(lambda: set_state(shim, "warm").get("present") == 1, what="the set present")
+    wait_for(lambda: set_state(shim, "warm").get("present") == 1, timeout=20.0, what="the set present")
     stats = proxy.stats()
     print(f"\nkubelet pull + prefetch of the same image: {resolves(proxy, img)} resolve(s), "
           f"{metric(port, 'cri_shim_pulls_total')} upstream pull(s), {stats.blob_requests} blob GETs "
@@ -156,10 +158,11 @@ def test_image_set_on_a_private_registry_uses_config_json_and_shows_no_password(
                          "metrics": {"address": f"127.0.0.1:{port}"}}, log_level="debug")
     image_set(sets / "private.yaml", "private", [img.ref])
     # no credentials on the node yet: the registry refuses the prefetch
-    wait_for(lambda: set_state(shim, "private").get("failed") == 1, what="the anonymous prefetch to fail")
+    wait_for(lambda: set_state(shim, "private").get("failed") == 1, timeout=20.0,
+             what="the anonymous prefetch to fail")
     failed_error = set_state(shim, "private")["last_error"]
     docker_config(creds, auth_registry.host, AUTH_USER, AUTH_PASSWORD)  # now it has them: read on the next try
-    wait_for(lambda: set_state(shim, "private").get("present") == 1, what="the set present")
+    wait_for(lambda: set_state(shim, "private").get("present") == 1, timeout=20.0, what="the set present")
     print(f"\nwithout config.json: {failed_error!r}; with it: present")
     st = status(shim)["image_sets"]
     assert st["credentials"]["docker_config"][str(creds)]["registries"] == [f"http://{auth_registry.host}"]
@@ -183,8 +186,8 @@ def test_a_rule_routes_a_prefetched_image_to_its_handlers_snapshotter(ctrd2, shi
                          "image_sets": {"dir": str(sets), "debounce_seconds": 0.05}}, upstream=ctrd2.socket)
     image_set(sets / "a.yaml", "a", [by_rule.ref, plain.ref])
     image_set(sets / "b.yaml", "b", [by_set.ref], handler="fast")
-    wait_for(lambda: set_state(shim, "a").get("present") == 2 and set_state(shim, "b").get("present") == 1,
-             timeout=60, what="both sets present")
+    wait_for(lambda: set_state(shim, "a").get("present") == 2 and set_state(shim, "b").get("present") == 1, timeout=60,
+             what="both sets present")
     assert runtime_used(ctrd2, by_rule.ref) == "fast, using snapshotter overlayfs"
     assert runtime_used(ctrd2, by_set.ref) == "fast, using snapshotter overlayfs"
     assert runtime_used(ctrd2, plain.ref) is None  # no rule, no handler: the default snapshotter
@@ -216,7 +219,7 @@ def test_image_set_on_a_private_registry_with_a_credential_provider_plugin(
                                         "credential_provider_bin_dir": str(bin_dir)},
                          "metrics": {"address": f"127.0.0.1:{port}"}}, log_level="debug")
     image_set(sets / "private.yaml", "private", [img.ref])
-    wait_for(lambda: set_state(shim, "private").get("present") == 1, what="the set present")
+    wait_for(lambda: set_state(shim, "private").get("present") == 1, timeout=20.0, what="the set present")
     assert [json.loads(line)["image"] for line in runs.read_text().splitlines()] == [img.ref]
     texts = status_texts(shim)
     metrics_text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -14,7 +14,8 @@ import grpc
 
 from tests.support import cri
 from tests.support.image_fleet import pinned_set
-from tests.e2e.test_pins import present, pull, remove, wait_for
+from tests.e2e.test_pins import present, pull, remove
+from tests.support.wait import wait_for_blocking as wait_for
 
 # (marked e2e by the folder)
 

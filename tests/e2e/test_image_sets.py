@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -25,6 +25,7 @@ from tests.support import binaries, cri
 from tests.support.containerd import Containerd
 from tests.support.image_fleet import Presence, metric, pinned_set, pull_into, push_fleet
 from tests.support.registry import RegistryWithProxy, free_port
+from tests.support.wait import wait_for_blocking as wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -50,14 +51,6 @@ def fleet(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory)
     finally:
         ctd.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def pinned_through_shim(shim) -> dict[str, bool]:

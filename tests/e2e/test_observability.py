@@ -27,6 +27,7 @@ from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
 from tests.support.prom import free_port, scrape
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -62,14 +63,6 @@ async def status_cli(admin: str, *flags: str) -> str:
     return out.decode()
 
 
-async def until(predicate, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
-
-
 async def test_pull_storm_is_visible_in_status_metrics_and_traces(
         shim_factory, containerd: Containerd, make_image, proxy: CountingProxy, collector: OtlpCollector,
         short_tmp) -> None:
@@ -91,12 +84,12 @@ async def test_pull_storm_is_visible_in_status_metrics_and_traces(
         async def hot_has_all_waiters() -> bool:
             doc = json.loads(await status_cli(admin, "--json"))
             return any(p["image"] == hot.ref and p["waiters"] == 12 for p in doc["pulls"]["in_flight"])
-        await until(hot_has_all_waiters)
+        await wait_for(hot_has_all_waiters, 30.0)
         rest = [asyncio.ensure_future(pull(12 + i, img.ref)) for i, img in enumerate(others)]
 
         async def two_queued() -> bool:
             return len(json.loads(await status_cli(admin, "--json"))["pulls"]["queued"]) == 2
-        await until(two_queued)
+        await wait_for(two_queued, 30.0)
 
         doc = json.loads(await status_cli(admin, "--json"))
         text = await status_cli(admin)
@@ -169,7 +162,7 @@ async def test_registry_credentials_stay_out_of_logs_spans_metrics_and_status(
 
         async def in_flight() -> bool:
             return bool(json.loads(await status_cli(admin, "--json"))["pulls"]["in_flight"])
-        await until(in_flight)
+        await wait_for(in_flight, 30.0)
         status_out = [await status_cli(admin, "--json"), await status_cli(admin)]
     finally:
         auth_registry.proxy.release_blobs()

@@ -30,7 +30,7 @@ import re
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -43,6 +43,7 @@ from tests.support.fixtures import CRIO, CriRuntime, ShimFactory, runtime_named
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy
 from tests.support.shim import ShimProcess
+from tests.support.wait import wait_for_blocking as wait_for
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
@@ -193,16 +194,6 @@ def without_timestamps(response: bytes) -> bytes:
 
 def pull(socket_path: str | os.PathLike[str], ref: str, timeout: float = 60) -> cri.CallResult:
     return cri.call(socket_path, "PullImage", cri.pull_image_request(ref), timeout)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll until ``predicate()``; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------- runtime service
@@ -486,7 +477,9 @@ def test_shim_started_before_containerd(engine: str, containerd_factory, shim_fa
             assert time.monotonic() - t0 < 1.0, "UNAVAILABLE must come at once, not at the deadline"
             assert _version(kubelet) == grpc.StatusCode.UNAVAILABLE
         ctd.start()
-        took = wait_for(lambda: _version(kubelet) == grpc.StatusCode.OK, 5, "shim serves once containerd is up")
+        t0 = time.monotonic()
+        wait_for(lambda: _version(kubelet) == grpc.StatusCode.OK, 5, "shim serves once containerd is up")
+        took = time.monotonic() - t0
     # An intercepted call right away works too (the shim's own channel to containerd).
     img = make_image()
     assert cri.decode_pull_image_response(pull(shim.socket, img.ref).unwrap()) == img.image_id
@@ -508,7 +501,9 @@ def test_containerd_restarted_under_the_shim(engine: str, containerd_factory, sh
             assert _version(kubelet, timeout=5) == grpc.StatusCode.UNAVAILABLE
             assert time.monotonic() - t0 < 1.0
             ctd.start()
-            took = wait_for(lambda: _version(kubelet) == grpc.StatusCode.OK, 5, f"shim serves after containerd {how}")
+            t0 = time.monotonic()
+            wait_for(lambda: _version(kubelet) == grpc.StatusCode.OK, 5, f"shim serves after containerd {how}")
+            took = time.monotonic() - t0
             print(f"{engine}: served {took:.2f}s after containerd restart ({how})")
             status = cri.call(shim.socket, "ImageStatus", cri.image_status_request(img.ref), 10)
             assert cri.decode_image_status_response(status.unwrap()).id == img.image_id

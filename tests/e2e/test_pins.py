@@ -17,7 +17,6 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
@@ -29,6 +28,7 @@ from tests.support.fixtures import CRIO, RUNTIMES, CriRuntime
 from tests.support.oci import PushedImage
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import new_shim
+from tests.support.wait import wait_for_blocking as wait_for
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
@@ -67,15 +67,6 @@ def crictl_pinned(crictl: Crictl) -> dict[str, bool]:
     out = crictl.images("--pinned", "-o", "json")
     assert out.returncode == 0, out.stderr
     return {i["id"]: bool(i.get("pinned")) for i in json.loads(out.stdout)["images"]}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def metric(port: int, name: str) -> float:

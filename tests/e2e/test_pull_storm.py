@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
-import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,7 @@ from tests.support.oci import PushedImage
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy, free_port
 from tests.support.shim import ShimProcess
+from tests.support.wait import wait_for_blocking as wait_for
 
 # (marked e2e by the folder, the CRI-O cases crio: tests/conftest.py)
 
@@ -94,17 +94,10 @@ def metric(port: int, name: str) -> float:
     return total
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
-        time.sleep(0.02)
-
-
 def wait_received(port: int, n: int) -> None:
     """Until the shim has received ``n`` PullImage calls (all joined or queued by then)."""
-    wait_for(lambda: metric(port, "cri_shim_pull_requests_total") >= n, what=f"{n} PullImage calls at the shim")
+    wait_for(lambda: metric(port, "cri_shim_pull_requests_total") >= n, timeout=20.0,
+             what=f"{n} PullImage calls at the shim")
 
 
 def storm(pool: ThreadPoolExecutor, socket: object, requests: Sequence[bytes],
@@ -139,7 +132,7 @@ def test_identical_pulls_collapse_into_one_resolve(
     try:
         if cri_runtime.is_crio:
             wait_for(lambda: cri_runtime.instance.log_text().count(f"Pulling image: {direct_img.ref}") >= 12,
-                     what="12 calls at CRI-O")
+                     timeout=20.0, what="12 calls at CRI-O")
             proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
         else:
             proxy.wait_until(lambda s: s.manifest_heads >= 12, timeout=30)
@@ -193,7 +186,7 @@ def test_two_credential_groups_cause_two_resolves(
     proxy.hold_blobs()
     direct = storm(pool, containerd.socket, requests(direct_img))
     try:
-        wait_for(lambda: resolves(proxy, direct_img) >= 12, what="12 resolves at the registry")
+        wait_for(lambda: resolves(proxy, direct_img) >= 12, timeout=20.0, what="12 resolves at the registry")
     finally:
         proxy.release_blobs()
     assert all(r.ok for r in results(direct))
@@ -317,7 +310,7 @@ def crio_joiners_fail_with_the_first(crio: CriRuntime, make_image, proxy: Counti
         impatient = storm(pool, crio.socket, [req], [1.5])[0]
         proxy.wait_until(lambda s: s.inflight_blob_gets >= 1, timeout=30)
         patient = storm(pool, crio.socket, [req, req])
-        wait_for(lambda: crio.instance.log_text().count(f"Pulling image: {direct_img.ref}") >= 3,
+        wait_for(lambda: crio.instance.log_text().count(f"Pulling image: {direct_img.ref}") >= 3, timeout=20.0,
                  what="3 calls at CRI-O")
         # CRI-O's gRPC server also times the call out and resets the stream (RST_STREAM CANCEL);
         # whichever side's timer fires first decides the code the client sees

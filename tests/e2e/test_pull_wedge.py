@@ -34,6 +34,7 @@ from tests.support.fixtures import CRIO, CriRuntime
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import start_shim
 from tests.support.slow_pulls import hold_pulls
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.e2e
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -44,14 +45,6 @@ NO_DEADLINE = 600.0  # like kubelet: the call waits as long as it takes
 
 def in_flight(shim) -> list[dict]:
     return fetch_status(str(shim.workdir / "admin.sock"))["pulls"]["in_flight"]
-
-
-async def until(predicate, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.2)
 
 
 def hung_registries(make_image, proxy) -> tuple[oci.PushedImage, oci.PushedImage, oci.PushedImage]:
@@ -84,8 +77,8 @@ async def pull_behind_them(timed: Callable[[str], Awaitable[tuple[float, object]
     until it was answered, the answer)."""
     queued_at = time.monotonic()
     call = asyncio.ensure_future(timed(healthy.ref))
-    await until(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0,
-                "the healthy pull reaches its registry", timeout=NO_PROGRESS + 30)
+    await wait_for(lambda: proxy.stats().manifest_requests_for(healthy.repository, "v1") > 0, NO_PROGRESS + 30,
+                   "the healthy pull reaches its registry", blocking=True, interval=0.2)
     started_after = time.monotonic() - queued_at
     done_at, result = await asyncio.wait_for(call, 60)
     return started_after, done_at - queued_at, result
@@ -99,9 +92,12 @@ async def test_hung_pulls_cannot_hold_every_slot(ctd_socket, make_image, proxy, 
         timed = timed_puller(ch)
         t0 = time.monotonic()
         hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
-        await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
-        await until(lambda: any(r["image"] == blob_hang.ref and r.get("progress", {}).get("bytes_done", 0) >= MiB
-                                for r in in_flight(shim)), "the blob hangs mid-way (status shows its first MiB)")
+        await wait_for(lambda: len(in_flight(shim)) == 2, 30.0, "both hung pulls hold a slot", blocking=True,
+                       interval=0.2)
+        await wait_for(lambda: any(r["image"] == blob_hang.ref and r.get("progress", {}).get("bytes_done", 0) >= MiB
+                                   for r in in_flight(shim)), 30.0,
+                       "the blob hangs mid-way (status shows its first MiB)",
+                       blocking=True, interval=0.2)
         assert proxy.stats().manifest_requests_for(healthy.repository, "v1") == 0
         started_after, took, result = await pull_behind_them(timed, proxy, healthy)
         answers = [await asyncio.wait_for(h, 30) for h in hung]
@@ -160,10 +156,12 @@ async def test_hung_pulls_whose_progress_is_unknown_give_back_their_slots(
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         timed = timed_puller(ch)
         hung = [asyncio.ensure_future(timed(r)) for r in (manifest_hang.ref, manifest_hang.ref, blob_hang.ref)]
-        await until(lambda: len(in_flight(shim)) == 2, "both hung pulls hold a slot")
-        await until(lambda: proxy.stats().manifest_requests_for(manifest_hang.repository, "v1") > 0
-                    and proxy.stats().blob_requests_for(blob_hang.repository, "v1") >= 2,
-                    "both registries hang (a manifest unanswered; the layer, after the config, stops mid-way)")
+        await wait_for(lambda: len(in_flight(shim)) == 2, 30.0, "both hung pulls hold a slot", blocking=True,
+                       interval=0.2)
+        await wait_for(lambda: proxy.stats().manifest_requests_for(manifest_hang.repository, "v1") > 0
+                       and proxy.stats().blob_requests_for(blob_hang.repository, "v1") >= 2, 30.0,
+                       "both registries hang (a manifest unanswered; the layer, after the config, stops mid-way)",
+                       blocking=True, interval=0.2)
         started_after, took, result = await pull_behind_them(timed, proxy, healthy)
         rows = {r["image"]: r for r in await asyncio.to_thread(in_flight, shim)}
         released = sorted(ref for ref, r in rows.items() if "slot_released_seconds" in r)
@@ -222,8 +220,8 @@ async def test_another_uid_trickling_into_every_slot_does_not_hold_back_a_root_p
         try:
             nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path,
                                                              [i.ref for i in slow], hold_s, timeout=hold_s + 60))
-            await until(lambda: sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow) >= 2,
-                        "nobody's pulls download (trickling)")
+            await wait_for(lambda: sum(proxy.stats().blob_requests_for(i.repository, "v1") > 0 for i in slow) >= 2,
+                           30.0, "nobody's pulls download (trickling)", blocking=True, interval=0.2)
             await asyncio.sleep(2.0)
             running, answer, waited = await root_pull(shim, d, small.ref)
             codes = await nobody
@@ -261,8 +259,8 @@ async def test_hung_untrusted_pulls_keep_to_their_share_where_progress_is_unknow
         try:
             nobody = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, hung, hold_s,
                                                              timeout=hold_s + 60))
-            await until(lambda: "without a pull slot" in shim.logs(), "the first leases end",
-                        timeout=NO_PROGRESS + 20)
+            await wait_for(lambda: "without a pull slot" in shim.logs(), NO_PROGRESS + 20, "the first leases end",
+                           blocking=True, interval=0.2)
             await asyncio.sleep(NO_PROGRESS + 1)  # another round of leases
             running, answer, waited = await root_pull(shim, d, small.ref)
             reached = sum(proxy.stats().manifest_requests_for(repository, f"t{i}") > 0 for i in range(40))

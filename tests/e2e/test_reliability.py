@@ -30,6 +30,7 @@ from tests.support.cri import timed, until_ok
 from tests.support.containerd import Containerd, hosts_toml
 from tests.support.fixtures import AUTH_PASSWORD, AUTH_USER
 from tests.support.registry import free_port
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.e2e
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -48,14 +49,6 @@ def gauges(port: int) -> dict[str, float]:
             if n in ("cri_shim_pulls_in_flight", "cri_shim_pull_queue_length")}
 
 
-async def until(predicate, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.05)
-
-
 async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, make_image, proxy, shim_factory,
                                                          engine) -> None:
     ctd = containerd_factory()
@@ -68,10 +61,11 @@ async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, ma
         pull = ch.unary_unary(PULL)
         first = [images[0]] * 3 + [images[1]] * 2  # in flight, 3 and 2 callers
         calls = [asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(i.ref), timeout=120))) for i in first]
-        await until(lambda: proxy.stats().inflight_images == 2)
+        await wait_for(lambda: proxy.stats().inflight_images == 2, 15.0, blocking=True, interval=0.05)
         later = [images[2]] * 2 + [images[3]]  # queued, 2 and 1 callers
         calls += [asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(i.ref), timeout=120))) for i in later]
-        await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 2.0, "cri_shim_pull_queue_length": 2.0})
+        await wait_for(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 2.0, "cri_shim_pull_queue_length": 2.0},
+                       15.0, blocking=True, interval=0.05)
         assert not any(c.done() for c in calls)
 
         ctd.kill()
@@ -83,7 +77,8 @@ async def test_containerd_killed_mid_storm_then_restarted(containerd_factory, ma
               f"{[c.name for c in codes]}, all answered within {slowest:.3f}s; details: {results[0].details!r}")
         assert codes == [grpc.StatusCode.UNAVAILABLE] * len(calls)
         assert slowest < PROMPT
-        await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0})
+        await wait_for(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0},
+                       15.0, blocking=True, interval=0.05)
 
         proxy.release_blobs()
         t0 = time.monotonic()
@@ -138,7 +133,7 @@ async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_imag
     async with grpc.aio.insecure_channel(shim.endpoint) as ch:
         pull = ch.unary_unary(PULL)
         first = asyncio.ensure_future(timed(lambda: pull(cri.pull_image_request(a.ref), timeout=1.5)))
-        await until(lambda: proxy.stats().inflight_blob_gets > 0)
+        await wait_for(lambda: proxy.stats().inflight_blob_gets > 0, 15.0, blocking=True, interval=0.05)
         others = await asyncio.gather(timed(lambda: pull(cri.pull_image_request(a.ref), timeout=0.5)),  # joined
                                       timed(lambda: pull(cri.pull_image_request(b.ref), timeout=0.5)))  # queued
         results = [(r.code, r.seconds) for r in (await first, *others)]
@@ -146,7 +141,8 @@ async def test_slow_registry_pulls_respect_their_deadlines(containerd, make_imag
               + ", ".join(f"{c.name} after {s:.2f}s" for c, s in results))
         assert [c for c, _ in results] == [grpc.StatusCode.DEADLINE_EXCEEDED] * 3
         assert 1.5 <= results[0][1] < 2.5 and all(0.5 <= s < 1.5 for _, s in results[1:])
-        await until(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0})
+        await wait_for(lambda: gauges(port) == {"cri_shim_pulls_in_flight": 0.0, "cri_shim_pull_queue_length": 0.0},
+                       15.0, blocking=True, interval=0.05)
         proxy.release_blobs()
         assert (await timed(lambda: pull(cri.pull_image_request(b.ref), timeout=60)))[0] is grpc.StatusCode.OK
 
@@ -247,7 +243,7 @@ async def test_keepalive_client_keeps_its_connection_while_the_shim_answers(cont
     async with grpc.aio.insecure_channel(shim.endpoint, options=opts) as ch:
         assert (await timed(lambda: ch.unary_unary(VERSION)(b"", timeout=10)))[0] is grpc.StatusCode.OK
         held = asyncio.ensure_future(timed(lambda: ch.unary_unary(PULL)(cri.pull_image_request(img.ref), timeout=60)))
-        await until(lambda: proxy.stats().inflight_blob_gets > 0)
+        await wait_for(lambda: proxy.stats().inflight_blob_gets > 0, 15.0, blocking=True, interval=0.05)
         for _ in range(15):  # 1.5 s of keepalive PINGs, calls answered by the shim meanwhile
             code, _, details, _ = await timed(lambda: ch.unary_unary("/runtime.v1.ImageService/ListImages")(b"", timeout=10))
             assert code is grpc.StatusCode.OK, details

@@ -11,7 +11,6 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.shim import new_shim
+from tests.support.wait import wait_for
 
 REMOVE = "/runtime.v1.ImageService/RemoveImage"
 PINNED = "registry.local/app:1"
@@ -51,14 +51,6 @@ async def cri_shim_status(admin: Path, *args: str) -> str:
     return out.decode()
 
 
-async def eventually(predicate: Any, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.parametrize("keep_state,keep_ledger", [(True, True), (False, True), (False, False)],
                          ids=["state-file", "ledger-only", "neither"])
 async def test_restart_with_the_set_file_made_invalid_keeps_its_pins_from_the_first_call(
@@ -81,7 +73,7 @@ async def test_restart_with_the_set_file_made_invalid_keeps_its_pins_from_the_fi
             code, details = await remove(ch, PINNED)
             assert code is grpc.StatusCode.FAILED_PRECONDITION and "pinned by image set 'release'" in details
         if keep_state:
-            await eventually(lambda: state_file.exists())
+            await wait_for(lambda: state_file.exists())
             assert json.loads(state_file.read_text())["files"] == {str(declared): SET}
         await shim.astop()
 

@@ -29,6 +29,7 @@ from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import start_shim
 from tests.support.slow_pulls import PULL, hold_pulls, pull_request
+from tests.support.wait import wait_for
 
 ROOT_BOUND_S = 2.0  # docs/pulls.md "Fair between peers": the root pull does not wait for any untrusted one
 CAP = 4
@@ -57,14 +58,6 @@ class Runtime:
             self.hung -= hangs
 
 
-async def until(predicate, what: str, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.05)
-
-
 async def root_pull(path: str) -> float:
     """A root pull of a small image, as kubelet's (no deadline of its own): seconds until answered."""
     t0 = time.monotonic()
@@ -89,7 +82,7 @@ async def scenario(tmp_path: Path, pulls: dict, n: int, watch_s: float) -> tuple
             attacker = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, refs, HOLD_S,
                                                                timeout=HOLD_S + 30))
             per_uid = pulls.get("max_parallel_per_uid", 1)
-            await until(lambda: rt.hung >= min(n, SHARE, per_uid), "the untrusted pulls reach the runtime")
+            await wait_for(lambda: rt.hung >= min(n, SHARE, per_uid), 15.0, "the untrusted pulls reach the runtime")
             await asyncio.sleep(watch_s)
             waited = await root_pull(shim.path)
             running = (await asyncio.to_thread(fetch_status, str(admin)))["pulls"]["running"]

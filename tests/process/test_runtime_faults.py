@@ -18,6 +18,7 @@ from tests.support.fake_images import FakeImageStore, StoredImage, image_id
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 from tests.support.runtime_process import RuntimeProcess
+from tests.support.wait import wait_for
 
 PULL = "/runtime.v1.ImageService/PullImage"
 LIST = "/runtime.v1.ImageService/ListImages"
@@ -29,14 +30,6 @@ PROMPT = 2.0  # seconds: "promptly", for an answer that needs no waiting at all
 
 def pull_request(image: str) -> bytes:
     return api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=image)).SerializeToString()
-
-
-async def wait_for(predicate, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def test_runtime_killed_mid_storm_then_restarted(tmp_path, engine: str) -> None:

@@ -13,4 +13,5 @@
 * :mod:`.fake_fixtures` -- ``runtime`` (a scripted runtime) and ``engine``, for tests/unit and
   tests/process
 * :mod:`.passthrough_shim` -- a byte-forwarding stand-in for the shim
+* :mod:`.wait`       -- ``wait_for`` (async tests) and ``wait_for_blocking``: poll a condition, fail naming it
 """

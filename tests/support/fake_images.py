@@ -85,7 +85,7 @@ class FakeImageStore:
             raise
 
     def install(self, runtime: Any) -> None:
-        runtime.unary[SVC + "ImageStatus"] = self._status
+        runtime.unary[SVC + "ImageStatus"] = self.image_status
         runtime.unary[SVC + "ListImages"] = self._list
         runtime.unary[SVC + "RemoveImage"] = self._remove
         runtime.streams[SVC + "StreamImages"] = self._stream
@@ -93,7 +93,8 @@ class FakeImageStore:
     def list_bytes(self) -> bytes:
         return b"".join(wire.len_field(1, img.encode()) for img in self.images) + self.list_extra
 
-    async def _status(self, request: bytes, context: Any) -> bytes:
+    async def image_status(self, request: bytes, context: Any) -> bytes:
+        """The runtime's ImageStatus answer (installed as its handler; tests call it for what the runtime says)."""
         req = api_pb2.ImageStatusRequest.FromString(request)
         img = await self._resolve_or_abort(req.image.image, context)
         if img is None:

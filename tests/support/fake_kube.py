@@ -183,6 +183,11 @@ class FakeKube:
                 for q in qs:
                     q.put_nowait(None)
 
+    def watch_event(self, path: str, event: dict[str, Any]) -> None:
+        """Send ``event`` as it is to the open watches of ``path`` (e.g. an ERROR the server sends)."""
+        for q in self._watchers[path]:
+            q.put_nowait(event)
+
     async def down(self) -> None:
         """An outage: open watches end, then nothing listens on the port."""
         self.end_watches()

@@ -61,3 +61,13 @@ def test_a_private_name_from_another_package_fails(tmp_path: Path, capsys: pytes
     assert rc == 1
     assert "shim/b/two.py:1: shim.a.one._secret" in out
     assert "shim/b/two.py:2: shim.a._hidden" in out
+
+
+def test_a_test_reading_another_modules_private_attribute_fails(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    root = tree(tmp_path, {"tests/test_a.py": "from shim.a import thing\nassert thing._cache == {}\n",
+                           "tests/test_b.py": ("class Own:\n    def __init__(self):\n        self._x = 1\n\n"
+                                               "def test(o: Own) -> None:\n    assert o._x == 1\n")})
+    rc, out = run(root, capsys)
+    assert rc == 1
+    assert "tests/test_a.py:2: ._cache" in out and "test_b.py" not in out  # its own class's private is its own

@@ -30,23 +30,13 @@ from shim.cluster.source import ClusterSource
 from shim.observability.metrics import Metrics
 from tests.support.fake_kube import FakeKube
 from tests.unit.test_cluster_source import FakeSets, node, pis, pool
+from tests.support.wait import wait_for
 
 NODES = "/api/v1/nodes"
 MCO = "machineconfiguration.openshift.io"
 PIS_V1 = f"/apis/{MCO}/v1/pinnedimagesets"
 MCP_V1 = f"/apis/{MCO}/v1/machineconfigpools"
 DEADLINE = 10.0  # a hung wait fails the test with a stack instead of hanging
-
-
-async def until(cond: Callable[[], Any], what: str) -> Any:
-    async def poll() -> Any:
-        while not (v := cond()):
-            await asyncio.sleep(0.01)
-        return v
-    try:
-        return await asyncio.wait_for(poll(), DEADLINE)
-    except TimeoutError:
-        raise AssertionError(f"not within {DEADLINE} s: {what}") from None
 
 
 @pytest.fixture
@@ -136,13 +126,13 @@ async def test_429_with_retry_after_waited_out_not_a_failure(kube: FakeKube) -> 
     inf = informer(kube.client(), reach, changes, backoff_initial=10_000, backoff_max=10_000)
     task = asyncio.ensure_future(inf.run())
     try:
-        await until(lambda: inf.synced, "listed after three 429s")
+        await wait_for(lambda: inf.synced, what="listed after three 429s")
         assert (inf.throttled, inf.failures, inf.error) == (3, 0, "")
         assert reach.status()["failing"] == []
         assert inf.items["n1"]["kind"] == "Node"
-        await until(lambda: kube.count(NODES, watch=True) == 1, "watching")
+        await wait_for(lambda: kube.count(NODES, watch=True) == 1, what="watching")
         kube.put(NODES, node({"a": "2"}))
-        await until(lambda: inf.items["n1"]["metadata"]["labels"] == {"a": "2"}, "the watch event applied")
+        await wait_for(lambda: inf.items["n1"]["metadata"]["labels"] == {"a": "2"}, what="the watch event applied")
         assert kube.count(NODES, watch=False) == 4  # three 429s and one list: no re-list
     finally:
         task.cancel()
@@ -162,19 +152,19 @@ async def test_after_an_outage_every_watch_resumes_when_readyz_answers(kube: Fak
                      reach=reach, backoff_initial=10_000, backoff_max=10_000, request_timeout=5)]
     tasks = [asyncio.ensure_future(i.run()) for i in infs]
     try:
-        await until(lambda: kube.count(NODES, watch=True) == 1 and kube.count(
-            "/apis/cri-shim.io/v1/imagesets", watch=True) == 1, "both watching")
+        await wait_for(lambda: kube.count(NODES, watch=True) == 1 and kube.count(
+            "/apis/cri-shim.io/v1/imagesets", watch=True) == 1, what="both watching")
         await kube.down()
-        await until(lambda: all(i.failures for i in infs), "both failed")
+        await wait_for(lambda: all(i.failures for i in infs), what="both failed")
         kube.ready = False
         await kube.up()
-        await until(lambda: kube.count("/readyz") >= 2, "probed while not ready")
+        await wait_for(lambda: kube.count("/readyz") >= 2, what="probed while not ready")
         assert all(i.failures for i in infs)  # readyz 500: still waiting
         kube.ready = True
-        await until(lambda: all(not i.error for i in infs), "both watching again")
+        await wait_for(lambda: all(not i.error for i in infs), what="both watching again")
         assert kube.count(NODES, watch=False) == 1  # resumed from its resourceVersion: no re-list
         kube.put(NODES, node({"back": "yes"}))
-        await until(lambda: infs[0].items["n1"]["metadata"].get("labels") == {"back": "yes"}, "event after the outage")
+        await wait_for(lambda: infs[0].items["n1"]["metadata"].get("labels") == {"back": "yes"}, what="event after the outage")
         probes = kube.count("/readyz")
         await asyncio.sleep(0.2)
         assert kube.count("/readyz") == probes  # nothing unreachable: no more probes
@@ -201,12 +191,11 @@ async def test_410_during_a_watch_lists_once_more(kube: FakeKube) -> None:
     inf = informer(kube.client(), reach, changes)
     task = asyncio.ensure_future(inf.run())
     try:
-        await until(lambda: kube.count(NODES, watch=True) == 1, "watching")
-        for q in kube._watchers[NODES]:
-            q.put_nowait({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
-                                                      "message": "too old resource version"}})
-        await until(lambda: kube.count(NODES, watch=False) == 2 and kube.count(NODES, watch=True) == 2,
-                    "listed again, then watching")
+        await wait_for(lambda: kube.count(NODES, watch=True) == 1, what="watching")
+        kube.watch_event(NODES, {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired",
+                                                             "message": "too old resource version"}})
+        await wait_for(lambda: kube.count(NODES, watch=False) == 2 and kube.count(NODES, watch=True) == 2,
+                       what="listed again, then watching")
         assert inf.failures == 0 and inf.lists == 2
     finally:
         task.cancel()
@@ -262,7 +251,7 @@ async def test_without_mco_one_discovery_request_per_interval_and_no_list(kube: 
     src = ClusterSource(cfg, sets, Metrics())  # type: ignore[arg-type]
     await src.start()
     try:
-        await until(lambda: src.mco_checks >= 2, "asked twice (start, one interval later)")
+        await wait_for(lambda: src.mco_checks >= 2, what="asked twice (start, one interval later)")
         assert kube.count(f"/apis/{MCO}") == src.mco_checks
         assert not any(p.startswith(f"/apis/{MCO}/") for p, _ in kube.requests)  # never listed
         assert src.status()["mco"] == {"served": False, "discovery_answers": src.mco_checks}
@@ -271,7 +260,7 @@ async def test_without_mco_one_discovery_request_per_interval_and_no_list(kube: 
         kube.put(MCP_V1, pool("worker", {"matchLabels": {"role": "worker"}}, ["w"]))
         kube.discovery[f"/apis/{MCO}"] = group("v1")
         kube.discovery[f"/apis/{MCO}/v1"] = resources("machineconfigpools", "pinnedimagesets")
-        await until(lambda: "w" in sets.sources.get("cluster", {}), "the PinnedImageSet applied once served")
+        await wait_for(lambda: "w" in sets.sources.get("cluster", {}), what="the PinnedImageSet applied once served")
         checks = src.mco_checks
         await asyncio.sleep(1.5)
         assert src.mco_checks == checks  # served and watched without error: discovery not asked again
@@ -279,8 +268,8 @@ async def test_without_mco_one_discovery_request_per_interval_and_no_list(kube: 
         del kube.discovery[f"/apis/{MCO}"]
         kube.fail(PIS_V1, 404, times=1000)  # the CRD is gone: the watch fails, discovery is asked again
         kube.end_watches(PIS_V1)
-        await until(lambda: src.status()["mco"]["served"] is False, "noticed the group went away")
-        await until(lambda: "pinnedimagesets" not in src.informers, "its watches stopped")
+        await wait_for(lambda: src.status()["mco"]["served"] is False, what="noticed the group went away")
+        await wait_for(lambda: "pinnedimagesets" not in src.informers, what="its watches stopped")
         assert "w" in sets.sources["cluster"]  # losing a resource never unpins
     finally:
         await src.stop()
@@ -316,18 +305,18 @@ async def test_secret_watched_by_name_rotation_applies_without_a_get(kube: FakeK
     ps.by_set = {"s": (ref,)}
     ps.sync()
     try:
-        await until(lambda: ps.for_sets(frozenset({"s"})), "entries from the watched Secret")
+        await wait_for(lambda: ps.for_sets(frozenset({"s"})), what="entries from the watched Secret")
         assert [c.password for _, c in ps.for_sets(frozenset({"s"}))] == ["one"]
         assert ps.due() == []  # watched: nothing to GET
         kube.put(SECRETS, secret("pull", "reg.example", "two"))
-        await until(lambda: [c.password for _, c in ps.for_sets(frozenset({"s"}))] == ["two"], "rotated")
+        await wait_for(lambda: [c.password for _, c in ps.for_sets(frozenset({"s"}))] == ["two"], what="rotated")
         assert changed and ps.status() == {"ns/pull": "ok"}
         assert not any("/secrets/" in p for p, _ in kube.requests)  # never read by GET
-        tasks = [t for _, t in ps._watches.values()]
+        tasks = list(ps.watches().values())
         ps.by_set = {}
         ps.sync()
         assert ps.for_sets(frozenset({"s"})) == [] and ps.entries == {}
-        await until(lambda: all(t.done() for t in tasks), "the watch ended with the last set naming it")
+        await wait_for(lambda: all(t.done() for t in tasks), what="the watch ended with the last set naming it")
     finally:
         await ps.stop()
 
@@ -345,7 +334,7 @@ async def test_secret_watch_forbidden_falls_back_to_get(kube: FakeKube) -> None:
     ps.sync()
     try:
         # handed over to GET, and read at once (not at the next refresh tick, up to a minute later)
-        await until(lambda: ps.for_sets(frozenset({"s"})) != [], "the refused watch's Secret read by GET at once")
+        await wait_for(lambda: ps.for_sets(frozenset({"s"})) != [], what="the refused watch's Secret read by GET at once")
         assert kube.count(SECRETS) == 1 and kube.count(f"{SECRETS}/pull") == 1  # list refused, not retried; one GET
         assert ps.due() == []  # the next GET after refresh_seconds
     finally:

@@ -12,7 +12,8 @@ from shim.cluster.source import ClusterSource
 from shim.cluster.node_report import NodeReport
 from shim.observability.metrics import Metrics
 from tests.unit.test_cluster_source import fake_informer, node
-from tests.unit.test_imagesets import eventually, image_sets, reconciled, store  # noqa: F401  (fixture)
+from tests.unit.test_imagesets import image_sets, reconciled, store  # noqa: F401  (fixture)
+from tests.support.wait import wait_for
 
 OLD, NEW, ADDED = "registry.local/app:v1", "registry.local/app:v2", "registry.local/side:v1"
 
@@ -54,7 +55,7 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
 
         # generation 2 adds NEW (missing) and ADDED (present); n1 is not granted
         recompute(src, paced(2, [NEW, ADDED]))
-        await eventually(lambda: pins(h) == {"app:v1", "app:v2", "side:v1"}, what="new images pinned at once")
+        await wait_for(lambda: pins(h) == {"app:v1", "app:v2", "side:v1"}, what="new images pinned at once")
         assert src.sets.reconciler.sets["web"].generation == "1" and set(src.held) == {"web"}
         assert store.pulls == []  # nothing of generation 2 pulled, the version in force kept (pinned)
         assert src.status()["awaiting_grant"] == {"web": {"generation": "2", "in_force_generation": "1"}}
@@ -65,14 +66,14 @@ async def test_without_a_grant_the_version_in_force_stays_and_nothing_new_is_pul
         degraded = next(c for c in doc["status"]["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "False"  # waiting is not failing
         # the state file keeps the version in force: a restart without the API keeps generation 1
-        src._save()  # as the apply loop does after each apply
+        src.save_state()  # as the apply loop does after each apply
         src2 = ClusterSource(cfg, h.sets, Metrics())
         src2.load_state()
         assert src2.selected["web"].set.generation == "1"
 
         # granted: generation 2 applies, NEW is pulled, OLD's pin goes with the old version
         recompute(src, paced(2, [NEW, ADDED], granted=["n2", "n1"]))
-        await eventually(lambda: NEW in store.pulls, what="NEW pulled once granted")
+        await wait_for(lambda: NEW in store.pulls, what="NEW pulled once granted")
         await reconciled(h, "web", 2)
         assert pins(h) == {"app:v2", "side:v1"} and src.held == {}
         # the controller drops n1 from the list once it reports generation 2: it goes on without it
@@ -87,10 +88,10 @@ async def test_a_generation_that_adds_no_image_needs_no_grant_and_a_new_set_wait
         cfg = config.ClusterConfig(kubeconfig="x", node_name="n1", state_file=str(tmp_path / "state.json"))
         src = ClusterSource(cfg, h.sets, Metrics())
         recompute(src, paced(1, [OLD, NEW]))  # a new set: nothing in force; OLD present -> pinned, NEW not pulled
-        await eventually(lambda: pins(h) == {"app:v1", "app:v2"}, what="pins without a grant")
+        await wait_for(lambda: pins(h) == {"app:v1", "app:v2"}, what="pins without a grant")
         assert "web" not in h.sets.reconciler.sets and store.pulls == []
         recompute(src, paced(1, [OLD, NEW], granted=["n1"]))
-        await eventually(lambda: NEW in store.pulls, what="NEW pulled once granted")
+        await wait_for(lambda: NEW in store.pulls, what="NEW pulled once granted")
         recompute(src, paced(2, [OLD], failureThreshold=3))  # drops an image, changes the rollout: no grant needed
         assert src.sets.reconciler.sets["web"].generation == "2" and src.held == {}
 
@@ -106,14 +107,14 @@ async def test_a_set_deleted_and_created_again_while_the_shim_was_stopped_is_new
         src = ClusterSource(cfg, h.sets, Metrics())
         recompute(src, paced(1, [OLD], granted=["n1"]))
         await reconciled(h, "web", 1)
-        src._save()  # the shim stops here
+        src.save_state()  # the shim stops here
         src2 = ClusterSource(cfg, h.sets, Metrics())
         src2.load_state()
         again = paced(1, [OLD, NEW])
         again["metadata"]["uid"] = "u2"
         recompute(src2, again)
         assert src2.sets.reconciler.sets["web"].refs == (OLD,) and set(src2.held) == {"web"}
-        await eventually(lambda: pins(h) == {"app:v1", "app:v2"}, what="the new object's images pinned")
+        await wait_for(lambda: pins(h) == {"app:v1", "app:v2"}, what="the new object's images pinned")
         assert store.pulls == []  # NEW is not pulled without a grant
         row = NodeReport(src2, h.sets, None, interval=1, event_interval=60, event_namespace="default",
                          request_timeout=5).document()["status"]["sets"][0]
@@ -128,7 +129,7 @@ async def test_a_set_deleted_and_created_again_while_the_shim_was_stopped_is_new
         granted["metadata"]["uid"], granted["status"]["rollout"]["uid"] = "u2", "u2"
         granted["metadata"]["resourceVersion"] = "99"
         recompute(src2, granted)
-        await eventually(lambda: NEW in store.pulls, what="NEW pulled once the new object grants it")
+        await wait_for(lambda: NEW in store.pulls, what="NEW pulled once the new object grants it")
         await reconciled(h, "web", 2)
         row = NodeReport(src2, h.sets, None, interval=1, event_interval=60, event_namespace="default",
                          request_timeout=5).document()["status"]["sets"][0]

@@ -48,13 +48,13 @@ def test_bad_edit_keeps_last_valid_version_in_force_and_in_the_state_file(tmp_pa
     src.informers = {"node": informer([node(labels)]),
                      "imagesets": informer([versioned(own("keep", GOOD, pin=True), 1)])}
     assert src.recompute()
-    src._save()
+    src.save_state()
     assert sets.sources["cluster"]["keep"].generation == "1"
 
     for bad in (UPPER, LONG):
         src.informers["imagesets"] = informer([versioned(own("keep", [*GOOD, bad], pin=True), 2, bad)])
         src.recompute()
-        src._save()
+        src.save_state()
         kept = sets.sources["cluster"]["keep"]
         assert (kept.generation, kept.pin, len(kept.refs)) == ("1", True, 3)
         r = src.refused["keep"]
@@ -120,12 +120,12 @@ def test_pinned_image_set_bad_edit_and_unreadable_pool_keep_it(tmp_path: Path) -
                      "pinnedimagesets": informer([versioned(pis("w", GOOD), 1)]),
                      "machineconfigpools": informer([worker])}
     src.recompute()
-    src._save()
+    src.save_state()
     assert sets.sources["cluster"]["w"].generation == "1"
 
     src.informers["pinnedimagesets"] = informer([versioned(pis("w", [*GOOD, UPPER]), 2)])
     src.recompute()
-    src._save()
+    src.save_state()
     assert sets.sources["cluster"]["w"].generation == "1" and len(sets.sources["cluster"]["w"].refs) == 3
     assert src.refused["w"].kind == "PinnedImageSet" and src.refused["w"].generation == "2"
     saved = json.loads((tmp_path / "state.json").read_text())
@@ -229,8 +229,8 @@ async def test_file_with_a_bad_set_keeps_every_set_of_it_and_is_reported(runtime
         await reconciled(h, "two", 1)
         write(f, own_file("one", GOOD[:2], pin=True) + "---\n" + own_file("two", [*GOOD[2:], UPPER], pin=True))
         await reconciled(h, "two", 1)
-        from tests.unit.test_imagesets import eventually
-        await eventually(lambda: str(f) in h.status()["file_errors"])
+        from tests.support.wait import wait_for
+        await wait_for(lambda: str(f) in h.status()["file_errors"])
         assert h.set_status("one")["pinned"] == 2 and h.set_status("two")["pinned"] == 1
         assert h.metrics.registry.get_sample_value("cri_shim_image_set_invalid", {"source": "file"}) == 1
         assert "must be lowercase" in h.status()["file_errors"][str(f)]
@@ -282,6 +282,6 @@ async def test_a_stopped_or_new_cluster_source_leaves_no_stale_invalid_count(tmp
     assert invalid() == 1
     await src.stop()
     assert invalid() == 0
-    src._report()
+    src.report()
     ClusterSource(src.cfg, sets, metrics)  # a reload that changed cluster.*: nothing applied yet
     assert invalid() == 0

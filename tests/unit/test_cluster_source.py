@@ -18,6 +18,7 @@ from shim.cluster import objects, state
 from shim.cluster.informer import backoff
 from shim.cluster.source import ClusterSource
 from shim.observability.metrics import Metrics
+from tests.support.wait import wait_for
 
 
 def own(name: str, images: list[str], selector: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -144,7 +145,7 @@ def test_state_file_restores_sets_and_never_drops_while_unreadable(tmp_path: Pat
                      "pinnedimagesets": fake_informer([pis("w", ["reg/w:1"])]),
                      "machineconfigpools": fake_informer([pool("worker", {"matchLabels": {"zone": "a"}}, ["w"])])}
     assert src.recompute()
-    src._save()
+    src.save_state()
     assert sorted(sets.sources["cluster"]) == ["a", "w"]
     saved = json.loads((tmp_path / "state.json").read_text())
     assert saved["labels"] == {"zone": "a"} and [o["metadata"]["name"] for o in saved["imageSets"]] == ["a"]
@@ -180,7 +181,7 @@ def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path:
     src.cfg = dataclasses.replace(src.cfg, state_file=str(blocker / "cri-shim" / "state.json"))
 
     def metric(name: str) -> float | None:
-        return src.metrics.registry.get_sample_value(name)
+        return src.events.registry.get_sample_value(name)
 
     def errors() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -197,22 +198,25 @@ def test_state_file_not_writable_is_an_error_in_log_status_and_metrics(tmp_path:
                      "imagesets": fake_informer([own("a", ["reg/a:1"], {"matchLabels": {"zone": "a"}}, pin=True)])}
     assert src.recompute()
     for n in (2, 3):  # every failed save: one more error line, counted
-        src._save()
+        src.save_state()
         assert len([m for m in errors() if "cannot save the cluster state file" in m]) == n - 1
         assert metric("cri_shim_cluster_state_write_failures_total") == n and src.status()["state_write_failures"] == n
         assert metric("cri_shim_cluster_state_file_error") == 1.0
     assert sorted(sets.sources["cluster"]) == ["a"]  # the sets are applied all the same
 
     blocker.unlink()  # writable now (e.g. the unit fixed): the next save works and clears the error
-    src._save()
+    src.save_state()
     assert json.loads(Path(src.cfg.state_file).read_text())["labels"] == {"zone": "a"}
     assert "state_error" not in src.status() and metric("cri_shim_cluster_state_file_error") == 0.0
     assert metric("cri_shim_cluster_state_write_failures_total") == 3.0
     assert any(r.getMessage().startswith("cluster state file saved again") for r in caplog.records)
 
-    src._state_problem("x")
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    src.cfg = dataclasses.replace(src.cfg, state_file=str(unwritable / "state.json"))
+    src.save_state()  # cannot write again
     assert metric("cri_shim_cluster_state_file_error") == 1.0
-    ClusterSource(src.cfg, sets, src.metrics)  # type: ignore[arg-type]  # a reload that changed cluster.*
+    ClusterSource(src.cfg, sets, src.events)  # type: ignore[arg-type]  # a reload that changed cluster.*
     assert metric("cri_shim_cluster_state_file_error") == 0.0  # the new source starts clean
 
 
@@ -224,12 +228,12 @@ async def test_a_failed_save_is_tried_again(tmp_path: Path) -> None:
     src.cfg = dataclasses.replace(src.cfg, state_file=str(blocker / "state.json"), backoff_initial_seconds=0.1,
                                   backoff_max_seconds=0.1)
     src.informers = {"node": fake_informer([node({"zone": "a"})]), "imagesets": fake_informer([own("a", ["reg/a:1"])])}
-    loop = asyncio.create_task(src._apply_loop())
+    loop = asyncio.create_task(src.apply_loop())
     try:
-        src._dirty.set()
-        await until(lambda: src.state_write_failures >= 2)  # the save after the change, then a retry
+        src.mark_changed()
+        await wait_for(lambda: src.state_write_failures >= 2)  # the save after the change, then a retry
         blocker.unlink()
-        await until(lambda: not src.state_error)
+        await wait_for(lambda: not src.state_error)
         assert Path(src.cfg.state_file).exists()
         n = src.state_write_failures
         await asyncio.sleep(0.3)
@@ -254,22 +258,15 @@ async def test_an_apply_that_raises_keeps_the_sets_and_is_tried_again(tmp_path: 
             raise KeyError("name")
         return real()
     src.recompute = flaky  # type: ignore[method-assign]
-    loop = asyncio.create_task(src._apply_loop())
+    loop = asyncio.create_task(src.apply_loop())
     try:
-        src._dirty.set()
-        await until(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
+        src.mark_changed()
+        await wait_for(lambda: len(calls) >= 2 and Path(src.cfg.state_file).exists())
         assert "a" in src.selected
         assert any(r.getMessage().startswith("cluster image sets not applied") for r in caplog.records)
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
-
-
-async def until(cond: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def test_node_status_changes_do_not_reselect(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def _watched(holder: str, rv: str, duration: float = 15.0) -> dict[str, Any]:
             "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration}}
 
 
-def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() -> None:
+async def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() -> None:
     clock = Clock()
     e = LeaderElector(FakeLock(), identity="b", clock=clock)
     assert e.next_try(next_poll=102.0) == 102.0  # nothing observed yet: the poll
@@ -101,7 +101,12 @@ def test_standby_schedules_its_try_at_the_instant_the_observed_record_expires() 
     assert e.next_try(next_poll=116.0) == 116.0
     clock.t = 129.0
     assert e.next_try(next_poll=130.9) == 129.5
-    e._last_try = 129.6  # tried after that expiry and lost (a write raced it): wait for the poll, no spin
+    clock.t = 129.6
+
+    async def lost() -> bool:
+        return False
+    e.try_acquire_or_renew = lost  # type: ignore[method-assign]
+    assert not await e.try_once()  # tried after that expiry and lost (a write raced it): wait for the poll, no spin
     assert e.next_try(next_poll=131.0) == 131.0
     clock.t = 129.8
     e.lease_event("MODIFIED", None, _watched("", "9", 1))  # released: at once, whatever the poll

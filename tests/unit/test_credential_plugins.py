@@ -171,7 +171,7 @@ async def test_a_killed_flood_is_reaped_even_when_its_output_was_not_read(tmp_pa
         stdout=asyncio.subprocess.PIPE)
     await asyncio.sleep(0.5)  # the pipe and asyncio's reader fill; asyncio pauses reading
     async with asyncio.timeout(plugins.REAP_SECONDS):
-        await plugins._kill(proc)
+        await plugins.kill_plugin(proc)
     assert proc.returncode == -9
 
 

@@ -349,7 +349,7 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
     async with serve(runtime, settings) as shim:
         svc = shim.app.images
         status = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1"), verbose=True).SerializeToString()
-        out = inject_image_handler(svc.handlers, svc.metrics, status)
+        out = inject_image_handler(svc.handlers, svc.events, status)
         assert pb.ImageStatusRequest.FromString(out).image.runtime_handler == "by-image"
         spec = pb.ImageSpec(image="quay.io/gpu/x:1").SerializeToString()
         assert next(out[vs:e] for n, _, _, vs, e in wire.fields(out) if n == 1) == spec + wire.string_field(19, "by-image")
@@ -357,13 +357,13 @@ async def test_image_requests_get_image_and_annotation_rules_only(runtime: FakeR
 
         annotated = pb.RemoveImageRequest(image=pb.ImageSpec(image="nginx", annotations={"example.com/rc": "kata"}))
         raw = annotated.SerializeToString()
-        assert pb.RemoveImageRequest.FromString(inject_image_handler(svc.handlers, svc.metrics, raw, annotated)).image.runtime_handler \
+        assert pb.RemoveImageRequest.FromString(inject_image_handler(svc.handlers, svc.events, raw, annotated)).image.runtime_handler \
             == "by-annotation"
 
         plain = pb.RemoveImageRequest(image=pb.ImageSpec(image="nginx")).SerializeToString()
-        assert inject_image_handler(svc.handlers, svc.metrics, plain) == plain  # pod rules cannot match without a pod
+        assert inject_image_handler(svc.handlers, svc.events, plain) == plain  # pod rules cannot match without a pod
         explicit = pb.ImageStatusRequest(image=pb.ImageSpec(image="quay.io/gpu/x:1", runtime_handler="runc"))
-        assert inject_image_handler(svc.handlers, svc.metrics, explicit.SerializeToString()) == explicit.SerializeToString()
+        assert inject_image_handler(svc.handlers, svc.events, explicit.SerializeToString()) == explicit.SerializeToString()
 
 
 async def test_image_status_and_remove_image_reach_the_runtime_with_a_rule_handler(runtime: FakeRuntime) -> None:

@@ -14,7 +14,8 @@ import pytest
 
 from shim.imagesets import state
 from shim.imagesets.loader import SetDirectory
-from tests.unit.test_imagesets import eventually, image_sets, pinned, reconciled, store, write  # noqa: F401 (fixture)
+from tests.unit.test_imagesets import image_sets, pinned, reconciled, store, write  # noqa: F401 (fixture)
+from tests.support.wait import wait_for
 
 A1 = "registry.local/a:1"
 B1 = "registry.local/b:1"
@@ -156,20 +157,20 @@ async def test_restart_with_an_invalid_file_keeps_its_pins_from_the_first_update
     monkeypatch.setattr(state, "save", lambda p, files: (real_save(p, files), saves.append(files)))  # written, then counted
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
         await reconciled(h, "alpha", 1)
-        await eventually(lambda: len(saves) == 1)
+        await wait_for(lambda: len(saves) == 1)
         assert json.loads(path.read_text())["files"] == {str(a): a.read_text()}
         write(a, a.read_text())  # touched, same text: no write
-        await eventually(lambda: h.sets.scans >= 2)
+        await wait_for(lambda: h.sets.scans >= 2)
         write(a, pinned("alpha", [A1, B1]))
         await reconciled(h, "alpha", 2)
-        await eventually(lambda: len(saves) == 2)
+        await wait_for(lambda: len(saves) == 2)
         write(a, BROKEN)  # an invalid edit: the state keeps the last valid text
-        await eventually(lambda: str(a) in h.status()["file_errors"])
+        await wait_for(lambda: str(a) in h.status()["file_errors"])
     assert len(saves) == 2 and "a:1" in saves[-1][str(a)] and "b:1" in saves[-1][str(a)]
 
     caplog.set_level(logging.ERROR, logger="cri_shim")
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
-        await eventually(lambda: bool(h.pin_updates))
+        await wait_for(lambda: bool(h.pin_updates))
         assert sorted(h.pin_updates[0].items()) == [(A1, "alpha"), (B1, "alpha")]  # the first pins include alpha's
         st = h.status()
         assert st["loaded_from_state"] == 1 and "last valid version, saved in " + str(path) in st["file_errors"][str(a)]
@@ -182,9 +183,9 @@ async def test_restart_with_an_invalid_file_keeps_its_pins_from_the_first_update
 
     a.unlink()  # deleted while the shim was down: a deletion
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
-        await eventually(lambda: bool(h.pin_updates))
+        await wait_for(lambda: bool(h.pin_updates))
         assert h.pin_updates[0] == {} and "alpha" not in h.status().get("sets", {})
-        await eventually(lambda: len(saves) == 3)
+        await wait_for(lambda: len(saves) == 3)
     assert json.loads(path.read_text())["files"] == {}
 
 
@@ -199,7 +200,7 @@ async def test_a_corrupt_state_file_is_reported_and_replaced(runtime, store, tmp
         assert "not valid JSON" in h.status()["state_error"]
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_file_error") == 1
         await reconciled(h, "alpha", 1)  # the files as they are
-        await eventually(lambda: "state_error" not in h.status())  # saved: the file is ours again
+        await wait_for(lambda: "state_error" not in h.status())  # saved: the file is ours again
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_file_error") == 0
     assert "image-set state file unusable" in caplog.text
     assert json.loads(path.read_text())["files"] == {str(a): a.read_text()}
@@ -218,12 +219,12 @@ async def test_a_state_file_that_cannot_be_written_is_an_error_until_a_save_succ
         assert st["state_error"].startswith(f"{path}: cannot write") and st["state_write_failures"] == 1
         assert "image-set state file cannot be written" in caplog.text
         await reconciled(h, "alpha", 1)  # the sets apply all the same
-        await eventually(lambda: h.status().get("state_write_failures", 0) >= 3)  # every save, retried
+        await wait_for(lambda: h.status().get("state_write_failures", 0) >= 3)  # every save, retried
         assert "cannot save the image-set state file" in caplog.text
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_write_failures_total") >= 3
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_file_error") == 1
         blocker.unlink()  # fixed: the next retry saves
-        await eventually(lambda: "state_error" not in h.status())
+        await wait_for(lambda: "state_error" not in h.status())
         assert h.metrics.registry.get_sample_value("cri_shim_image_sets_state_file_error") == 0
     assert "image-set state file saved again" in caplog.text
     assert list(json.loads(path.read_text())["files"]) == [str(sets / "a.yaml")]
@@ -250,5 +251,5 @@ async def test_a_corrupt_state_file_with_nothing_to_keep_is_rewritten_at_start(r
     path.write_text('{"version": 1, "files": 3}')
     async with image_sets(runtime, sets, state_file=str(path), load_state=True) as h:
         assert "not a map of path to text" in h.status()["state_error"]
-        await eventually(lambda: "state_error" not in h.status())
+        await wait_for(lambda: "state_error" not in h.status())
     assert json.loads(path.read_text()) == {"version": 1, "files": {}}

@@ -10,19 +10,21 @@ import logging
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Mapping
 
 import grpc
 import pytest
 
 from shim.config import ImageSetsConfig
 from shim.imagesets.manager import ImageSets
+from shim.imagesets.reconciler import Environment
 from shim.observability.metrics import Metrics
 from shim.images.pin_set import PinSet
 from shim.pulls.scheduler import Priority, PullKey, PullScheduler
 from shim.cri.upstream import Upstream
 from tests.support.prefetch_store import FakeImages
 from tests.support.fake_runtime import FakeRuntime
+from tests.support.wait import wait_for
 
 PULL = "/runtime.v1.ImageService/PullImage"
 
@@ -49,15 +51,6 @@ def write(path: Path, text: str) -> None:
     tmp = path.with_name("." + path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        if loop.time() > end:
-            pytest.fail(f"timed out waiting for {what or predicate}")
-        await asyncio.sleep(0.01)
 
 
 @dataclasses.dataclass
@@ -103,7 +96,8 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
 
     h = Harness(None, scheduler, metrics, pin_updates, disk, upstream)  # type: ignore[arg-type]
     h.sets = ImageSets(config, upstream, scheduler, metrics, on_pins=pin_updates.append, pins=lambda: h.pins,
-                       use_inotify=use_inotify, poll_seconds=0.05, statvfs=statvfs, disk_recheck_seconds=0.05,
+                       use_inotify=use_inotify, poll_seconds=0.05,
+                       env=Environment(statvfs=statvfs, disk_recheck_seconds=0.05),
                        **(options or {}))
     if load_state:  # as the app does, before serving
         h.sets.load_state()
@@ -116,7 +110,7 @@ async def image_sets(runtime: FakeRuntime, directory: Path, *, use_inotify: bool
 
 
 async def reconciled(h: Harness, name: str, present: int, timeout: float = 5.0) -> dict[str, Any]:
-    await eventually(lambda: name in h.status()["sets"] and h.set_status(name)["present"] == present
+    await wait_for(lambda: name in h.status()["sets"] and h.set_status(name)["present"] == present
                      and h.status()["images"]["unknown"] == 0, timeout, f"{name} to have {present} present")
     return h.set_status(name)
 
@@ -150,7 +144,7 @@ async def test_background_lanes_respect_max_parallel(runtime, store, tmp_path) -
     refs = [f"registry.local/img{i}:1" for i in range(8)]
     (tmp_path / "a.yaml").write_text(own("many", refs))
     async with image_sets(runtime, tmp_path, max_parallel=3) as h:
-        await eventually(lambda: len(store.pulls) == 3)
+        await wait_for(lambda: len(store.pulls) == 3)
         await asyncio.sleep(0.1)  # nothing more may start while three are held
         assert len(store.pulls) == 3
         s = h.set_status("many")
@@ -201,10 +195,10 @@ async def test_edit_while_prefetching_cancels_removed_pulls(runtime, store, tmp_
     f = tmp_path / "sets.yaml"
     f.write_text(own("warm", drop + keep))
     async with image_sets(runtime, tmp_path, max_parallel=2) as h:
-        await eventually(lambda: len(store.pulls) == 2)  # drop0 and drop1 running, the rest queued
+        await wait_for(lambda: len(store.pulls) == 2)  # drop0 and drop1 running, the rest queued
         assert store.pulls == drop[:2]
         write(f, own("warm", keep))
-        await eventually(lambda: sorted(store.cancelled) == drop[:2], what="running pulls cancelled")
+        await wait_for(lambda: sorted(store.cancelled) == drop[:2], what="running pulls cancelled")
         for r in keep:
             store.hold(r).set()
         s = await reconciled(h, "warm", 2)
@@ -219,17 +213,17 @@ async def test_a_kubelet_pull_sharing_a_dropped_prefetch_is_not_cancelled(runtim
     f = tmp_path / "sets.yaml"
     f.write_text(own("warm", ["registry.local/shared:1"]))
     async with image_sets(runtime, tmp_path) as h:
-        await eventually(lambda: store.pulls == ["registry.local/shared:1"])
+        await wait_for(lambda: store.pulls == ["registry.local/shared:1"])
 
         async def kubelet_run() -> bytes:
             raise AssertionError("kubelet's pull must join the running prefetch")
 
         kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image="registry.local/shared:1"), kubelet_run,
                                                          priority=Priority.FOREGROUND))
-        await eventually(lambda: [r["waiters"] for r in h.scheduler.snapshot()["in_flight"]] == [2],
+        await wait_for(lambda: [r["waiters"] for r in h.scheduler.snapshot()["in_flight"]] == [2],
                          what="kubelet's pull joined the prefetch")
         write(f, own("warm", []))
-        await eventually(lambda: h.status()["sets"]["warm"]["declared"] == 0)
+        await wait_for(lambda: h.status()["sets"]["warm"]["declared"] == 0)
         await asyncio.sleep(0.05)
         assert not kubelet.done() and store.cancelled == []
         gate.set()
@@ -246,13 +240,13 @@ async def test_failures_retry_with_backoff_and_do_not_block_others(runtime, stor
     async with image_sets(runtime, tmp_path, retry_initial_seconds=0.02, retry_max_seconds=0.08) as h:
         s = await reconciled(h, "warm", 7)  # all but the one that never comes
         assert store.pulls.count("registry.local/flaky:1") == 4
-        await eventually(lambda: store.pulls.count("registry.local/gone:1") >= 4)
+        await wait_for(lambda: store.pulls.count("registry.local/gone:1") >= 4)
         snap: dict = {}
 
         def between_retries() -> bool:  # it is "pulling" while a retry is under way
             snap["set"], snap["all"] = h.set_status("warm"), h.status()
             return snap["set"]["failed"] == 1 and bool(snap["all"]["failed"])
-        await eventually(between_retries)
+        await wait_for(between_retries)
         s = snap["set"]
         assert s["failed"] == 1 and "registry.local/gone:1: NOT_FOUND" in s["last_error"]
         [row] = snap["all"]["failed"]
@@ -264,7 +258,7 @@ async def test_failures_retry_with_backoff_and_do_not_block_others(runtime, stor
 async def test_disk_guard_holds_pulls_and_says_why(runtime, store, tmp_path) -> None:
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/a:1", "registry.local/b:1"]))
     async with image_sets(runtime, tmp_path, free_bytes=1 << 30, min_free_bytes=5 << 30) as h:
-        await eventually(lambda: h.status()["disk"]["blocked"] != "", what="disk guard to block")
+        await wait_for(lambda: h.status()["disk"]["blocked"] != "", what="disk guard to block")
         status = h.status()
         assert "free space on /var/lib/fake-runtime/images is 1 GiB, below image_sets.min_free_bytes 5 GiB" \
             in status["disk"]["blocked"]
@@ -304,7 +298,7 @@ async def test_bad_file_keeps_previous_content_while_others_reconcile(runtime, s
         write(a, "apiVersion: machineconfiguration.openshift.io/v1\nkind: PinnedImageSet\nspec: [broken\n")
         write(b, own("beta", ["registry.local/b:1", "registry.local/b:2"]))
         await reconciled(h, "beta", 2)
-        await eventually(lambda: str(a) in h.status()["file_errors"])
+        await wait_for(lambda: str(a) in h.status()["file_errors"])
         assert h.set_status("alpha")["declared"] == 1 and h.set_status("alpha")["pinned"] == 1
         assert "not valid YAML" in h.status()["file_errors"][str(a)]
         assert "image set file rejected; its previous content stays in force" in caplog.text
@@ -327,7 +321,7 @@ async def test_progress_is_logged_at_quarters(runtime, store, tmp_path, caplog) 
         await reconciled(h, "prog", 8)
         # The status counts an image present as its pull ends; the progress line is written by the
         # reconciler's next pass, which may come a moment later: wait for it, not for the status.
-        await eventually(lambda: 100 in steps(), 5.0, "the 100 % progress line")
+        await wait_for(lambda: 100 in steps(), 5.0, "the 100 % progress line")
     assert steps() == [25, 50, 75, 100]
 
 
@@ -335,7 +329,7 @@ async def test_runtime_unavailable_is_reported_and_recovered(runtime, store, tmp
     store.list_error = grpc.StatusCode.UNAVAILABLE
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/a:1"]))
     async with image_sets(runtime, tmp_path) as h:
-        await eventually(lambda: h.status()["runtime_error"] != "")
+        await wait_for(lambda: h.status()["runtime_error"] != "")
         assert "ListImages failed: UNAVAILABLE" in h.status()["runtime_error"]
         assert "UNAVAILABLE" in h.set_status("warm")["last_error"]
         store.list_error = None
@@ -347,10 +341,10 @@ async def test_images_removed_behind_our_back_come_back_on_resync(runtime, store
     store.add("registry.local/a:1")
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/a:1"]))
     async with image_sets(runtime, tmp_path) as h:
-        h.sets.reconciler.resync_seconds = 0.1
+        h.sets.reconciler.runtime.resync_seconds = 0.1
         await reconciled(h, "warm", 1)
         store.remove("registry.local/a:1")
-        await eventually(lambda: store.pulls == ["registry.local/a:1"] and store.has("registry.local/a:1"))
+        await wait_for(lambda: store.pulls == ["registry.local/a:1"] and store.has("registry.local/a:1"))
 
 
 async def test_sets_removed_and_restored_share_images(runtime, store, tmp_path) -> None:
@@ -360,6 +354,6 @@ async def test_sets_removed_and_restored_share_images(runtime, store, tmp_path) 
         await reconciled(h, "alpha", 1)
         assert store.pulls == ["registry.local/shared:1"]  # one image, one pull, whatever declares it
         (tmp_path / "a.yaml").unlink()
-        await eventually(lambda: "alpha" not in h.status()["sets"])
+        await wait_for(lambda: "alpha" not in h.status()["sets"])
         assert h.pin_updates[-1] == {} and h.set_status("beta")["present"] == 1
-        await eventually(lambda: h.gauge("alpha", "declared") is None, what="removed set's gauge series to go")
+        await wait_for(lambda: h.gauge("alpha", "declared") is None, what="removed set's gauge series to go")

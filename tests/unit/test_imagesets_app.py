@@ -14,7 +14,8 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime, socket_in
 from tests.support.inproc import running_shim
 from tests.support.prefetch_store import FakeImages, image_id
-from tests.unit.test_imagesets import eventually, own, pinned, write
+from tests.unit.test_imagesets import own, pinned, write
+from tests.support.wait import wait_for
 
 LIST = "/runtime.v1.ImageService/ListImages"
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -47,7 +48,7 @@ async def test_declared_pins_show_in_list_images_and_block_removal(tmp_path: Pat
     try:
         async with running_shim(rt.endpoint, settings(sets)) as shim:
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
-                await eventually(lambda: shim.app.image_sets_status().get("sets", {}).get("release", {})
+                await wait_for(lambda: shim.app.image_sets_status().get("sets", {}).get("release", {})
                                  .get("pinned") == 2)
                 assert await listed_pins(ch) == {"registry.local/a:1": True, "registry.local/b:1": True,
                                                  "registry.local/other:1": False}
@@ -82,14 +83,14 @@ async def test_kubelet_pulls_are_served_while_a_reconcile_waits_on_the_runtime(t
     write(sets / "w.yaml", own("warm", ["registry.local/a:1"]))
     try:
         async with running_shim(rt.endpoint, settings(sets)) as shim:
-            await eventually(lambda: store.lists >= 1, what="reconciler to ask for the image list")
+            await wait_for(lambda: store.lists >= 1, what="reconciler to ask for the image list")
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 req = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image="registry.local/kubelet:1"))
                 raw = await ch.unary_unary(PULL)(req.SerializeToString(), timeout=5)
                 assert api_pb2.PullImageResponse.FromString(raw).image_ref == image_id("registry.local/kubelet:1")
             assert store.pulls == ["registry.local/kubelet:1"]
             store.list_gate.set()
-            await eventually(lambda: store.has("registry.local/a:1"))
+            await wait_for(lambda: store.has("registry.local/a:1"))
     finally:
         await rt.stop()
 
@@ -105,7 +106,7 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
     try:
         async with running_shim(rt.endpoint, settings(first)) as shim:
             app = shim.app
-            await eventually(lambda: app.image_sets_status().get("sets", {}).get("one", {}).get("pinned") == 1)
+            await wait_for(lambda: app.image_sets_status().get("sets", {}).get("one", {}).get("pinned") == 1)
             assert app.images.pins.match(["registry.local/a:1"]) is not None
 
             await app.reload(config_mod.from_dict({**settings(first, max_parallel=3, cooldown_seconds=0.5),
@@ -122,10 +123,10 @@ async def test_reload_reconfigures_moves_and_turns_off_image_sets(tmp_path: Path
             assert app.images.pins.match(["registry.local/a:1"]) is not None
             async with grpc.aio.insecure_channel(shim.endpoint) as ch:
                 early = asyncio.ensure_future(removal(ch, "registry.local/b:1"))
-                await eventually(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
+                await wait_for(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
                 scans.release.set()
                 assert (await early)[0] is grpc.StatusCode.FAILED_PRECONDITION  # pinned by the new dir
-            await eventually(lambda: "two" in app.image_sets_status().get("sets", {}))
+            await wait_for(lambda: "two" in app.image_sets_status().get("sets", {}))
             assert app.images.pins.match(["registry.local/a:1"]) is not None  # "one", kept by the ledger
             assert app.images.pins.match(["registry.local/b:1"]) is not None
             assert app.image_sets_status()["pin_ledger"]["pinned_not_in_force"] == ["one"]
@@ -182,7 +183,7 @@ async def test_pins_are_enforced_from_the_first_call(tmp_path: Path, monkeypatch
                 assert await asyncio.to_thread(scans.entered.wait, 10)
                 early = asyncio.ensure_future(removal(ch, "registry.local/a:1"))
                 if scan_ends:
-                    await eventually(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
+                    await wait_for(lambda: sum(len(c.tasks) for c in shim.server.relay.connections) == 1)
                     assert not early.done() and not rt.calls("ImageStatus")  # the call is in the shim, waiting
                     scans.release.set()
                 code, details = await early

@@ -19,7 +19,8 @@ from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import Priority, PullKey
 from shim.reference import pull_name
 from tests.support.prefetch_store import FakeImages
-from tests.unit.test_imagesets import eventually, image_sets, own, reconciled
+from tests.unit.test_imagesets import image_sets, own, reconciled
+from tests.support.wait import wait_for
 
 SECRET = "pw-prefetch-5e2a91"
 
@@ -135,9 +136,9 @@ async def test_prefetch_joins_a_kubelet_pull_with_a_pull_secret(runtime, store, 
         kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image=pull_name("reg.local/app:1"),
                                                                  auth="pod-secret-hash"), kubelet_run,
                                                          priority=Priority.FOREGROUND))
-        await eventually(lambda: store.pulls == ["reg.local/app:1"])
+        await wait_for(lambda: store.pulls == ["reg.local/app:1"])
         (tmp_path / "a.yaml").write_text(own("warm", ["reg.local/app:1"]))  # declared while kubelet pulls
-        await eventually(lambda: h.set_status("warm")["pulling"] == 1 if "warm" in h.status()["sets"] else False)
+        await wait_for(lambda: h.set_status("warm")["pulling"] == 1 if "warm" in h.status()["sets"] else False)
         gate.set()
         await reconciled(h, "warm", 1)
         assert (await kubelet).response
@@ -148,9 +149,9 @@ async def test_a_hung_list_images_is_a_failed_list_not_a_stuck_loop(runtime, sto
     store.list_gate = asyncio.Event()  # ListImages never answers until set
     (tmp_path / "a.yaml").write_text(own("warm", ["reg.local/a:1"]))
     async with image_sets(runtime, tmp_path, runtime_timeout_seconds=0.2) as h:
-        await eventually(lambda: "DEADLINE_EXCEEDED" in h.status()["runtime_error"], what="ListImages deadline")
+        await wait_for(lambda: "DEADLINE_EXCEEDED" in h.status()["runtime_error"], what="ListImages deadline")
         lists = store.lists
-        await eventually(lambda: store.lists > lists, what="a retried ListImages")  # the loop goes on
+        await wait_for(lambda: store.lists > lists, what="a retried ListImages")  # the loop goes on
         store.list_gate.set()
         await reconciled(h, "warm", 1)
         assert h.status()["runtime_error"] == ""
@@ -165,12 +166,12 @@ async def test_a_hung_image_fs_info_does_not_stop_reconciling(runtime, store, tm
     runtime.unary["/runtime.v1.ImageService/ImageFsInfo"] = fs_info
     (tmp_path / "a.yaml").write_text(own("warm", ["reg.local/a:1"]))
     async with image_sets(runtime, tmp_path, runtime_timeout_seconds=0.2, min_free_bytes=1) as h:
-        await eventually(lambda: "ImageFsInfo failed: DEADLINE_EXCEEDED" in h.status()["disk"]["blocked"],
+        await wait_for(lambda: "ImageFsInfo failed: DEADLINE_EXCEEDED" in h.status()["disk"]["blocked"],
                          what="the disk guard to say why")
         assert store.pulls == []  # the guard holds the pull: free space is unknown
         hang.set()
         store.install()  # a runtime that answers again
-        h.sets.reconciler.resync_seconds = 0.05
+        h.sets.reconciler.runtime.resync_seconds = 0.05
         h.sets.resync()
         await reconciled(h, "warm", 1)
 

@@ -12,14 +12,19 @@ import grpc
 
 from shim.config import ImageSetsConfig
 from shim.credentials import DockerConfigFiles
+from shim.credentials.prefetch import PrefetchCredentials
 from shim.imagesets.due import FORGET_SECONDS, DueQueue, RetryBudget
 from shim.imagesets.loader import ImageSet
-from shim.imagesets.reconciler import Reconciler, _edit
+from shim.imagesets.prefetch import Prefetch
+from shim.imagesets.reconciler import Reconciler
+from shim.imagesets.runtime_view import RuntimeNames
+from shim.imagesets.table import diff_versions
 from shim.observability.metrics import Metrics
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
 from tests.support.prefetch_store import SERVICE, FakeImages
-from tests.unit.test_imagesets import eventually, image_sets, own, reconciled, write
+from tests.unit.test_imagesets import image_sets, own, reconciled, write
+from tests.support.wait import wait_for
 
 
 # ------------------------------------------------------------------ the due-time queue
@@ -121,7 +126,7 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
                           retry_per_second=0.001) as h:  # a burst of one retry, then one every 1,000 s
         await reconciled(h, "warm", 1)  # fast.local's retry was not held back by slow.local's
         # 4 wait while the one retry with the token runs, 5 once it failed again (a busy machine may poll late)
-        await eventually(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
+        await wait_for(lambda: h.status()["retry_budget"]["waiting"].get("slow.local", 0) >= 4,
                          what="slow.local's other retries to wait for a token")
         assert sum(store.pulls.count(r) for r in slow) == 5 + 1  # first attempts, then one retry
         s = h.set_status("warm")
@@ -135,8 +140,9 @@ async def test_failed_images_of_one_registry_wait_for_its_budget_not_the_others(
 def _reconciler(**cfg: object) -> tuple[Reconciler, None]:
     config = ImageSetsConfig(docker_config=(), **cfg)  # type: ignore[arg-type]
     metrics = Metrics()
-    rec = Reconciler(config, None, PullScheduler(4, 2, observers=[metrics]), metrics,  # type: ignore[arg-type]
-                     credentials=DockerConfigFiles(()))
+    prefetch = Prefetch(config, None, PullScheduler(4, 2, observers=[metrics]),  # type: ignore[arg-type]
+                        PrefetchCredentials(DockerConfigFiles(())), metrics)
+    rec = Reconciler(config, None, prefetch, metrics)  # type: ignore[arg-type]
     return rec, None
 
 
@@ -176,14 +182,14 @@ def test_an_edit_of_a_large_set_applies_exactly_what_changed() -> None:
     snap = rec.snapshot()
     assert snap.sets["a"].counts.declared == 10_001 and snap.sets["a"].counts.unknown == 10_001
     assert snap.totals.declared == 10_003  # 10,001 of a, r/i5:1 and r/other:1 of b
-    gone, added = _edit(_set("a", names), _set("a", edited))
+    gone, added = diff_versions(_set("a", names), _set("a", edited))
     assert gone == [("r/i5:1", "")] and added == [(("r/first:1", ""), "r/first:1"), (("r/middle:1", ""), "r/middle:1")]
     many = [f"r/new{i}:1" for i in range(100)]  # above EDIT_SCAN_MIN: one pass finds their places
-    gone, added = _edit(_set("a", names), _set("a", many[:50] + names[1:] + many[50:]))
+    gone, added = diff_versions(_set("a", names), _set("a", many[:50] + names[1:] + many[50:]))
     assert gone == [("r/i0:1", "")] and [spelled for _, spelled in added] == many
     with_handler = ImageSet(name="a", kind="ImageSet", pin=False, refs=tuple(names), spelled=tuple(names),
                             generation="3", source="/sets/a.yaml", handlers=("kata",) + ("",) * 9_999)
-    gone, added = _edit(_set("a", names), with_handler)
+    gone, added = diff_versions(_set("a", names), with_handler)
     assert gone == [("r/i0:1", "")] and added == [(("r/i0:1", "kata"), "r/i0:1")]
     rec.set_sets({"a": with_handler})
     snap = rec.snapshot()
@@ -207,10 +213,10 @@ async def test_counts_match_the_images_as_pulls_finish_and_fail(runtime, tmp_pat
     f = tmp_path / "a.yaml"
     f.write_text(own("warm", ["registry.local/here:1", "registry.local/new:1", "registry.local/gone:1"]))
     async with image_sets(runtime, tmp_path, retry_initial_seconds=0.05, retry_max_seconds=0.05) as h:
-        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["present"] == 2 and h.set_status("warm")["failed"] == 1,
+        await wait_for(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["present"] == 2 and h.set_status("warm")["failed"] == 1,
                          what="two present, one failed")
         write(f, own("warm", ["registry.local/here:1", "registry.local/other:1"]))  # gone dropped, other added
-        await eventually(lambda: h.set_status("warm")["declared"] == 2, what="the edit to apply")
+        await wait_for(lambda: h.set_status("warm")["declared"] == 2, what="the edit to apply")
         s = await reconciled(h, "warm", 2)
         assert (s["declared"], s["failed"], s["queued"], s["pulling"]) == (2, 0, 0, 0)
         assert s["last_error"] == "" and "failed_reasons" not in s
@@ -263,7 +269,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
     (tmp_path / "a.yaml").write_text(own("warm", ["registry.local/ok:1", "registry.local/gone:1"]))
     (tmp_path / "b.yaml").write_text(own("huge", [f"registry.local/h{i}:1" for i in range(4)]))
     async with image_sets(runtime, tmp_path, max_images=3, retry_initial_seconds=5.0) as h:
-        await eventually(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
+        await wait_for(lambda: "warm" in h.status()["sets"] and h.set_status("warm")["failed"] == 1,
                          what="one failed image")
         source = SimpleNamespace(node_name="n1", refused={}, last_refused={}, held={}, secret_errors=dict, informers={})
         node = NodeReport(source, h.sets, None,  # type: ignore[arg-type]
@@ -279,7 +285,7 @@ async def test_node_status_reads_the_snapshot_rows_reasons_and_refusals(runtime,
 
 
 def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> None:
-    rec, _ = _reconciler()
+    names_of = RuntimeNames()
 
     def listed(*images: tuple[list[str], list[str]]) -> bytes:
         r = api_pb2.ListImagesResponse()
@@ -288,11 +294,11 @@ def test_runtime_names_are_normalized_once_and_follow_the_runtimes_changes() -> 
         return r.SerializeToString()
     d = "sha256:" + "b" * 64
     first = listed((["busybox:1", "docker.io/library/busybox:1"], [f"busybox@{d}"]), (["Not A Name"], []))
-    names, count = rec._present_names(first)
+    names, count = names_of.read(first)
     assert count == 2 and names == {"docker.io/library/busybox:1", f"docker.io/library/busybox@{d}", "Not A Name"}
-    assert rec._present_names(first)[0] == names  # unchanged: served from the names' normal forms kept
-    names, count = rec._present_names(listed((["quay.io/x/y:2"], [])))
-    assert count == 1 and names == {"quay.io/x/y:2"} and list(rec._norm_cache) == ["quay.io/x/y:2"]
+    assert names_of.read(first)[0] == names  # unchanged: served from the names' normal forms kept
+    names, count = names_of.read(listed((["quay.io/x/y:2"], [])))
+    assert count == 1 and names == {"quay.io/x/y:2"} and names_of.kept() == ["quay.io/x/y:2"]
 
 
 async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for_it(runtime, tmp_path) -> None:
@@ -306,14 +312,14 @@ async def test_images_declared_while_the_full_pass_is_on_its_way_do_not_wait_for
         store.list_gate = asyncio.Event()  # the next full pass hangs in the runtime
         lists = store.lists
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
         write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1", "reg.local/here:1"]))
         store.add("reg.local/here:1")  # pulled by someone else: found by its ImageStatus
-        await eventually(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
+        await wait_for(lambda: store.finished == ["reg.local/new:1"], what="the new image pulled during the list")
         assert store.lists == lists + 1 and h.set_status("big")["present"] == 3
         passes = h.sets.reconciler.passes
         store.list_gate.set()  # its answer is from before both: it neither re-pulls nor forgets them
-        await eventually(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
+        await wait_for(lambda: h.sets.reconciler.passes > passes, what="the full pass to land")
         assert h.set_status("big")["present"] == 3 and store.pulls == ["reg.local/new:1"]
 
 
@@ -339,15 +345,15 @@ async def test_a_probe_that_fails_while_the_full_pass_is_on_its_way_is_tried_aga
         store.list_gate = asyncio.Event()
         lists = store.lists
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
         write(tmp_path / "a.yaml", own("big", ["reg.local/old:1", "reg.local/new:1"]))
-        await eventually(lambda: bool(failed and h.status()["runtime_error"]), what="the lookup to fail")
+        await wait_for(lambda: bool(failed and h.status()["runtime_error"]), what="the lookup to fail")
         for _ in range(5):  # wakes of the loop while the list is on its way
             h.sets.reconciler.configure(h.sets.reconciler.cfg)
             await asyncio.sleep(0.02)
         assert len(failed) == 1 and store.pulls == []
         store.list_gate.set()
-        await eventually(lambda: store.finished == ["reg.local/new:1"], what="new:1 pulled after the failed lookup")
+        await wait_for(lambda: store.finished == ["reg.local/new:1"], what="new:1 pulled after the failed lookup")
         await reconciled(h, "big", 2)
 
 
@@ -362,17 +368,17 @@ async def test_a_failing_image_the_runtime_got_while_the_full_pass_was_on_its_wa
     store.fail("reg.local/x:1", 10_000, grpc.StatusCode.UNAUTHENTICATED)
     (tmp_path / "a.yaml").write_text(own("s", ["reg.local/old:1", "reg.local/x:1"]))
     async with image_sets(runtime, tmp_path, retry_initial_seconds=0.2, retry_max_seconds=0.2) as h:
-        await eventually(lambda: h.status()["images"]["failed"] == 1, what="x failed")
+        await wait_for(lambda: h.status()["images"]["failed"] == 1, what="x failed")
         store.add("reg.local/x:1")  # kubelet pulled it
         store.list_gate = asyncio.Event()
         lists, pulls = store.lists, len(store.pulls)
         h.sets.resync()
-        await eventually(lambda: store.lists > lists, what="a full pass on its way")
-        await eventually(lambda: len(store.pulls) > pulls and h.status()["images"]["failed"] == 1,
+        await wait_for(lambda: store.lists > lists, what="a full pass on its way")
+        await wait_for(lambda: len(store.pulls) > pulls and h.status()["images"]["failed"] == 1,
                          what="x retried (and failed again) while the list is on its way")
         passes = h.sets.reconciler.passes
         store.list_gate.set()
-        await eventually(lambda: h.sets.reconciler.passes > passes, what="the list to land")
+        await wait_for(lambda: h.sets.reconciler.passes > passes, what="the list to land")
         store.list_gate = None
         h.sets.reconciler.resync_seconds = 0.05  # later passes (one may land while a retry is pulling)
         h.sets.resync()

@@ -11,6 +11,7 @@ from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.prom import free_port, scrape
+from tests.support.wait import wait_for
 
 PULL = "/runtime.v1.ImageService/PullImage"
 HOLD = 0.3  # seconds the runtime keeps the first pulls busy
@@ -37,15 +38,6 @@ class GatedPulls:
         return api_pb2.PullImageResponse(image_ref="sha256:" + "2" * 64).SerializeToString()
 
 
-async def until(predicate, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await predicate():
-        if loop.time() > deadline:
-            raise TimeoutError("condition not reached")
-        await asyncio.sleep(0.02)
-
-
 async def test_metrics_after_a_storm(engine: str, runtime: FakeRuntime) -> None:
     pulls = GatedPulls()
     runtime.unary[PULL] = pulls
@@ -59,9 +51,9 @@ async def test_metrics_after_a_storm(engine: str, runtime: FakeRuntime) -> None:
 
             async def arrived(n: int) -> bool:
                 return (await scrape(address)).value("cri_shim_pull_requests_total", priority="foreground") == n
-            await until(lambda: arrived(12))
+            await wait_for(lambda: arrived(12))
             others = [asyncio.ensure_future(pull(pull_request(f"other:{i}"), timeout=20)) for i in range(3)]
-            await until(lambda: arrived(15))
+            await wait_for(lambda: arrived(15))
 
             during = await scrape(address)
             assert during.value("cri_shim_pulls_in_flight") == 2  # storm:1 and one other
@@ -109,7 +101,7 @@ async def test_upstream_error_counts_once_per_runtime_call(engine: str, runtime:
             async def all_waiting() -> bool:
                 flights = shim.app.scheduler.snapshot()["in_flight"]
                 return bool(flights) and flights[0]["waiters"] == 5
-            await until(all_waiting)
+            await wait_for(all_waiting)
             pulls.gate("missing:1").set()
             results = await asyncio.gather(*calls, return_exceptions=True)
         after = await scrape(address)

@@ -137,7 +137,7 @@ async def test_a_restart_from_the_cluster_state_file_keeps_the_set_in_force_firs
     src.informers = {"node": fake_informer([node({})]), "imagesets": fake_informer([z, a])}
     src.recompute()
     assert set(sets.reconciler.sets) == {"z"} and "a" in sets.snapshot().refused
-    src._save()  # as the apply loop does
+    src.save_state()  # as the apply loop does
     await ledger.flush()
 
     ledger, sets, src = _node(tmp_path)  # restarted; the API server is down

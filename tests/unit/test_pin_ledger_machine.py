@@ -103,7 +103,7 @@ class Node:
             self.cluster.informers = {"node": fake_informer([node]),
                                       "imagesets": fake_informer(list(objects.values()))}
             if self.cluster.recompute():
-                self.cluster._save()  # as its apply loop does after an apply
+                self.cluster.save_state()  # as its apply loop does after an apply
         else:
             self.cluster.informers = {"node": fake_informer(None), "imagesets": fake_informer(None)}
 
@@ -111,7 +111,7 @@ class Node:
         """SIGTERM: the ledger's save finishes, the cluster state file is written."""
         self.runner.run(self.ledger.flush())
         if self.cluster.labels is not None:
-            self.cluster._save()
+            self.cluster.save_state()
 
 
 class LedgerMachine(RuleBasedStateMachine):

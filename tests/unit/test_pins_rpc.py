@@ -298,12 +298,12 @@ async def test_image_status_marks_pinned_keeps_info_order_and_misses(serve, runt
             pinned = await call(status_request("nginx:1.27", verbose=True), timeout=5)
             plain = await call(status_request("quay.io/org/app:v1", verbose=True), timeout=5)
             missing = await call(status_request("ghost"), timeout=5)
-    original = await store._status(status_request("nginx:1.27", verbose=True), None)
+    original = await store.image_status(status_request("nginx:1.27", verbose=True), None)
     info = original[len(wire.len_field(1, nginx().encode())):]
     assert pinned.endswith(info)  # the info map, in the runtime's order
     resp = api_pb2.ImageStatusResponse.FromString(pinned)
     assert resp.image.pinned and resp.image.id == image_id(1) and dict(resp.info) == {"zeta": "1", "alpha": "2"}
-    assert plain == await store._status(status_request("quay.io/org/app:v1", verbose=True), None)
+    assert plain == await store.image_status(status_request("quay.io/org/app:v1", verbose=True), None)
     assert missing == b""
 
 

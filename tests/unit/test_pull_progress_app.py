@@ -15,6 +15,7 @@ from tests.support.fake_content import MiB, Store
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
 from tests.support.otlp_collector import OtlpCollector, ReceivedSpan
+from tests.support.wait import wait_for
 
 PULL = "/runtime.v1.ImageService/PullImage"
 IMAGE = "reg.test/team/app:v1"
@@ -49,12 +50,6 @@ class HeldPull:
         return api_pb2.PullImageResponse(image_ref="sha256:" + "1" * 64).SerializeToString()
 
 
-async def until(predicate, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.02)
-
-
 async def test_collapsed_callers_get_progress_events_on_their_spans_and_status_shows_the_bar(
         runtime: FakeRuntime, collector: OtlpCollector) -> None:
     store = Store()
@@ -69,21 +64,21 @@ async def test_collapsed_callers_get_progress_events_on_their_spans_and_status_s
             md = [(("traceparent", f"00-{c * 32}-{'b' * 16}-01"),) for c in "12"]
             calls = [asyncio.ensure_future(ch.unary_unary(PULL)(pull_request(), metadata=m_, timeout=20)) for m_ in md]
             await held.started.wait()
-            await until(lambda: app.scheduler.snapshot()["in_flight"] and
+            await wait_for(lambda: app.scheduler.snapshot()["in_flight"] and
                         app.scheduler.snapshot()["in_flight"][0]["waiters"] == 2)
             store.write(l0, 0, 2 * MiB)
-            await until(lambda: app.status()["pulls"]["in_flight"][0].get("progress", {}).get("phase") == "downloading")
+            await wait_for(lambda: app.status()["pulls"]["in_flight"][0].get("progress", {}).get("phase") == "downloading")
             store.write(l0, 2 * MiB, 2 * MiB)
             store.write(l1, MiB, 2 * MiB)
-            await until(lambda: app.status()["pulls"]["in_flight"][0]["progress"]["bytes_done"] == 100 + 3 * MiB)
+            await wait_for(lambda: app.status()["pulls"]["in_flight"][0]["progress"]["bytes_done"] == 100 + 3 * MiB)
             row = app.status()["pulls"]["in_flight"][0]
             assert row["waiters"] == 2 and row["progress"]["layers_total"] == 2
             store.commit(l0, 2 * MiB)
             store.commit(l1, 2 * MiB)
-            await until(lambda: app.status()["pulls"]["in_flight"][0]["progress"]["phase"] == "unpacking")
+            await wait_for(lambda: app.status()["pulls"]["in_flight"][0]["progress"]["phase"] == "unpacking")
             held.gate.set()
             await asyncio.gather(*calls)
-    await until(lambda: len([s for s in collector.named("runtime.v1.ImageService/PullImage")
+    await wait_for(lambda: len([s for s in collector.named("runtime.v1.ImageService/PullImage")
                              if s.kind == ReceivedSpan.KIND_SERVER]) == 2)
     spans = [s for s in collector.named("runtime.v1.ImageService/PullImage") if s.kind == ReceivedSpan.KIND_SERVER]
     for s in spans:
@@ -128,7 +123,7 @@ async def test_status_watch_redraws_with_the_progress_bar(runtime: FakeRuntime, 
         async with grpc.aio.insecure_channel(shim.endpoint) as ch:
             call = asyncio.ensure_future(ch.unary_unary(PULL)(pull_request(), timeout=20))
             store.write(l0, 3 * MiB, 4 * MiB)
-            await until(lambda: shim.app.status()["pulls"]["in_flight"]
+            await wait_for(lambda: shim.app.status()["pulls"]["in_flight"]
                         and shim.app.status()["pulls"]["in_flight"][0].get("progress", {}).get("bytes_done"))
             out = io.StringIO()
             await asyncio.to_thread(watch_status, admin, 0.05, False, out, 2)

@@ -12,6 +12,7 @@ import pytest
 from shim.proto.runtime.v1 import api_pb2
 from tests.support.fake_runtime import FakeRuntime
 from tests.support.inproc import running_shim
+from tests.support.wait import wait_for
 
 PULL = "/runtime.v1.ImageService/PullImage"
 
@@ -44,15 +45,6 @@ class SlowPulls:
             self.active -= 1
         image = api_pb2.PullImageRequest.FromString(request).image.image
         return api_pb2.PullImageResponse(image_ref=f"sha256:{abs(hash(image)):064d}"[:71]).SerializeToString()
-
-
-async def wait_for(predicate, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not predicate():
-        if loop.time() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.01)
 
 
 def waiters(shim) -> list[int]:

@@ -39,8 +39,8 @@ async def held_back(shim) -> ClientConnection:
     """The client's connection once the shim stopped reading it and its runtime connection."""
     for _ in range(500):
         conn = next(iter(shim.server.relay.connections), None)
-        if conn is not None and "client-slow" in conn._paused["client"]:
-            assert "client-slow" in conn._paused["upstream"]
+        if conn is not None and "client-slow" in conn.paused("client"):
+            assert "client-slow" in conn.paused("upstream")
             return conn
         await asyncio.sleep(0.01)
     raise AssertionError("the shim kept reading a client that reads nothing")

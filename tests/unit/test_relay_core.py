@@ -327,8 +327,8 @@ def test_path_cache_is_bounded_by_bytes() -> None:
         sid = 2 * i + 1
         p.from_client(headers(sid, f"/vendor.v1.Service/Method{i:04d}" + "x" * 100, end_stream=True))
     assert len(p.runtime_got()) == 200
-    assert p.core.decoder._cache_used <= 4096
-    assert 0 < len(p.core.decoder._path_cache) < 200
+    assert p.core.decoder.cache_use().bytes <= 4096
+    assert 0 < p.core.decoder.cache_use().paths < 200
 
 
 def settings_values(payload: bytes) -> dict[int, int]:
@@ -563,7 +563,7 @@ def test_decoder_that_skips_undecodable_entries_stays_in_step_with_a_full_decode
         path, _, _ = mine.decode(block)
         assert path == dict(expected)[b":path"]
         assert mine.dynamic == list(ref.header_table.dynamic_entries), f"block {i}"
-        assert mine.size == ref.header_table._current_size
+        assert mine.size == sum(32 + len(n) + len(v) for n, v in ref.header_table.dynamic_entries)  # RFC 7541 4.1
 
 
 def test_a_remembered_header_block_is_forgotten_when_the_table_changes() -> None:
@@ -601,8 +601,8 @@ def test_remembered_blocks_agree_with_a_full_decoder_and_stay_within_the_cache_b
         path, before = mine.path_of(block)
         assert path == expected, f"block {i}"
         assert mine.dynamic == list(ref.header_table.dynamic_entries), f"block {i}"
-        assert mine._cache_used <= 2048
-    assert mine._blocks  # the repeated blocks were remembered
+        assert mine.cache_use().bytes <= 2048
+    assert mine.cache_use().blocks  # the repeated blocks were remembered
 
 
 def test_a_remembered_block_still_counts_against_the_header_list_limit() -> None:

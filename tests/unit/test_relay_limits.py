@@ -96,10 +96,10 @@ async def test_client_that_reads_nothing_stops_being_read_then_is_disconnected(r
         conn = None
         for _ in range(100):
             conn = next(iter(shim.server.relay.connections), None)
-            if conn is not None and "client-slow" in conn._paused["upstream"]:
+            if conn is not None and "client-slow" in conn.paused("upstream"):
                 break
             await asyncio.sleep(0.02)
-        assert conn is not None and "client-slow" in conn._paused["upstream"]  # the runtime is not read for it
+        assert conn is not None and "client-slow" in conn.paused("upstream")  # the runtime is not read for it
         assert conn.client.get_write_buffer_size() < 1 << 20
         assert await version(shim.endpoint) == b"v"
         await asyncio.sleep(1.0)  # past write_stall_seconds

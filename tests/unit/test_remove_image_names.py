@@ -129,7 +129,7 @@ class Upstream:
 
 async def remove_through_the_shim(runtime: Runtime, name: str, meanwhile) -> tuple[bytes | RpcError, Upstream]:
     upstream = Upstream(runtime, meanwhile)
-    svc = ImageService(upstream=upstream, scheduler=PullScheduler(1), metrics=Metrics(),  # type: ignore[arg-type]
+    svc = ImageService(upstream=upstream, scheduler=PullScheduler(1), events=Metrics(),  # type: ignore[arg-type]
                        pin_patterns=(PINNED_TAG,))
     call = Call(method=REMOVE_IMAGE, metadata=(), deadline=NO_DEADLINE, upstream=upstream,  # type: ignore[arg-type]
                 peer=Peer(uid=65534))  # an untrusted client may remove what is not pinned

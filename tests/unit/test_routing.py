@@ -101,7 +101,7 @@ def test_the_memo_is_bounded_by_paths_and_their_length() -> None:
         assert r.route(f"/runtime.v1.RuntimeService/Method{i}") is None
     long = "/runtime.v1.RuntimeService/" + "x" * routing.MEMO_PATH_MAX
     assert r.route(long) is None
-    assert len(r._memo) <= routing.MEMO_ENTRIES and long not in r._memo
+    assert len(r.remembered()) <= routing.MEMO_ENTRIES and long not in r.remembered()
     assert r.route(REMOVE) == Intercept(REMOVE, "remove")  # still decided right after a clear
 
 

@@ -137,7 +137,7 @@ async def _scenario(actions, slots: Slots, lease_ends: float, rnd: random.Random
     results = await asyncio.wait_for(asyncio.gather(*(t for t, _ in tasks), return_exceptions=True), 10)
     await _settle(lambda: s.in_flight == 0 and s.queued == 0 and active["n"] == 0)
     assert active["max"] <= cap + active["released"]
-    assert not s._flights  # nothing left behind
+    assert not s.flights()  # nothing left behind
     for r in results:
         assert isinstance(r, (tuple, asyncio.CancelledError))
         if isinstance(r, tuple) and r[0] == "err":

@@ -91,7 +91,7 @@ async def test_release_refuses_a_queued_or_finished_flight() -> None:
     b = asyncio.create_task(s.pull(key("b"), up.runner("b")))
     await settle()
     f = flight_of(s, "a")
-    queued = next(iter(s._flights[("b", "")]))
+    queued = next(iter(s.flights()[("b", "")]))
     assert not s.release(queued, CRIO)
     up.release("a")
     await a
@@ -111,10 +111,10 @@ async def test_the_lease_releases_only_what_the_guard_cannot_judge() -> None:
              for i in ("watched", "crio")]
     queued = asyncio.create_task(s.pull(key("next"), up.runner("next")))
     await settle()
-    assert sorted(lease._timers) == sorted(f.seq for f in s.holding)
+    assert sorted(lease.leased()) == sorted(f.seq for f in s.holding)
     watched, crio = flight_of(s, "watched"), flight_of(s, "crio")
     lease.expire(watched)  # the guard judges it: it keeps its slot, looked at again a timeout later
-    assert watched.released_at is None and watched.seq in lease._timers
+    assert watched.released_at is None and watched.seq in lease.leased()
     lease.expire(crio)
     await settle()
     assert crio.released_at is not None and up.calls == ["watched", "crio", "next"]
@@ -126,7 +126,7 @@ async def test_the_lease_releases_only_what_the_guard_cannot_judge() -> None:
     for i in ("watched", "crio", "next"):
         up.release(i)
     await asyncio.gather(*tasks, queued)
-    assert lease._timers == {} and up.cancelled == []
+    assert lease.leased() == [] and up.cancelled == []
 
 
 async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None:
@@ -135,7 +135,7 @@ async def test_the_lease_timer_fires_and_finished_pulls_leave_no_timer() -> None
     await settle()
     up.release("quick")
     await quick
-    assert lease._timers == {}
+    assert lease.leased() == []
     hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
     healthy = asyncio.create_task(s.pull(key("healthy"), up.runner("healthy")))
     for _ in range(100):
@@ -155,7 +155,7 @@ async def test_without_a_cap_nothing_is_released() -> None:
     await settle()
     f = flight_of(s, "hung")
     lease.expire(f)  # no slot to give back: no release, no log; looked at again (a reload may set a cap)
-    assert f.released_at is None and f.seq in lease._timers
+    assert f.released_at is None and f.seq in lease.leased()
     s.configure(max_parallel=1, background_max_parallel=1, dedup=True)
     lease.expire(f)
     assert f.released_at is not None
@@ -167,14 +167,14 @@ async def test_timeout_zero_turns_the_lease_off_and_back_on() -> None:
     up, s, lease = leased(timeout=0)
     hung = asyncio.create_task(s.pull(key("hung"), up.runner("hung")))
     await settle()
-    assert lease._timers == {}
+    assert lease.leased() == []
     f = flight_of(s, "hung")
     lease.expire(f)  # off: nothing is released
     assert f.released_at is None
     lease.configure(3600)  # on at reload: running pulls get their lease from now
-    assert list(lease._timers) == [f.seq]
+    assert lease.leased() == [f.seq]
     lease.configure(0)
-    assert lease._timers == {}
+    assert lease.leased() == []
     up.release("hung")
     await hung
 

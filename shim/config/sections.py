@@ -1,48 +1,52 @@
-"""Configuration: validated, frozen dataclasses, all in one place.
+"""The config file's sections: every key as a field of a frozen dataclass, checked when read.
 
-The file is YAML. Each key is declared once, as a dataclass field whose metadata holds
-its check (``knob(default, parse)``): ``from_dict`` walks the fields, so a key's default,
-type and bounds live on one line. Cross-key rules (``_CHECKS``) run after a section's
-keys. An unknown key or a bad value raises ConfigError naming the key path
-(``pulls.max_parallel``) and a short, escaped prefix of the value. A missing or empty
-file means the defaults.
-
-Why one module of ~600 lines: every key of the file lives here and nowhere else (the
-project rule "config as validated dataclasses in one place"); the parsers are the
-vocabulary the field declarations use.
+Each key is declared once, as a dataclass field whose metadata holds its check
+(``knob(default, parse)``, values.py): ``from_dict`` walks the fields, so a key's default,
+type and bounds live on one line. Cross-key rules (``_CHECKS``) run after a section's keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import grp
-import math
 import os
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
-import yaml
-
-from . import safeyaml
-from .cri.routing import check_allowed_services
-from .image_patterns import validate_pattern
-from .observability.logs import (
-    DEFAULT_MAX_REPEATS,
-    DEFAULT_REPEAT_WINDOW_SECONDS,
-    QUOTE_MAX_CHARS,
-    cut,
-    shown,
+from ..observability.logs import DEFAULT_MAX_REPEATS, DEFAULT_REPEAT_WINDOW_SECONDS, shown
+from .values import (
+    MIN_MESSAGE_BYTES,
+    ConfigError,
+    _allowed_services,
+    _check_keys,
+    _endpoint,
+    _group,
+    _host_port,
+    _int_in,
+    _mapping,
+    _nonempty,
+    _request_bytes,
+    _socket_mode,
+    _str_map,
+    _uids,
+    boolean,
+    duration,
+    fraction,
+    image_patterns,
+    integer,
+    knob,
+    rate,
+    required,
+    section,
+    size,
+    strings,
+    text,
 )
-from .safeyaml import CONFIG_MAX_BYTES, TooBig, UnsafeYaml, read_capped
 
 DEFAULT_LISTEN = "unix:///run/cri-shim/cri-shim.sock"
 DEFAULT_UPSTREAM = "unix:///run/containerd/containerd.sock"
 DEFAULT_ADMIN_SOCKET = "/run/cri-shim/admin.sock"
 KUBELET_MAX_MESSAGE = 16 * 1024 * 1024
-MIN_MESSAGE_BYTES = 1024
-UNIX_PATH_MAX = 107  # bytes of a unix socket path (sun_path holds 108 with the NUL)
 # Request message bytes per intercepted method (server.max_request_bytes); others: server.max_message_bytes.
 # kubelet builds these from a pod (an API object: 1.5 MiB at most, etcd's default request
 # limit; its annotations 256 KiB): a PodSandboxConfig is below 2 MiB, an ImageSpec (image,
@@ -56,106 +60,7 @@ DEFAULT_MAX_REQUEST_BYTES: dict[str, int] = {
     "StreamImages": 1 << 20,
     "RemovePodSandbox": 64 << 10,  # a sandbox ID
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong. ``key`` is the dotted path of the offending key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}" if key else message)
-        self.key = key
-
-
 MAX_STATUS_ROWS = 120  # cluster.status_max_rows: 120 worst-case rows (1.7 KiB each) keep the object under 256 KiB
-Parse = Callable[[str, Any], Any]  # (dotted key, value from YAML) -> checked value; raises ConfigError
-
-
-def knob(default: Any, parse: Parse) -> Any:
-    """A config key: its default and how a value from the file is checked (``parse(key, value)``).
-
-    The one place a key's default and its bounds are declared: ``from_dict`` walks these."""
-    return field(default=default, metadata={"parse": parse})
-
-
-def required(parse: Parse) -> Any:
-    """A key without a default (list items only, e.g. a rule's ``handler``)."""
-    return field(metadata={"parse": parse})
-
-
-def section(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"section": cls})
-
-
-def integer(minimum: int | None = 0) -> Parse:
-    return lambda key, v: _int(key, v, minimum)
-
-
-def _int_in(key: str, v: Any, low: int, high: int) -> int:
-    n: int = _int(key, v, low)
-    if n > high:
-        raise ConfigError(key, f"must be <= {high}, got {shown(v)}")
-    return n
-
-
-def boolean() -> Parse:
-    return lambda key, v: _bool(key, v)
-
-
-def text(*choices: str) -> Parse:
-    return lambda key, v: _str(key, v, choices or None)
-
-
-def duration(*, above: float | None = None, at_least: float | None = None) -> Parse:
-    """Seconds (``_duration``), and > ``above`` / >= ``at_least`` when given."""
-    def parse(key: str, v: Any) -> float:
-        seconds = _duration(key, v)
-        if above is not None and seconds <= above:
-            raise ConfigError(key, f"must be > {above:g}, got {shown(v)}")
-        if at_least is not None and seconds < at_least:
-            raise ConfigError(key, f"must be >= {at_least:g}, got {shown(v)}")
-        return seconds
-    return parse
-
-
-def size(minimum: int = 0) -> Parse:
-    return lambda key, v: _size(key, v, minimum)
-
-
-def fraction() -> Parse:
-    """A number in (0, 1]: a share of something."""
-    def parse(key: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ConfigError(key, f"expected a number above 0 and at most 1 (a share), got {shown(v)}")
-        return float(v)
-    return parse
-
-
-def rate() -> Parse:
-    """Requests a second: a finite number >= 0 (0 = no limit)."""
-    def parse(key: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            raise ConfigError(key, f"expected a number of requests per second >= 0, got {shown(v)}")
-        return float(v)
-    return parse
-
-
-def strings(*, none_is_empty: bool = False) -> Parse:
-    def parse(key: str, v: Any) -> tuple[str, ...]:
-        return () if v is None and none_is_empty else _str_list(key, v)
-    return parse
-
-
-def image_patterns(*, none_is_empty: bool = False) -> Parse:
-    """Image patterns (shim/image_patterns.py), each checked to have a normal form."""
-    def parse(key: str, v: Any) -> tuple[str, ...]:
-        patterns = () if v is None and none_is_empty else _str_list(key, v)
-        for i, pattern in enumerate(patterns):
-            try:
-                validate_pattern(pattern)
-            except ValueError as e:
-                raise ConfigError(f"{key}[{i}]", f"{e} (got {shown(pattern)})") from None
-        return patterns
-    return parse
 
 
 @dataclass(frozen=True)
@@ -313,166 +218,6 @@ class Config:
     cluster: ClusterConfig = section(ClusterConfig)
 
 
-# --------------------------------------------------------------------------- parsing helpers
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def _int(key: str, v: Any, minimum: int | None = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(key, f"expected an integer, got {shown(v)}")
-    if minimum is not None and v < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {shown(v)}")
-    return v
-
-
-def _bool(key: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(key, f"expected true or false, got {shown(v)}")
-    return v
-
-
-def _str(key: str, v: Any, choices: tuple[str, ...] | None = None) -> str:
-    if not isinstance(v, str):
-        raise ConfigError(key, f"expected a string, got {shown(v)}")
-    if "\x00" in v:
-        raise ConfigError(key, f"must not contain a NUL byte, got {shown(v)}")
-    if choices is not None and v not in choices:
-        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {shown(v)}")
-    return v
-
-
-def _duration(key: str, v: Any) -> float:
-    """Seconds as a number, or a string like ``500ms``, ``2s``, ``1m``."""
-    if isinstance(v, bool):
-        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {shown(v)}")
-    if isinstance(v, (int, float)):
-        seconds = float(v)
-    elif isinstance(v, str) and (m := _DURATION.match(v)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(key, f"expected a duration (seconds, or e.g. '500ms', '2s'), got {shown(v)}")
-    if not math.isfinite(seconds):
-        raise ConfigError(key, f"must be a finite number of seconds, got {shown(v)}")
-    if seconds < 0:
-        raise ConfigError(key, f"must be >= 0, got {shown(v)}")
-    return seconds
-
-
-def _size(key: str, v: Any, minimum: int = 0) -> int:
-    """Bytes as an integer, or a string like ``10GiB``, ``500M``."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        n = v
-    elif isinstance(v, str) and (m := _SIZE.match(v)):
-        n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
-    else:
-        raise ConfigError(key, f"expected a size in bytes (e.g. 1073741824 or '10GiB'), got {shown(v)}")
-    if n < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {shown(v)}")
-    return n
-
-
-def _list_of(key: str, v: Any, item: Parse, what: str) -> tuple[Any, ...]:
-    if not isinstance(v, list):
-        raise ConfigError(key, f"expected a list of {what}, got {shown(v)}")
-    return tuple(item(f"{key}[{i}]", x) for i, x in enumerate(v))
-
-
-def _str_list(key: str, v: Any) -> tuple[str, ...]:
-    return _list_of(key, v, _str, "strings")
-
-
-def _str_map(key: str, v: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(v, dict):
-        raise ConfigError(key, f"expected a map of strings, got {shown(v)}")
-    out = []
-    for k, val in v.items():
-        _str(f"{key}", k)
-        out.append((k, _str(f"{key}.{cut(k, QUOTE_MAX_CHARS)}", val)))
-    return tuple(sorted(out))
-
-
-def _mapping(key: str, v: Any) -> Mapping[str, Any]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise ConfigError(key, f"expected a map, got {shown(v)}")
-    return v
-
-
-def _check_keys(prefix: str, data: Mapping[str, Any], allowed: set[str]) -> None:
-    for k in data:
-        if k not in allowed:
-            k = cut(k, QUOTE_MAX_CHARS)
-            path = f"{prefix}.{k}" if prefix else k
-            raise ConfigError(path, f"unknown key (known: {', '.join(sorted(allowed))})")
-
-
-def _endpoint(key: str, v: Any) -> str:
-    s = _str(key, v)
-    if not s.startswith("unix://") or len(s) <= len("unix://"):
-        raise ConfigError(key, f"expected a unix socket endpoint like unix:///run/x.sock, got {shown(v)}")
-    if len(socket_path(s).encode()) > UNIX_PATH_MAX:
-        raise ConfigError(key, f"a unix socket path has at most {UNIX_PATH_MAX} bytes, got {shown(v)}")
-    return s
-
-
-def _socket_mode(key: str, v: Any) -> int:
-    if isinstance(v, str) and re.fullmatch(r"0?[0-7]{3}", v):
-        return int(v, 8)
-    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 0o777:
-        return v
-    raise ConfigError(key, f"expected an octal mode string like '0660', got {shown(v)}")
-
-
-def _host_port(key: str, v: Any) -> str:
-    s = _str(key, v)
-    if s == "":
-        return s
-    host, sep, port = s.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(key, f"expected host:port like 127.0.0.1:9464, got {shown(v)}")
-    return s
-
-
-MAX_UID = 2**32 - 2  # (uid_t) -1 is no uid
-
-
-def _uids(key: str, v: Any) -> tuple[int, ...]:
-    def uid(k: str, x: Any) -> int:
-        n = _int(k, x)
-        if n > MAX_UID:
-            raise ConfigError(k, f"must be a uid (0 to {MAX_UID}), got {shown(x)}")
-        return n
-    return _list_of(key, v, uid, "numeric uids")
-
-
-def _allowed_services(key: str, v: Any) -> tuple[str, ...]:
-    try:
-        return check_allowed_services(_str_list(key, v))
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(key, str(e)) from None
-
-
-def _group(key: str, v: Any) -> str:
-    """A numeric gid, or the name of a group that exists here; empty: the process's group."""
-    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-        return str(v)
-    s = _str(key, v)
-    if s and not s.isdigit():
-        try:
-            grp.getgrnam(s)
-        except KeyError:
-            raise ConfigError(key, f"no such group {shown(s)}") from None
-    return s
-
-
 # --------------------------------------------------------------------------- sections
 
 if TYPE_CHECKING:
@@ -500,35 +245,12 @@ def _section(cls: type[T], prefix: str, d: Mapping[str, Any]) -> T:
     return check(cfg, d) if check is not None else cfg
 
 
-def _nonempty(key: str, v: Any) -> str:
-    s = _str(key, v)
-    if not s:
-        raise ConfigError(key, "must not be empty")
-    return s
-
-
 def _rules(key: str, v: Any) -> tuple[HandlerRule, ...]:
     if v is None:
         return ()
     if not isinstance(v, list):
         raise ConfigError(key, f"expected a list of rules, got {shown(v)}")
     return tuple(_section(HandlerRule, f"{key}[{i}]", _mapping(f"{key}[{i}]", r)) for i, r in enumerate(v))
-
-
-def _request_bytes(key: str, v: Any) -> tuple[tuple[str, int], ...]:
-    """server.max_request_bytes as written: CRI method name -> size (merged over the defaults in _check_server)."""
-    from .cri.methods import (
-        KNOWN_METHODS,  # local import: the proto module is only needed here
-    )
-
-    names = {p.rsplit("/", 1)[1] for p in KNOWN_METHODS}
-    out = {}
-    for name, size_ in _mapping(key, v).items():
-        k = f"{key}.{cut(str(name), QUOTE_MAX_CHARS)}"
-        if name not in names:
-            raise ConfigError(k, "not a CRI method name (e.g. PullImage)")
-        out[name] = _size(k, size_, minimum=MIN_MESSAGE_BYTES)
-    return tuple(sorted(out.items()))
 
 
 def _check_server(cfg: ServerConfig, d: Mapping[str, Any]) -> ServerConfig:
@@ -572,7 +294,7 @@ def _check_image_sets(cfg: ImageSetsConfig, d: Mapping[str, Any]) -> ImageSetsCo
         missing = "credential_provider_bin_dir" if cfg.credential_provider_config else "credential_provider_config"
         raise ConfigError(f"image_sets.{missing}", "required when the other credential_provider_* key is set")
     if cfg.credential_provider_config:
-        from .credentials.plugins import (  # local import: only when used
+        from ..credentials.plugins import (  # local import: only when used
             ProviderConfigError,
             load_config,
         )
@@ -627,50 +349,3 @@ _CHECKS: dict[type, Callable[[Any, Mapping[str, Any]], Any]] = {
 def from_dict(data: Mapping[str, Any] | None) -> Config:
     """Build a validated Config from parsed YAML. Raises ConfigError naming the key."""
     return _section(Config, "", _mapping("", data))
-
-
-def load(path: str | Path | None) -> Config:
-    """Read and validate the config file. Missing or empty file: defaults."""
-    if path is None:
-        return Config()
-    p = Path(path)
-    try:
-        text = read_capped(p, CONFIG_MAX_BYTES)
-    except FileNotFoundError:
-        return Config()
-    except OSError as e:
-        raise ConfigError("", f"cannot read config file {p}: {e.strerror}") from None
-    except (TooBig, UnicodeDecodeError) as e:
-        raise ConfigError("", f"cannot read config file {p}: {e}") from None
-    try:
-        data = safeyaml.load(text)
-    except UnsafeYaml as e:
-        raise ConfigError("", f"config file {p}: {e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError("", f"config file {p} is not valid YAML{_yaml_error(e)}") from None
-    return from_dict(data)
-
-
-def _yaml_error(e: yaml.YAMLError) -> str:
-    """PyYAML's multi-line message as one line: where, and what."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    what = "; ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x)
-    return f"{where}: {what or ' '.join(str(e).split())}"
-
-
-def with_overrides(cfg: Config, **overrides: Any) -> Config:
-    """Apply command-line flags (None means: not given) over the file's values."""
-    top = {k: v for k, v in overrides.items() if v is not None and k in ("listen", "upstream")}
-    for k, v in top.items():
-        _endpoint(f"--{k}", v)
-    cfg = dataclasses.replace(cfg, **top)
-    log_over = {k: overrides[k] for k in ("level", "format") if overrides.get(k) is not None}
-    if log_over:
-        cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, **log_over))
-    return cfg
-
-
-def socket_path(endpoint: str) -> str:
-    """``unix:///run/x.sock`` -> ``/run/x.sock``."""
-    return endpoint[len("unix://"):]
