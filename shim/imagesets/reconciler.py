@@ -39,12 +39,13 @@ first ``runtime_handlers.rules`` entry that matches the image without a pod (no
 ``sandbox_config`` (containerd reads the handler only then). Credentials come from the
 node's docker config.json files (``image_sets.docker_config``, kubelet's keyring rules);
 several matching entries are tried in order, most specific first, as kubelet does.
-The scheduler's join rule applies: a prefetch joins a CRI client's running pull of the
-same image and handler whatever its credentials.
+The scheduler's join rule applies: a prefetch joins a trusted CRI client's pull of the
+same image and handler whatever its credentials, never an untrusted client's.
 
 The reconciler's own ListImages, ImageStatus and ImageFsInfo calls have a deadline
 (``image_sets.runtime_timeout_seconds``): a runtime that hangs is a failed list, retried
-with backoff, never a stuck loop.
+with backoff, never a stuck loop. Each prefetch waits for its pull at most
+``image_sets.pull_timeout_seconds`` (queued and running): then it fails and is retried.
 
 Nothing here is on the path of a CRI call: kubelet never waits for a reconcile.
 
@@ -807,9 +808,14 @@ class Reconciler:
 
             key = pull_key(req, handler)
             try:
-                outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND)
+                outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND,
+                                                    deadline=Deadline.after(self.cfg.pull_timeout_seconds))
             except RpcError as e:
                 error = e
+                if e.code is grpc.StatusCode.DEADLINE_EXCEEDED and not e.from_upstream:  # ours: name the key
+                    error = RpcError(e.code, f"{e.details} (image_sets.pull_timeout_seconds: "
+                                             f"{self.cfg.pull_timeout_seconds:g} s)")
+                    break
                 if e.code is grpc.StatusCode.CANCELLED or i == len(attempts) - 1:
                     break
                 logs.log(_log, logging.INFO, "image set pull failed with these credentials; trying the next",
