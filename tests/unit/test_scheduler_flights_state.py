@@ -15,6 +15,9 @@ request of the caller whose runner it runs) and where it waits:
 
 and every caller that is answered gets the answer of such a request (the scripted runtime
 answers with the sender's id, also in its errors). At the end nothing is left behind.
+
+CI runs a bounded number of sequences (``CRI_SHIM_FLIGHTS_EXAMPLES``); the soak
+(tests/soak/test_flights_soak.py) runs many more, and longer ones.
 """
 
 from __future__ import annotations
@@ -46,8 +49,7 @@ SPELLINGS = ["localhost:5000/app", "localhost:5000/app:latest", "LOCALHOST:5000/
 RUNTIME_PULLS = {"localhost:5000/app": "localhost:5000/app:latest", "localhost:5000/app:latest": "localhost:5000/app:latest",
                  "LOCALHOST:5000/app:latest": "LOCALHOST:5000/app:latest", "Localhost:5000/app": "Localhost:5000/app:latest"}
 WHO = [(FG, None), (U, 65534), (U, 1000), (BG, None)]
-STEPS = int(os.environ.get("CRI_SHIM_STATE_STEPS", "40"))  # the soak raises them
-EXAMPLES = int(os.environ.get("CRI_SHIM_STATE_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("CRI_SHIM_FLIGHTS_EXAMPLES", "60"))  # the soak runs many more (tests/soak)
 
 
 @dataclass(eq=False)
@@ -223,6 +225,6 @@ class Flights(RuleBasedStateMachine):
             self.loop.close()
 
 
-Flights.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+Flights.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
 test_flights_state_machine = Flights.TestCase
