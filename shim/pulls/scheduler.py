@@ -18,10 +18,11 @@ whom (the join rule):
   trusted caller's flight or a prefetch with its key.
 * An **untrusted** caller joins a trusted caller's flight or an untrusted one's (any uid),
   never a prefetch: the shim's own pulls carry no waiter that could keep them running.
-* A **background** caller (image-set prefetch) joins any flight of its group sent by a
-  trusted caller or by prefetch, whatever its credentials, namespace or spelling: it only
-  wants the image present and adds nothing to the other caller's pull. It prefers a flight
-  with its own key. It never joins an untrusted caller's flight, so it never waits behind one.
+* A **background** caller (image-set prefetch) joins a flight of its group sent by a trusted
+  caller or by prefetch and spelled as its own request (``PullKey.requested``: what the runtime
+  pulls is then the image it declared), whatever its credentials or namespace: it only wants
+  the image present and adds nothing to the other caller's pull. It prefers a flight with its
+  own key. It never joins an untrusted caller's flight, so it never waits behind one.
 
 Each caller waits with its own deadline; the flight goes on while anyone waits
 and is cancelled (or dropped from the queue) when the last waiter leaves. Results and errors
@@ -305,7 +306,7 @@ class PullScheduler:
         if not group:
             return None
         senders = JOINS[priority]
-        mine = [f for f in group if f.origin in senders]
+        mine = [f for f in group if f.origin in senders and f.key.requested == key.requested]
         for f in mine:
             if f.key == key:
                 return f

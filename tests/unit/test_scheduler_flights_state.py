@@ -9,7 +9,8 @@ request of the caller whose runner it runs) and where it waits:
 * a trusted caller's flight sends a trusted caller's or prefetch's request with the very same
   key (spelling up to the implied ``:latest``, credentials, handler): never an untrusted
   caller's, never another spelling; queued, it waits in the trusted lane;
-* a prefetch never waits in an untrusted caller's flight, nor in an untrusted lane;
+* a prefetch never waits in an untrusted caller's flight, nor in an untrusted lane, and waits
+  only for a request of the image as it declared it (any credentials);
 * an untrusted caller waits in a flight of its own key, never in a prefetch's;
 * the slot rule holds (tests/unit/test_scheduler_property.py ``check_slot_rule``);
 
@@ -176,6 +177,7 @@ class Flights(RuleBasedStateMachine):
             assert sender.request == c.request, f"trusted caller {c.id} sent {c.request}, upstream got {sender.request}"
         elif c.priority is BG:
             assert sender.priority in (FG, BG), f"prefetch {c.id} waits for untrusted caller {sender.id}"
+            assert sender.request[0] == c.request[0], f"prefetch {c.id} of {c.request} got {sender.request}"
         else:
             assert sender.priority in (FG, U) and sender.request == c.request
 

@@ -317,13 +317,22 @@ async def test_bg_never_joins_an_untrusted_pull(running: bool) -> None:
     await asyncio.gather(theirs, *([blocker] if blocker else []), return_exceptions=True)
 
 
-async def test_bg_joins_a_fg_pull_spelled_otherwise() -> None:
-    """Prefetch only wants the image present: a pod's pull of it will do, however spelled."""
+@pytest.mark.parametrize(("pods", "declared", "joins"), [
+    ("reg.example/app", "reg.example/app:latest", True),  # one request
+    ("nginx:latest", "docker.io/library/nginx:latest", False),  # CRI-O: nginx is whatever its search registries give
+    ("LOCALHOST:5000/app:v1", "localhost:5000/app:v1", False),
+])
+async def test_bg_joins_a_fg_pull_only_spelled_as_its_own(pods: str, declared: str, joins: bool) -> None:
+    """What the runtime pulls for a joined prefetch is the pod's request: it joins only when
+    that is the image it declared."""
     up, s = Upstream(), PullScheduler(max_parallel=4)
-    kubelet = start(s, up, spelled("nginx:latest"), FG, "kubelet")
+    kubelet = start(s, up, spelled(pods), FG, "kubelet")
     await settle()
-    prefetch = start(s, up, spelled("docker.io/library/nginx:latest"), BG, "prefetch")
+    prefetch = start(s, up, spelled(declared), BG, "prefetch")
     await settle()
+    assert up.calls == (["kubelet"] if joins else ["kubelet", "prefetch"])
     up.release("kubelet", b"id")
-    assert up.calls == ["kubelet"] and (await prefetch).joined
+    if not joins:
+        up.release("prefetch", b"own")
+    assert (await prefetch).joined is joins
     await kubelet
