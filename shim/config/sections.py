@@ -149,6 +149,7 @@ class ImageSetsConfig:
     retry_per_second: float = knob(5.0, rate())  # retries of failed images per registry host per second; 0 = no limit
     max_images: int = knob(250_000, integer(1))  # images declared over all sets; a set beyond it is refused
     runtime_timeout_seconds: float = knob(30.0, duration(above=0))  # the reconciler's ListImages / ImageFsInfo
+    pull_timeout_seconds: float = knob(3600.0, duration(above=0))  # one prefetch waits for its pull (queued + running)
     pins_wait_seconds: float = knob(10.0, duration(above=0))  # RemoveImage waits for the first read of dir
     # the last valid content of each file of dir, loaded before serving; "" = off
     state_file: str = knob("/var/lib/cri-shim/file-sets.json", text())

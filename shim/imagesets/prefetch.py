@@ -6,7 +6,9 @@ request carries a minimal ``sandbox_config`` (containerd reads the handler only 
 Credentials come from shim/credentials/prefetch.py; when several entries match, each is
 tried in turn until one pull succeeds, as kubelet does. The pull goes through the node-wide
 scheduler at background priority, so the scheduler's join rule applies: a prefetch joins a
-CRI client's running pull of the same image and handler whatever its credentials.
+trusted CRI client's pull of the same image and handler whatever its credentials, never an
+untrusted client's. Each prefetch waits for its pull at most ``image_sets.pull_timeout_seconds``
+(queued and running): then it fails, naming the key, and is retried.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from ..config import ImageSetsConfig
 from ..credentials.prefetch import PrefetchCredentials
+from ..cri.deadline import Deadline
 from ..cri.methods import PULL_IMAGE
 from ..cri.upstream import Upstream
 from ..errors import RpcError
@@ -94,9 +97,14 @@ class Prefetch:
 
             key = pull_key(req, handler)
             try:
-                outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND)
+                outcome = await self.scheduler.pull(key, run, priority=Priority.BACKGROUND,
+                                                    deadline=Deadline.after(self.cfg.pull_timeout_seconds))
             except RpcError as e:
                 error = e
+                if e.code is grpc.StatusCode.DEADLINE_EXCEEDED and not e.from_upstream:  # ours: name the key
+                    error = RpcError(e.code, f"{e.details} (image_sets.pull_timeout_seconds: "
+                                             f"{self.cfg.pull_timeout_seconds:g} s)")
+                    break
                 if e.code is grpc.StatusCode.CANCELLED or i == len(attempts) - 1:
                     break
                 logs.log(_log, logging.INFO, "image set pull failed with these credentials; trying the next",

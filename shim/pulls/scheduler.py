@@ -1,25 +1,33 @@
-"""The node-wide pull scheduler: a cap, two priority classes, and collapsed pulls.
+"""The node-wide pull scheduler: a cap, three classes, and collapsed pulls.
 
-A *flight* is one upstream PullImage. Callers asking for the same pull while a
-flight is queued or running join it instead of starting another; it counts once
-against the cap. Who may join whom (the join rule):
+A *flight* is one upstream PullImage: the request of the caller that started it (its
+*sender*) goes upstream, and callers asking for the same pull while it is queued or running
+join it instead of starting another; it counts once against the cap. A flight's sender class
+(``Flight.origin``: trusted, untrusted or prefetch, see below) never changes. Who may join
+whom (the join rule):
 
 * Flights are grouped by image (``PullKey.image``, the normalized reference:
   ``nginx`` = ``docker.io/library/nginx:latest``) and runtime handler.
-* A **foreground** caller (kubelet, any CRI client) joins a flight of its group only
-  when the credentials (``PullKey.auth``, a hash) and ``PullKey.namespace`` are the
-  same, whether that flight was started by a foreground or a background caller. A
-  pod never gets an image through credentials that are not its own (kubelet's
-  credential checks, KEP-2535, hold), and with different credentials it starts its
-  own flight next to the other one.
-* A **background** caller (image-set prefetch) joins any flight of its group,
-  whatever its credentials or namespace: it only wants the image present and adds
-  nothing to the other caller's pull. It prefers a flight with its own key.
+* A CRI client joins only a flight whose request would be its own: the same ``PullKey``
+  (credentials hash, namespace with ``pulls.dedup_per_namespace``, and the reference as
+  spelled, ``PullKey.requested``: ``LOCALHOST:5000/app`` is not ``localhost:5000/app`` to
+  containerd, nor ``nginx`` ``docker.io/library/nginx`` to CRI-O). A pod never gets an image
+  through credentials that are not its own (kubelet's credential checks, KEP-2535, hold).
+* A **trusted** caller never joins a flight an untrusted caller sent: it starts its own, so
+  what goes upstream for it, and where it queues, is never an untrusted peer's. It joins a
+  trusted caller's flight or a prefetch with its key.
+* An **untrusted** caller joins a trusted caller's flight or an untrusted one's (any uid),
+  never a prefetch: the shim's own pulls carry no waiter that could keep them running.
+* A **background** caller (image-set prefetch) joins a flight of its group sent by a trusted
+  caller or by prefetch and spelled as its own request (``PullKey.requested``: what the runtime
+  pulls is then the image it declared), whatever its credentials or namespace: it only wants
+  the image present and adds nothing to the other caller's pull. It prefers a flight with its
+  own key. It never joins an untrusted caller's flight, so it never waits behind one.
 
 Each caller waits with its own deadline; the flight goes on while anyone waits
-(foreground or background) and is cancelled (or dropped from the queue) when the
-last waiter leaves. Results and errors fan out to every waiter still there. A
-finished flight is forgotten at once: a later pull goes upstream again.
+and is cancelled (or dropped from the queue) when the last waiter leaves. Results and errors
+fan out to every waiter still there. A finished flight is forgotten at once: a later pull
+goes upstream again.
 
 A running flight may be *released* (``release``, the slot lease of lease.py): it goes on
 upstream and its callers keep waiting for it (identical pulls still join it), but it no
@@ -33,13 +41,13 @@ limit), prefetch within its sub-cap, the two together never the last slot, and n
 than twice the cap running in the runtime, released flights included. Queues are FIFO
 within a class (and, for untrusted flights, within a uid: queue.py).
 
-The class of a collapsed flight (the priority rule): a **queued** flight has the class of the
-highest caller waiting for it now, and an untrusted one is charged to the uid of its oldest
-untrusted caller still waiting; it moves to that lane when a caller joins or leaves. A
-**running** flight keeps the class it started with, except that a trusted caller joining it
-makes it foreground: it then counts against no share (kubelet never waits behind the share of
-an untrusted peer whose pull it shares, and the peer's share gets the slot back). A running
-flight is never lowered: what it counts against was checked when it started.
+The class of a collapsed flight (the priority rule): a **queued** flight is foreground while
+a trusted caller waits for it, else background while a prefetch does, else untrusted, charged
+to the uid of its oldest untrusted caller still waiting (an untrusted caller never moves a
+flight a trusted caller or prefetch waits for into its lane); it moves to that lane (at its
+end) when a caller joins or leaves. A **running** flight keeps the class it started with,
+except that a trusted caller joining it makes it foreground: it then counts against no share.
+A running flight is never lowered: what it counts against was checked when it started.
 """
 
 from __future__ import annotations
@@ -58,6 +66,15 @@ from ..errors import RpcError
 from .key import PullKey
 from .queue import Lanes
 from .slots import Priority, Running, Slots
+
+# The join rule: whose flights (by the class of their sender) a caller of each class may join.
+JOINS: Mapping[Priority, frozenset[Priority]] = {
+    Priority.FOREGROUND: frozenset({Priority.FOREGROUND, Priority.BACKGROUND}),
+    Priority.UNTRUSTED: frozenset({Priority.FOREGROUND, Priority.UNTRUSTED}),
+    Priority.BACKGROUND: frozenset({Priority.FOREGROUND, Priority.BACKGROUND}),
+}
+# The priority rule: a queued flight takes the first class of these that a caller waiting for it has.
+CLASS_ORDER = (Priority.FOREGROUND, Priority.BACKGROUND, Priority.UNTRUSTED)
 
 
 @dataclass(slots=True)
@@ -116,6 +133,7 @@ class Flight:
     uid: int | None = None  # an untrusted flight's: the uid it is charged to (the priority rule)
     callers: dict[Priority, int] = field(default_factory=dict)  # the callers waiting now, by class
     uids: dict[int, int] = field(default_factory=dict)  # the untrusted ones by uid, oldest first
+    origin: Priority = Priority.FOREGROUND  # the class of the caller whose request goes upstream; never changes
 
     @property
     def queued(self) -> bool:
@@ -291,18 +309,20 @@ class PullScheduler:
         group = self._flights.get((key.image, key.handler))
         if not group:
             return None
-        for f in group:
+        senders = JOINS[priority]
+        mine = [f for f in group if f.origin in senders and f.key.requested == key.requested]
+        for f in mine:
             if f.key == key:
                 return f
-        if priority is Priority.BACKGROUND:
-            return group[0]
+        if priority is Priority.BACKGROUND and mine:
+            return mine[0]
         return None
 
     def _new_flight(self, key: PullKey, priority: Priority, run: Runner, uid: int | None) -> Flight:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
         flight = Flight(key, priority, run, next(self._seq), self._clock(), fut,
-                        uid=uid if priority is Priority.UNTRUSTED else None)
+                        uid=uid if priority is Priority.UNTRUSTED else None, origin=priority)
         if self.dedup:
             self._flights.setdefault((key.image, key.handler), []).append(flight)
         self._queue.push(flight)
@@ -335,7 +355,7 @@ class PullScheduler:
 
     def _reclass(self, flight: Flight) -> None:
         """Apply the priority rule (module docstring) to ``flight`` after a caller came or went."""
-        top = min((p for p, n in flight.callers.items() if n), default=None)
+        top = next((p for p in CLASS_ORDER if flight.callers.get(p)), None)
         if top is None or flight.future.done():
             return
         uid = next(iter(flight.uids), -1) if top is Priority.UNTRUSTED else None

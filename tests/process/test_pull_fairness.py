@@ -10,8 +10,19 @@ and a client of another uid (``nobody``, in ``server.socket_group``) holding suc
   the same bound, and the runtime never sees more untrusted pulls than their share (released
   ones count against it), nor more pulls in all than twice ``pulls.max_parallel``.
 
+- A reference spelled otherwise (issue 44): nobody keeps ``LOCALHOST:5000/app:v1`` queued behind
+  its own hung pull; root's ``localhost:5000/app:v1`` is answered at once with the image, as
+  without nobody (the scripted runtime refuses a host spelled in upper case as containerd does:
+  its ``certs.d`` and localhost checks are case-sensitive). Same for ``Docker.io/library/nginx``
+  against kubelet's ``nginx:latest``.
+- Prefetch (issue 44): nobody holds its slot with a hung pull and queues pulls of 2 of the 3
+  declared images behind it; the three arrive within the bound they take alone.
+
 main @ f24ec3f: a root pull failed with DEADLINE_EXCEEDED after 150 s behind 4 trickling pulls
 (issue 33), and with a 5 s lease it waited 48 s, then 40 pulls ran in the runtime at once.
+main @ 500d405 (issue 44): root's pull joined nobody's queued flight and failed at once with the
+runtime's ``failed to resolve reference "LOCALHOST:…"``; the declared images came only when
+nobody's pulls ended (their deadline, 12 s here).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import pytest
 from shim.proto.runtime.v1 import api_pb2
 from shim.process.admin import fetch_status
 from tests.support.fake_runtime import FakeRuntime, socket_in
+from tests.support.prefetch_store import FakeImages
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import start_shim
 from tests.support.slow_pulls import PULL, hold_pulls, pull_request
@@ -121,3 +133,127 @@ async def test_in_the_lease_regime_hung_untrusted_pulls_keep_to_their_share(tmp_
     assert rt.max <= 2 * CAP and rt.max <= SHARE + 1
     assert running["untrusted"] == min(per_uid, SHARE) and running["released"] == min(per_uid, SHARE)
     assert codes == {"DEADLINE_EXCEEDED": 40}
+
+
+class CaseSensitiveRuntime(Runtime):
+    """As Runtime, and a registry host spelled with an upper-case letter is refused at once, as
+    containerd does (``hosts.toml``/``certs.d`` and its localhost check compare the host as
+    spelled: ``LOCALHOST:5000`` is neither ``localhost:5000`` nor a local registry, and is tried
+    over HTTPS)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pulled: list[str] = []
+
+    async def __call__(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:  # type: ignore[override]
+        image = api_pb2.PullImageRequest.FromString(request).image.image
+        self.pulled.append(image)
+        host = image.partition("/")[0]
+        if "/" in image and host != host.lower():
+            await context.abort(grpc.StatusCode.UNKNOWN, f'failed to pull and unpack image "{image}": failed to '
+                                f'resolve reference "{image}": failed to do request: http: server gave HTTP '
+                                "response to HTTPS client")
+        return await super().__call__(request, context)
+
+
+async def queued_pulls(admin: Path) -> list[dict]:
+    return (await asyncio.to_thread(fetch_status, str(admin)))["pulls"]["queued"]
+
+
+@pytest.mark.parametrize(("theirs", "roots"), [("LOCALHOST:5000/app:v1", "localhost:5000/app:v1"),
+                                               ("Docker.io/library/nginx:latest", "nginx:latest")])
+async def test_root_pull_succeeds_whatever_an_untrusted_uid_queued_first(tmp_path: Path, theirs: str,
+                                                                         roots: str) -> None:
+    require_root()
+    rt = CaseSensitiveRuntime()
+    with shared_dir() as d:
+        fake = await FakeRuntime(socket_in(str(d), "rt.sock")).start()
+        fake.unary[PULL] = rt
+        admin = d / "admin.sock"
+        settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(admin)}}
+        shim = await start_shim(fake.endpoint, tmp_path, settings, listen_path=f"{d}/shim.sock")
+        try:
+            hold = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path,
+                                                           ["hang.example/u0:1"], HOLD_S, timeout=HOLD_S + 30))
+            await wait_for(lambda: rt.hung == 1, 15.0, "nobody's hung pull reaches the runtime")
+            spelled = asyncio.ensure_future(asyncio.to_thread(run_as, NOBODY, hold_pulls, shim.path, [theirs],
+                                                              HOLD_S, timeout=HOLD_S + 30))
+            end = time.monotonic() + 15
+            while not await queued_pulls(admin):  # behind nobody's own pull: its one slot is taken
+                assert time.monotonic() < end, "nobody's second pull never queued"
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
+                raw = await ch.unary_unary(PULL)(pull_request(roots), timeout=60)
+            waited = time.monotonic() - t0
+            queued = await queued_pulls(admin)
+            codes = await hold, await spelled
+        finally:
+            await shim.astop()
+            await fake.stop()
+    print(f"\n  nobody queued {theirs} behind its hung pull: root's {roots} answered in {waited:.3f} s; "
+          f"runtime pulled {rt.pulled}; nobody's pulls: {codes}")
+    assert api_pb2.PullImageResponse.FromString(raw).image_ref.startswith("sha256:")
+    assert waited < ROOT_BOUND_S
+    assert rt.pulled[:2] == ["hang.example/u0:1", roots]  # root's request, as root spelled it
+    assert [(r["priority"], r.get("uid")) for r in queued] == [("untrusted", NOBODY)]  # nobody's still waits
+    assert codes == ({"DEADLINE_EXCEEDED": 1}, {"UNKNOWN": 1})  # its own, in its own turn, with its own answer
+
+
+DECLARED = ["reg.local/a:1", "reg.local/b:1", "reg.local/c:1"]
+DECLARED_BOUND_S = 3.0  # alone they take well under a second (the shim reads the set and pulls)
+
+
+def image_set(images: list[str]) -> str:
+    return ("apiVersion: cri-shim.io/v1\nkind: ImageSet\nmetadata: {name: warm}\nspec:\n  images:\n"
+            + "".join(f"  - name: {i}\n" for i in images))
+
+
+async def prefetch_scenario(tmp_path: Path, nobody_holds: bool) -> tuple[float, dict, list[str]]:
+    """The declared images, with or without nobody holding its slot with a hung pull and
+    pulls of two of them queued behind it -> (seconds until all three are in the runtime,
+    nobody's codes, what the runtime was asked to pull)."""
+    require_root()
+    with shared_dir() as d:
+        fake = await FakeRuntime(socket_in(str(d), "rt.sock")).start()
+        store = FakeImages(fake).install()
+        store.hold("hang.example/u0:1")  # never answered while nobody waits
+        sets = tmp_path / "sets"
+        sets.mkdir(parents=True)
+        admin = d / "admin.sock"
+        settings = {"server": {"socket_group": str(NOBODY), "admin_socket": str(admin)},
+                    "image_sets": {"dir": str(sets), "state_file": ""}}
+        shim = await start_shim(fake.endpoint, tmp_path, settings, listen_path=f"{d}/shim.sock")
+        tasks = []
+        try:
+            if nobody_holds:
+                tasks.append(asyncio.ensure_future(asyncio.to_thread(
+                    run_as, NOBODY, hold_pulls, shim.path, ["hang.example/u0:1"], HOLD_S, timeout=HOLD_S + 30)))
+                await wait_for(lambda: store.active == 1, 15.0, "nobody's hung pull reaches the runtime")
+                tasks.append(asyncio.ensure_future(asyncio.to_thread(
+                    run_as, NOBODY, hold_pulls, shim.path, DECLARED[:2], HOLD_S, timeout=HOLD_S + 30)))
+                end = time.monotonic() + 15
+                while len(await queued_pulls(admin)) < 2:
+                    assert time.monotonic() < end, "nobody's pulls of the declared images never queued"
+                    await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            (sets / "warm.yaml").write_text(image_set(DECLARED))
+            await wait_for(lambda: all(store.has(i) for i in DECLARED), 30, "the declared images are present")
+            took = time.monotonic() - t0
+            codes = [await t for t in tasks]
+        finally:
+            await shim.astop()
+            await fake.stop()
+    return took, {k: v for c in codes for k, v in c.items()}, store.pulls
+
+
+async def test_declared_images_arrive_in_their_time_alone_while_an_untrusted_uid_holds_slow_pulls_of_them(
+        tmp_path: Path) -> None:
+    alone, _, _ = await prefetch_scenario(tmp_path / "alone", nobody_holds=False)
+    took, codes, pulls = await prefetch_scenario(tmp_path / "held", nobody_holds=True)
+    print(f"\n  3 declared images: present in {alone:.3f} s alone, {took:.3f} s while nobody held a hung pull "
+          f"and queued 2 of them; nobody's pulls: {codes}; runtime pulls: {pulls}")
+    assert alone < DECLARED_BOUND_S and took < DECLARED_BOUND_S
+    # prefetch pulled all three itself while nobody's two still waited behind its hung pull (their
+    # deadline ended them, or they ran once it did: either way after the images were present)
+    assert sorted(pulls[1:4]) == DECLARED

@@ -15,7 +15,8 @@ from kubernetes_asyncio.client import CustomObjectsApi
 from shim.cluster.node_report import NodeReport
 from shim.cluster.reachability import Reachability
 from tests.support.fake_kube import FakeKube
-from tests.unit.test_cluster_api import kube, until  # noqa: F401  (kube: a fixture)
+from tests.support.wait import wait_for
+from tests.unit.test_cluster_api import kube  # noqa: F401  (kube: a fixture)
 from tests.unit.test_cluster_refused import GOOD, UPPER, informer, source, versioned
 from tests.unit.test_cluster_source import node, own
 from tests.unit.test_imagesets import image_sets, reconciled, store  # noqa: F401  (store: a fixture)
@@ -44,30 +45,30 @@ async def test_first_write_has_its_events_and_a_deleted_or_changed_object_is_wri
                         request_timeout=5)
         st.start()
         try:
-            await until(lambda: kube.writes, "the first status write")
+            await wait_for(lambda: kube.writes, what="the first status write")
             assert kube.writes[0] == ("PATCH", f"{NIS}/n1", 201)  # created
             stored = kube.collections[NIS]["n1"]
-            event = await until(lambda: next(iter(kube.collections[EVENTS].values()), None),
-                                "the first write's Event")
+            event = await wait_for(lambda: next(iter(kube.collections[EVENTS].values()), None),
+                                what="the first write's Event")
             assert event["reason"] == "ImageSetInvalid" and "image set bad" in event["message"]
             assert event["involvedObject"]["uid"] == stored["metadata"]["uid"] and st.uid
-            await until(lambda: st.own is not None and st.own.synced and "n1" in st.own.items,
-                        "its own object watched")
+            await wait_for(lambda: st.own is not None and st.own.synced and "n1" in st.own.items,
+                        what="its own object watched")
             first = stored["status"]
 
             # deleted by hand while the node is at rest: written again, as it was
             kube.remove(NIS, "n1")
-            await until(lambda: "n1" in kube.collections[NIS], "the object written again")
+            await wait_for(lambda: "n1" in kube.collections[NIS], what="the object written again")
             again = kube.collections[NIS]["n1"]
             assert again["metadata"]["uid"] != stored["metadata"]["uid"] and again["status"] == first
             assert kube.writes[-1] == ("PATCH", f"{NIS}/n1", 201) and st.restores == 1
-            await until(lambda: st.uid == again["metadata"]["uid"], "Events go to the new object")
+            await wait_for(lambda: st.uid == again["metadata"]["uid"], what="Events go to the new object")
 
             # another writer changes what the node wrote: written back
-            await until(lambda: st.own is not None and st.own.items.get("n1", {}).get("status") == first,
-                        "the new object watched")
+            await wait_for(lambda: st.own is not None and st.own.items.get("n1", {}).get("status") == first,
+                        what="the new object watched")
             kube.put(NIS, {**again, "status": {"nodeName": "n1", "sets": []}})
-            await until(lambda: kube.collections[NIS]["n1"]["status"] == first, "the status written back")
+            await wait_for(lambda: kube.collections[NIS]["n1"]["status"] == first, what="the status written back")
             assert st.restores == 2 and st.status()["restored"] == 2
 
             # at rest: nothing more (the object holds what was written; the watch saw the writes)
@@ -97,7 +98,7 @@ async def test_a_status_watch_that_rbac_refuses_is_said_once_and_writes_go_on(
                         request_timeout=5)
         st.start()
         try:
-            await until(lambda: "n1" in kube.collections[NIS], "the status written")
+            await wait_for(lambda: "n1" in kube.collections[NIS], what="the status written")
             assert st.status()["watch_error"].startswith("HTTP 403")
             assert st.restore_due() == ""  # nothing known: no write on a guess
         finally:

@@ -218,7 +218,8 @@ async def test_a_kubelet_pull_sharing_a_dropped_prefetch_is_not_cancelled(runtim
         async def kubelet_run() -> bytes:
             raise AssertionError("kubelet's pull must join the running prefetch")
 
-        kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image="registry.local/shared:1"), kubelet_run,
+        kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image="registry.local/shared:1",
+                                                                 requested="registry.local/shared:1"), kubelet_run,
                                                          priority=Priority.FOREGROUND))
         await wait_for(lambda: [r["waiters"] for r in h.scheduler.snapshot()["in_flight"]] == [2],
                          what="kubelet's pull joined the prefetch")

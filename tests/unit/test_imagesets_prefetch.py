@@ -16,8 +16,8 @@ import pytest
 from shim.config import HandlerRule, RuntimeHandlersConfig
 from shim.runtime_handlers.resolver import HandlerResolver
 from shim.proto.runtime.v1 import api_pb2
-from shim.pulls.scheduler import Priority, PullKey
-from shim.reference import pull_name
+from shim.pulls.key import pull_key
+from shim.pulls.scheduler import Priority
 from tests.support.prefetch_store import FakeImages
 from tests.unit.test_imagesets import image_sets, own, reconciled
 from tests.support.wait import wait_for
@@ -133,8 +133,7 @@ async def test_prefetch_joins_a_kubelet_pull_with_a_pull_secret(runtime, store, 
         async def kubelet_run() -> bytes:
             return await h.upstream.unary("/runtime.v1.ImageService/PullImage", kubelet_req.SerializeToString())
 
-        kubelet = asyncio.ensure_future(h.scheduler.pull(PullKey(image=pull_name("reg.local/app:1"),
-                                                                 auth="pod-secret-hash"), kubelet_run,
+        kubelet = asyncio.ensure_future(h.scheduler.pull(pull_key(kubelet_req, ""), kubelet_run,
                                                          priority=Priority.FOREGROUND))
         await wait_for(lambda: store.pulls == ["reg.local/app:1"])
         (tmp_path / "a.yaml").write_text(own("warm", ["reg.local/app:1"]))  # declared while kubelet pulls

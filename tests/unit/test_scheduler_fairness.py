@@ -121,57 +121,65 @@ async def test_prefetch_and_untrusted_peers_together_never_hold_the_last_slot() 
     await asyncio.gather(*bg, *untrusted, root, return_exceptions=True)
 
 
-async def test_root_joining_a_queued_untrusted_flight_lifts_it_and_leaving_lowers_it() -> None:
+async def test_root_pulling_what_an_untrusted_uid_queued_starts_its_own_pull_at_once() -> None:
+    """Root never joins an untrusted uid's flight (its request, its lane): its own starts on a
+    trusted slot, and the uid's stays queued behind the uid's own pull."""
     up, s = Upstream(), PullScheduler(max_parallel=4)
     busy = [pull(s, up, "u0", uid=1000), pull(s, up, "v0", uid=1001)]
-    queued = pull(s, up, "shared", uid=1000)  # uid 1000 is at its part: queued
+    queued = asyncio.create_task(s.pull(key("shared"), up.runner("theirs"), priority=U, uid=1000))
     await settle()
     assert up.calls == ["u0", "v0"]
-    root = pull(s, up, "shared", deadline=Deadline.after(0.05))  # joins it: the flight is trusted now and starts
+    root = asyncio.create_task(s.pull(key("shared"), up.runner("root's")))
     await settle()
-    assert up.calls == ["u0", "v0", "shared"]
-    assert s.running.describe() | {"untrusted_by_uid": None} == {"trusted": 1, "untrusted": 2, "background": 0,
-                                                                  "released": 0, "untrusted_by_uid": None}
-    up.release("shared", b"x")
-    assert (await root).response == b"x" and (await queued).response == b"x"
-
-    lowered = pull(s, up, "other", uid=1000)
+    assert up.calls == ["u0", "v0", "root's"]
+    assert [(r["priority"], r.get("uid")) for r in s.snapshot()["queued"]] == [("untrusted", 1000)]
+    up.release("root's", b"x")
+    out = await root
+    assert out.response == b"x" and not out.joined
+    up.release("u0")
     await settle()
-    root2 = pull(s, up, "other", deadline=Deadline.after(0.01))
-    await settle()
-    assert up.calls[-1] == "other"  # lifted: started at once
-    up.release("other")
-    await asyncio.gather(lowered, root2)
-
-    late = pull(s, up, "late", uid=1000)
-    await settle()
-    leaving = pull(s, up, "late", deadline=Deadline.after(0.0))
-    with pytest.raises(RpcError):
-        await leaving
-    await settle()
-    # ``late`` was lifted when root joined and started at once: a running flight is never lowered
-    assert up.calls[-1] == "late"
-    up.release("late")
-    await late
-    for t in busy:
-        t.cancel()
+    assert up.calls[-1] == "theirs"  # its own turn, in its own lane
+    up.release("theirs", b"y")
+    assert (await queued).response == b"y"
+    busy[1].cancel()
     await asyncio.gather(*busy, return_exceptions=True)
 
 
-async def test_a_queued_flight_goes_back_to_its_uid_when_root_leaves_it() -> None:
+async def test_root_pulling_what_an_untrusted_uid_runs_starts_its_own_and_leaves_the_uid_its_part() -> None:
+    up, s = Upstream(), PullScheduler(max_parallel=4)
+    first = asyncio.create_task(s.pull(key("u0"), up.runner("theirs"), priority=U, uid=1000))
+    second = pull(s, up, "u1", uid=1000)
+    await settle()
+    assert up.calls == ["theirs"]
+    root = asyncio.create_task(s.pull(key("u0"), up.runner("root's")))
+    await settle()
+    assert up.calls == ["theirs", "root's"]  # root's own request went upstream
+    assert s.running.describe()["untrusted_by_uid"] == {"1000": 1}  # the uid's pull still counts as its own
+    up.release("root's")
+    up.release("theirs")
+    await settle()
+    assert up.calls[-1] == "u1"
+    up.release("u1")
+    await asyncio.gather(first, second, root)
+
+
+async def test_a_queued_flight_goes_to_its_uid_when_root_leaves_it() -> None:
+    """An untrusted uid joins root's queued pull; root leaves (its deadline): the flight's only
+    caller is untrusted, so it waits in that uid's lane and does not take the trusted slot."""
     up, s = Upstream(), PullScheduler(max_parallel=2)  # 1 trusted slot, 1 untrusted
     root_busy = pull(s, up, "r0")
     mine = pull(s, up, "u0", uid=1000)
     await settle()
-    queued = pull(s, up, "u1", uid=1000)
-    root = pull(s, up, "u1", deadline=Deadline.after(0.05))  # lifted, but the trusted slot is taken: queued as trusted
+    root = pull(s, up, "u1", deadline=Deadline.after(0.05))  # the trusted slot is taken: queued as trusted
+    await settle()
+    queued = pull(s, up, "u1", uid=1000)  # joins root's
     await settle()
     assert [r["priority"] for r in s.snapshot()["queued"]] == ["foreground"]
     with pytest.raises(RpcError) as e:
         await root
     assert e.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
     row = s.snapshot()["queued"][0]
-    assert (row["priority"], row["uid"]) == ("untrusted", 1000)  # its only caller is untrusted again
+    assert (row["priority"], row["uid"]) == ("untrusted", 1000)  # its only caller is untrusted now
     up.release("r0")
     await settle()
     assert up.calls == ["r0", "u0"]  # it does not take the trusted slot
@@ -179,21 +187,36 @@ async def test_a_queued_flight_goes_back_to_its_uid_when_root_leaves_it() -> Non
     await settle()
     assert up.calls[-1] == "u1"
     up.release("u1")
-    await asyncio.gather(root_busy, mine, queued)
+    assert (await queued).joined
+    await asyncio.gather(root_busy, mine)
 
 
-async def test_root_joining_a_running_untrusted_flight_gives_the_uid_its_part_back() -> None:
+async def test_a_queued_flight_prefetch_waits_for_never_goes_to_an_untrusted_lane() -> None:
+    """Root's queued pull, joined by uid 1000 and by prefetch; root leaves. The flight waits as
+    prefetch's, not in uid 1000's lane behind the uid's own slow pull: it starts at the next
+    free slot while that pull still runs."""
     up, s = Upstream(), PullScheduler(max_parallel=4)
-    first = pull(s, up, "u0", uid=1000)
-    second = pull(s, up, "u1", uid=1000)
+    roots = [pull(s, up, f"r{i}") for i in range(3)]
+    slow = pull(s, up, "slow", uid=1000)  # the uid's part (1) is taken until it ends
     await settle()
-    assert up.calls == ["u0"]
-    root = pull(s, up, "u0")
+    assert len(up.calls) == 4
+    root = pull(s, up, "x", deadline=Deadline.after(0.05))  # every slot held: queued as trusted
     await settle()
-    assert up.calls == ["u0", "u1"]  # u0 is trusted now: uid 1000 may run another
-    up.release("u0")
-    up.release("u1")
-    await asyncio.gather(first, second, root)
+    theirs = pull(s, up, "x", uid=1000)
+    prefetch = asyncio.create_task(s.pull(key("x"), up.runner("x-prefetch"), priority=Priority.BACKGROUND))
+    await settle()
+    with pytest.raises(RpcError):
+        await root
+    assert [(r["priority"], r.get("uid")) for r in s.snapshot()["queued"]] == [("background", None)]
+    up.release("r0")
+    await settle()
+    assert up.calls[-1] == "x" and not slow.done()
+    up.release("x", b"id")
+    assert (await prefetch).joined and (await theirs).response == b"id"
+    up.release("r1")
+    up.release("r2")
+    up.release("slow")
+    await asyncio.gather(*roots, slow)
 
 
 async def test_with_a_cap_of_one_untrusted_pulls_are_refused_but_may_join_roots() -> None:
