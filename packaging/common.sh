@@ -24,6 +24,21 @@ die() { echo "$PROG: $*" >&2; exit 1; }
 
 # need_apt WHAT:PACKAGE...: apt-get install each PACKAGE whose WHAT (a command, or an absolute
 # path) is missing.
+# The one argument both build scripts take: OUT, the directory the artifact goes to (made, absolute).
+pkg_out_dir() {
+  OUT=$REPO/dist
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --out) OUT=$2; shift 2 ;;
+      --out=*) OUT=${1#--out=}; shift ;;
+      -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '/^# shellcheck/d; $d; s/^# \{0,1\}//'; exit 0 ;;
+      *) die "unknown argument $1 (--out DIR)" ;;
+    esac
+  done
+  mkdir -p "$OUT"
+  OUT=$(cd "$OUT" && pwd)
+}
+
 need_apt() {
   local item what need=()
   for item; do

@@ -27,17 +27,7 @@ PROG=build-deb
 . "$(dirname "$0")/../packaging/common.sh"
 START=$SECONDS
 
-OUT=$REPO/dist
-while [ $# -gt 0 ]; do
-  case $1 in
-    --out) OUT=$2; shift 2 ;;
-    --out=*) OUT=${1#--out=}; shift ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '/^# shellcheck/d; $d; s/^# \{0,1\}//'; exit 0 ;;
-    *) die "unknown argument $1 (--out DIR)" ;;
-  esac
-done
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+pkg_out_dir "$@"  # sets OUT (--out DIR, default dist/); --help
 
 need_apt "dpkg-deb:dpkg" "dpkg-shlibdeps:dpkg-dev"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cri-shim-deb.XXXXXX")
