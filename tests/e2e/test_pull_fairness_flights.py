@@ -31,6 +31,7 @@ from tests.support.fixtures import CriRuntime
 from tests.support.other_uid import NOBODY, require_root, run_as, shared_dir
 from tests.support.shim import start_shim
 from tests.support.slow_pulls import hold_pulls
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.e2e
 PULL = "/runtime.v1.ImageService/PullImage"
@@ -40,14 +41,6 @@ TRICKLE_BPS = 32 * 1024  # as in issue 33 and 44: a MiB every 32 s, which neithe
 HOLD_S = 30.0  # nobody's deadline: how long it holds its pulls
 ROOT_BOUND_S = 5.0  # docs/pulls.md "Fair between peers"
 CONTAINERD = pytest.mark.parametrize("cri_runtime", ["containerd-1.6", "containerd-2.x"], indirect=True)
-
-
-async def until(predicate, what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not await asyncio.to_thread(predicate):
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.1)
 
 
 def queued(d: Path) -> list[dict]:
@@ -85,10 +78,11 @@ async def test_root_pull_succeeds_whatever_an_untrusted_uid_queued_first_in_anot
         shim = await shim_for(cri_runtime, tmp_path, d)
         try:
             trickle = await nobody_holds(shim, [slow.ref])
-            await until(lambda: proxy.stats().blob_requests_for(slow.repository, slow.tag) > 0,
-                        "nobody's pull downloads (trickling)")
+            await wait_for(lambda: proxy.stats().blob_requests_for(slow.repository, slow.tag) > 0,
+                           30.0, "nobody's pull downloads (trickling)", interval=0.1, blocking=True)
             spelled = await nobody_holds(shim, [theirs])
-            await until(lambda: len(queued(d)) == 1, "nobody's second pull queues behind its first")
+            await wait_for(lambda: len(queued(d)) == 1,
+                           30.0, "nobody's second pull queues behind its first", interval=0.1, blocking=True)
             t0 = time.monotonic()
             async with grpc.aio.insecure_channel(f"unix://{shim.path}") as ch:
                 try:
@@ -138,13 +132,15 @@ async def declared_images_arrive(runtime: CriRuntime, make_image, proxy, tmp_pat
             held = []
             if nobody:
                 held.append(await nobody_holds(shim, [slow.ref]))
-                await until(lambda: proxy.stats().blob_requests_for(slow.repository, slow.tag) > 0,
-                            "nobody's pull downloads (trickling)")
+                await wait_for(lambda: proxy.stats().blob_requests_for(slow.repository, slow.tag) > 0,
+                               30.0, "nobody's pull downloads (trickling)", interval=0.1, blocking=True)
                 held.append(await nobody_holds(shim, declared[:2]))
-                await until(lambda: len(queued(d)) == 2, "nobody's pulls of two declared images queue")
+                await wait_for(lambda: len(queued(d)) == 2,
+                               30.0, "nobody's pulls of two declared images queue", interval=0.1, blocking=True)
             t0 = time.monotonic()
             (sets / "warm.yaml").write_text(image_set(declared))
-            await until(lambda: present(runtime, declared), "the declared images are present", timeout=HOLD_S + 30)
+            await wait_for(lambda: present(runtime, declared),
+                           HOLD_S + 30, "the declared images are present", interval=0.1, blocking=True)
             took = time.monotonic() - t0
             for h in held:
                 codes |= await h
