@@ -15,7 +15,8 @@ from shim.controller.apply import Applier
 from shim.controller.pinned import PinnedImageSetReconciler, PinnedWatch
 from shim.controller.workqueue import WorkQueue
 from tests.support.fake_kube import FakeKube
-from tests.unit.test_cluster_api import MCO, MCP_V1, PIS_V1, group, kube, never, resources, until  # noqa: F401
+from tests.unit.test_cluster_api import MCO, MCP_V1, PIS_V1, group, kube, never, resources  # noqa: F401
+from tests.support.wait import wait_for
 from tests.unit.test_cluster_source import pis, pool
 
 REPORTS = "/apis/cri-shim.io/v1/pinnedimagesetreports"
@@ -47,7 +48,7 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
                                           leading=lambda: False, stale_after=120.0)
     task = asyncio.get_running_loop().create_task(p.run())
     try:
-        await until(lambda: kube.count(f"/apis/{MCO}") >= 3, "discovery asked again while not served")
+        await wait_for(lambda: kube.count(f"/apis/{MCO}") >= 3, what="discovery asked again while not served")
         assert not any(path.startswith(f"/apis/{MCO}/") or path == REPORTS for path, _ in kube.requests)
         assert p.synced and p.sets == {} and p.kinds is None
 
@@ -58,8 +59,8 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
         kube.collections[REPORTS] = {}
         kube.discovery[f"/apis/{MCO}"] = group("v1")
         kube.discovery[f"/apis/{MCO}/v1"] = resources("machineconfigpools", "pinnedimagesets")
-        await until(lambda: p.synced and len(p.informers) == 3 and set(p.sets) == {"a", "b"}, "watched once served")
-        await until(lambda: queue.queued() == {"a", "b"}, "the lists mark every set")
+        await wait_for(lambda: p.synced and len(p.informers) == 3 and set(p.sets) == {"a", "b"}, what="watched once served")
+        await wait_for(lambda: queue.queued() == {"a", "b"}, what="the lists mark every set")
         take(queue)
 
         p.node_moved({"role": "db"}, {"role": "worker"})  # relabelled into the worker pool
@@ -70,10 +71,10 @@ async def test_nothing_listed_until_served_then_each_change_marks_its_sets(kube:
 
         kube.put(MCP_V1, {**pool("infra", {"matchLabels": {"role": "infra"}}, ["b"]), "status": {"machineCount": 2}})
         kube.put(PIS_V1, pis("c", ["reg/c:1"]))  # an event after the pool's: the pool's has been seen
-        await until(lambda: "c" in queue.queued(), "the new set marked")
+        await wait_for(lambda: "c" in queue.queued(), what="the new set marked")
         assert take(queue) == ["c"]  # MCO writing the pool's status marks nothing
         kube.put(MCP_V1, pool("infra", {"matchLabels": {"role": "infra"}}, ["c"]))  # lists c instead of b
-        await until(lambda: queue.queued() == {"b", "c"}, "the sets listed before and after")
+        await wait_for(lambda: queue.queued() == {"b", "c"}, what="the sets listed before and after")
         take(queue)
 
         await reconciler.reconcile("a")  # computed, not written: not leading
