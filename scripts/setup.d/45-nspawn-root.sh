@@ -61,7 +61,7 @@ version = 2
     config_path = "/etc/containerd/certs.d"
 EOF
 
-# The package, as README "Install on a node" says: a venv of its own, the entry point in
+# The package, as docs/install.md "A node, by hand" says: a venv of its own, the entry point in
 # /usr/local/bin. Done here once so its dependencies are cached in the root; the tests
 # reinstall the checkout under test with the same pip command.
 mkdir -p "$root/src/cri-shim"

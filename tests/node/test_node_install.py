@@ -4,9 +4,12 @@ kubelet.service, laid out as kubeadm and the Kubernetes packages lay it out (the
 and its 10-kubeadm.conf drop-in, /var/lib/kubelet/config.yaml in kubeadm's own format with
 ``containerRuntimeEndpoint: ""``, kubeadm-flags.env, /etc/kubernetes/kubelet.conf), registered
 with a real kube-apiserver (tests/support/apiserver.py) under its own certificate
-(system:node:<name>). cri-shim is installed as a package is: the checkout's wheel in a venv
-(/opt/cri-shim), nothing else on the node; the unit, the drop-in and the config come from the
-package's data.
+(system:node:<name>). cri-shim is the node package: the .deb of scripts/build-deb.sh, built once
+per test run from the commit under test (``git archive HEAD``: uncommitted changes are not in it;
+tests/support/packaging.py, shared with tests/package), installed with ``dpkg -i`` in a network
+namespace with no interface (no pip, no network), after the root's own venv is removed; every
+command runs /usr/bin/cri-shim. Its unit is the package's in /lib/systemd/system, used as it is;
+kubelet's drop-in and the shim's config come from the package's data.
 
 kubelet runs pods directly on containerd 2.x: runc cannot run inside the container (its cgroup
 hierarchies are read-only there), so containerd runs on the host, its socket bound into the
@@ -37,11 +40,18 @@ from tests.support.crictl import Crictl
 from tests.support.fixtures import proxy  # noqa: F401  (fixture)
 from tests.support.kube import Admin
 from tests.support.node import NodeContainerd, NodeImages, running_containers, static_pod, wait_running
+from tests.support.packaging import BUILD_TIMEOUT, DEB_NAME, built_once
 from tests.support.proxy import CountingProxy
 from tests.support.registry import RegistryWithProxy, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "nspawn-kubelet"
+#: the first test to use ``kube_node`` builds the .deb (unless tests/package did) and boots the node
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 600)
+CRI_SHIM = "/usr/bin/cri-shim"
+#: the package's unit and its drop-in (scripts/build-deb.sh); install uses them as they are
+PACKAGED_UNIT = "/lib/systemd/system/cri-shim.service"
+PACKAGED_DROP_IN = "/lib/systemd/system/cri-shim.service.d/10-deb.conf"
 KUBELET_CONFIG = "/var/lib/kubelet/config.yaml"
 SHIM_SOCKET = "unix:///run/cri-shim/cri-shim.sock"
 #: what install adds to a node (and uninstall removes)
@@ -159,8 +169,8 @@ class KubeNode:
                 "containerd": self.ctd.log_tail(20), **self.cp.log_tails()}
 
     def cri_shim(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        """``cri-shim <args>`` on the node, as root."""
-        return self.m.run("cri-shim", *args, check=False, timeout=timeout)
+        """``cri-shim <args>`` on the node, as root: the package's /usr/bin/cri-shim."""
+        return self.m.run(CRI_SHIM, *args, check=False, timeout=timeout)
 
     def kubelet_config(self) -> bytes:
         return self.m.path(KUBELET_CONFIG).read_bytes()
@@ -219,6 +229,7 @@ def kube_node(registry: RegistryWithProxy, node_binaries: tuple[str, str], node_
             pytest.fail(why + " (CI is set: node tests must not be skipped)", pytrace=False)
         pytest.skip(why)
     apiserver, etcd = require_control_plane()
+    deb = built_once("build-deb.sh", tmp_path_factory, "node").out / DEB_NAME
     work = tmp_path_factory.mktemp("node-install")
     # the same path on both sides: kubelet's root dir and pod logs, containerd's root
     shared = Path(tempfile.mkdtemp(prefix="nsp-ni-", dir="/tmp"))
@@ -227,7 +238,8 @@ def kube_node(registry: RegistryWithProxy, node_binaries: tuple[str, str], node_
                          registries=[registry.host])
     m = nspawn.Machine(root, src=REPO, log_path=work / "nspawn.log", extra_args=["--capability=CAP_SYSLOG"],
                        binds=[(shared, str(shared), False), (shared / "ctd" / "state", "/run/containerd", False),
-                              (node_binaries[1], "/usr/bin/kubelet", True), ("/dev/kmsg", "/dev/kmsg", True)])
+                              (node_binaries[1], "/usr/bin/kubelet", True), ("/dev/kmsg", "/dev/kmsg", True),
+                              (deb.parent, "/srv/pkg", True)])
     node: KubeNode | None = None
     try:
         cp.start()
@@ -240,9 +252,9 @@ def kube_node(registry: RegistryWithProxy, node_binaries: tuple[str, str], node_
         for f, v in (("vm/overcommit_memory", "1"), ("kernel/panic", "10"), ("kernel/panic_on_oops", "1")):
             m.write(f"/run/kubelet-sysctl/{f.replace('/', '.')}", v + "\n")
             m.run("mount", "--bind", f"/run/kubelet-sysctl/{f.replace('/', '.')}", f"/proc/sys/{f}")
-        # the node package: the checkout's wheel in the venv the cached root has (its dependencies there)
-        m.run("/opt/cri-shim/bin/pip", "install", "-q", "--disable-pip-version-check", "/src/cri-shim", timeout=300)
-        m.run("ln", "-sf", "/opt/cri-shim/bin/cri-shim", "/usr/local/bin/cri-shim")
+        # the node package, offline: not the cached root's own venv (the manual install of the systemd tests)
+        m.remove(["/opt/cri-shim", "/usr/local/bin/cri-shim"])
+        m.run("unshare", "--net", "dpkg", "-i", f"/srv/pkg/{DEB_NAME}", timeout=300)
         # kubeadm's layout
         m.write("/usr/lib/systemd/system/kubelet.service", KUBELET_UNIT)
         m.write("/usr/lib/systemd/system/kubelet.service.d/10-kubeadm.conf", KUBEADM_DROP_IN)
@@ -286,13 +298,19 @@ def _image_status(node: KubeNode, image: str) -> cri.ImageInfo | None:
 
 
 def _files(node: KubeNode) -> dict[str, bytes]:
-    """What install writes and kubelet reads, by path."""
-    paths = [KUBELET_CONFIG, "/etc/cri-shim/config.yaml", "/etc/systemd/system/cri-shim.service",
+    """What install writes and kubelet and systemd read, by path."""
+    paths = [KUBELET_CONFIG, "/etc/cri-shim/config.yaml", PACKAGED_UNIT, PACKAGED_DROP_IN,
              "/etc/systemd/system/kubelet.service.d/10-cri-shim.conf", "/var/lib/cri-shim/install/state.json"]
     return {p: node.m.path(p).read_bytes() for p in paths}
 
 
-@pytest.mark.timeout(900)
+def _package_intact(node: KubeNode) -> str:
+    """``dpkg --verify cri-shim``: "" when every file of the package is as it installed it."""
+    r = node.m.run("dpkg", "--verify", "cri-shim", check=False)
+    return r.stdout + r.stderr + ("" if r.returncode == 0 else f"(exit {r.returncode})")
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 900)
 @pytest.mark.parametrize("mode", ["image-only", "full"])
 def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: KubeNode, proxy: CountingProxy,  # noqa: F811
                                                                      mode: str) -> None:
@@ -300,9 +318,12 @@ def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: K
     `node install` switches kubelet's image endpoint (full mode: its runtime endpoint) to the shim,
     changing only those lines of kubelet's config; the running pod keeps running (same container,
     never restarted), and a new pod's image is pulled through the shim (its pull sits in the
-    shim's queue while the registry holds the blob). A second install changes nothing (no file, no
-    restart). `node uninstall` puts kubelet's config back byte for byte, names the pin it gives up,
-    and removes what install added; both pods still run. A second uninstall has nothing to do."""
+    shim's queue while the registry holds the blob). The shim runs from the package's unit in
+    /lib/systemd/system, used as it is (no unit of install's own), on /usr/bin/cri-shim. A second
+    install changes nothing (no file, no restart). `node uninstall` puts kubelet's config back
+    byte for byte, names the pin it gives up, and removes what install added; both pods still run;
+    the package is as dpkg installed it, its unit stopped and disabled. A second uninstall has
+    nothing to do."""
     node = kube_node
     steady = f"steady-{NODE}"
     before = node.running()[steady]
@@ -328,10 +349,14 @@ def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: K
     assert r.returncode == 0, r.stdout + r.stderr
     print(f"\nnode install --mode {mode} took {took:.1f} s:\n{r.stdout}")
     assert "checked: Version through unix:///run/cri-shim/cri-shim.sock answers containerd" in r.stdout
+    assert f"{PACKAGED_UNIT}: shipped by the package, used as it is" in r.stdout, r.stdout
     assert node.kubelet_config() == switched
     assert node.pid("kubelet") != kubelet_pid
     assert node.m.show("cri-shim", "ActiveState", "UnitFileState") == {"ActiveState": "active",
                                                                         "UnitFileState": "enabled"}
+    assert not node.present("/etc/systemd/system/cri-shim.service")
+    shown = node.m.show("cri-shim", "FragmentPath", "ExecStart")
+    assert shown["FragmentPath"] == PACKAGED_UNIT and f"path={CRI_SHIM}" in shown["ExecStart"], shown
     node.wait_ready(after=t0)
     # the running pod was not touched
     now = node.running()[steady]
@@ -381,8 +406,11 @@ def test_install_switches_a_running_node_and_uninstall_puts_it_back(kube_node: K
     assert f"kubelet's image GC may now remove the 1 image(s) it kept: {after_image}" in r.stdout, r.stdout
     assert r.stdout.index("run systemctl restart kubelet.service") < r.stdout.index("run systemctl stop cri-shim")
     assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
-    assert node.m.show("cri-shim", "ActiveState", "LoadState") == {"ActiveState": "inactive",
-                                                                    "LoadState": "not-found"}
+    # the package's files stay, as dpkg installed them; its unit stopped and disabled
+    assert node.present(PACKAGED_UNIT) and node.present(PACKAGED_DROP_IN)
+    assert _package_intact(node) == ""
+    assert node.m.show("cri-shim", "ActiveState", "UnitFileState") == {"ActiveState": "inactive",
+                                                                        "UnitFileState": "disabled"}
     node.wait_ready(after=t0)
     now = node.running()
     assert {steady, after} <= now.keys() and now[steady]["id"] == before["id"]
@@ -408,7 +436,9 @@ def test_a_broken_shim_config_is_rolled_back(kube_node: KubeNode, tmp_path: Path
     assert node.pid("kubelet") == kubelet_pid
     assert node.node_ready()[0]
     assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
-    assert node.m.show("cri-shim", "ActiveState")["ActiveState"] in ("inactive", "failed")
+    shown = node.m.show("cri-shim", "ActiveState", "UnitFileState")
+    assert shown["ActiveState"] in ("inactive", "failed") and shown["UnitFileState"] == "disabled", shown
+    assert _package_intact(node) == ""
 
 
 def test_a_kubelet_not_back_in_time_is_switched_back(kube_node: KubeNode) -> None:
@@ -427,38 +457,3 @@ def test_a_kubelet_not_back_in_time_is_switched_back(kube_node: KubeNode) -> Non
     assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
     node.wait_ready(after=t0)
     assert node.running()[f"steady-{NODE}"]["id"] == steady["id"]
-
-
-def test_the_packages_unit_is_used_as_it_is(kube_node: KubeNode) -> None:
-    """The node package's layout (docs/install.md, the .deb): the unit under /lib/systemd/system
-    with a drop-in pointing ExecStart= at /usr/bin/cri-shim, nothing in /usr/local/bin. install
-    writes no unit of its own: it enables and starts the package's (which runs /usr/bin/cri-shim),
-    adds only the config and kubelet's drop-in; uninstall stops and disables it and leaves the
-    package's files."""
-    node, m = kube_node, kube_node.m
-    unit, drop_in = "/lib/systemd/system/cri-shim.service", "/lib/systemd/system/cri-shim.service.d/10-deb.conf"
-    m.write(unit, (REPO / "systemd" / "cri-shim.service").read_text())
-    m.write(drop_in, "[Service]\nExecStart=\nExecStart=/usr/bin/cri-shim serve --config /etc/cri-shim/config.yaml\n")
-    m.run("rm", "/usr/local/bin/cri-shim")
-    m.run("ln", "-s", "/opt/cri-shim/bin/cri-shim", "/usr/bin/cri-shim")
-    m.systemctl("daemon-reload")
-    try:
-        r = node.cri_shim("node", "install")
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert f"{unit}: shipped by the package, used as it is" in r.stdout, r.stdout
-        assert not node.present("/etc/systemd/system/cri-shim.service")
-        shown = m.show("cri-shim", "ActiveState", "UnitFileState", "ExecStart", "FragmentPath")
-        assert (shown["ActiveState"], shown["UnitFileState"], shown["FragmentPath"]) == ("active", "enabled", unit)
-        assert "path=/usr/bin/cri-shim" in shown["ExecStart"], shown
-        r = node.cri_shim("node", "uninstall")
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert node.kubelet_config() == node.original
-        assert node.present(unit) and node.present(drop_in)
-        assert m.show("cri-shim", "ActiveState", "UnitFileState") == {"ActiveState": "inactive",
-                                                                       "UnitFileState": "disabled"}
-        assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
-    finally:
-        m.systemctl("disable", "--now", "cri-shim.service", check=False)
-        m.remove([unit, drop_in, "/usr/bin/cri-shim"])
-        m.run("ln", "-sf", "/opt/cri-shim/bin/cri-shim", "/usr/local/bin/cri-shim")
-        m.systemctl("daemon-reload")

@@ -1,6 +1,6 @@
 """The shim under a real systemd: systemd 252 as PID 1 of a systemd-nspawn container booted
 from a Debian 12 root (scripts/setup.d/45-nspawn-root.sh), with the package, the unit, the
-config and the kubelet drop-in installed inside as README "Install on a node" says.
+config and the kubelet drop-in installed inside as docs/install.md "A node, by hand" says.
 
 Upstream is Debian's containerd as containerd.service inside the same systemd, so the unit's
 ``After=``/``Wants=containerd.service`` are exercised for real (start pulls containerd in and
@@ -170,7 +170,7 @@ def node(registry: RegistryWithProxy, tmp_path_factory: pytest.TempPathFactory) 
     t_module = time.monotonic()
     try:
         machine.boot()
-        # README "Install on a node", step 1 (the venv and its dependencies are in the cached
+        # docs/install.md "A node, by hand", step 1 (the venv and its dependencies are in the cached
         # root; this puts the checkout under test into it, as a user upgrading would).
         _, t_install = _timed(lambda: machine.run(
             "/opt/cri-shim/bin/pip", "install", "-q", "--disable-pip-version-check", "/src/cri-shim",

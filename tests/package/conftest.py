@@ -9,36 +9,23 @@ under ``CI=true`` (scripts/setup.d/70-packaging.sh installs them).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
-from tests.support import binaries
-from tests.support.packaging import Build, build
-
-
-def _require_build_tools(*tools: str) -> None:
-    if os.geteuid() != 0:
-        msg = "the package builds need root (mmdebstrap, a private mount namespace)"
-        if binaries.in_ci():
-            pytest.fail(msg + " (CI is set: package tests must not be skipped)", pytrace=False)
-        pytest.skip(msg)
-    for tool in tools:
-        binaries.require(tool)
+from tests.support.packaging import Build, build, built_once
 
 
 @pytest.fixture(scope="session")
 def image_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Build, Build]]:
-    """scripts/build-image.sh run twice, into two directories."""
-    _require_build_tools("mmdebstrap", "umoci", "dpkg-shlibdeps", "skopeo")
-    base = tmp_path_factory.mktemp("image")
-    yield build("build-image.sh", base / "first"), build("build-image.sh", base / "second")
+    """scripts/build-image.sh run twice, into two directories (the first: the run's build)."""
+    first = built_once("build-image.sh", tmp_path_factory, "package")
+    yield first, build("build-image.sh", tmp_path_factory.mktemp("image-again"))
 
 
 @pytest.fixture(scope="session")
 def deb_builds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Build, Build]]:
-    """scripts/build-deb.sh run twice, into two directories."""
-    _require_build_tools("dpkg-deb", "dpkg-shlibdeps")
-    base = tmp_path_factory.mktemp("deb")
-    yield build("build-deb.sh", base / "first"), build("build-deb.sh", base / "second")
+    """scripts/build-deb.sh run twice, into two directories. The first is the run's build, which
+    the node suite installs too when it runs in the same session (tests/node/test_node_install.py)."""
+    first = built_once("build-deb.sh", tmp_path_factory, "package")
+    yield first, build("build-deb.sh", tmp_path_factory.mktemp("deb-again"))

@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.support import binaries, nspawn
-from tests.support.packaging import BUILD_TIMEOUT, REPO, VERSION, Build, Image, tree_digest
+from tests.support.packaging import ARCH, BUILD_TIMEOUT, DEB_NAME, REPO, VERSION, Build, Image, tree_digest
 
 pytestmark = pytest.mark.timeout(2 * BUILD_TIMEOUT + 300)
 
-ARCH = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
-DEB_NAME = f"cri-shim_{VERSION}_{ARCH}.deb"
 SYSTEMD = REPO / "systemd"
 #: where the package puts the repository's files (docs/install.md)
 SHIPPED = {
