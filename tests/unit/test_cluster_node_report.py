@@ -61,7 +61,8 @@ async def test_first_write_has_its_events_and_a_deleted_or_changed_object_is_wri
             await wait_for(lambda: "n1" in kube.collections[NIS], what="the object written again")
             again = kube.collections[NIS]["n1"]
             assert again["metadata"]["uid"] != stored["metadata"]["uid"] and again["status"] == first
-            assert kube.writes[-1] == ("PATCH", f"{NIS}/n1", 201) and st.restores == 1
+            await wait_for(lambda: st.restores == 1, what="the restore counted (after its write's answer)")
+            assert kube.writes[-1] == ("PATCH", f"{NIS}/n1", 201)
             await wait_for(lambda: st.uid == again["metadata"]["uid"], what="Events go to the new object")
 
             # another writer changes what the node wrote: written back
@@ -69,7 +70,8 @@ async def test_first_write_has_its_events_and_a_deleted_or_changed_object_is_wri
                         what="the new object watched")
             kube.put(NIS, {**again, "status": {"nodeName": "n1", "sets": []}})
             await wait_for(lambda: kube.collections[NIS]["n1"]["status"] == first, what="the status written back")
-            assert st.restores == 2 and st.status()["restored"] == 2
+            await wait_for(lambda: st.restores == 2, what="the second restore counted")
+            assert st.status()["restored"] == 2
 
             # at rest: nothing more (the object holds what was written; the watch saw the writes)
             n = len(kube.writes)
