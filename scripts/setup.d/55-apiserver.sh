@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# etcd and kube-apiserver for the cluster suite (tests/cluster, bench/cluster_fleet.py), built
-# from the Go module proxy and cached by version (envtest's binary download is not reachable here).
+# etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl for the cluster suite
+# (tests/cluster, bench/cluster_fleet.py), built from the Go module proxy and cached by version
+# (envtest's binary download is not reachable here).
 # - etcd: a wrapper module requiring go.etcd.io/etcd/server/v3 (its go.mod has ../ replaces, so
 #   `go install ...@v` is refused; in a wrapper, dependencies' replaces are ignored). About 2 min.
-# - kube-apiserver, kube-scheduler, kube-controller-manager: a wrapper module requiring
+# - kube-apiserver, kube-scheduler, kube-controller-manager, kubectl: a wrapper module requiring
 #   k8s.io/kubernetes with every k8s.io/* staging module replaced by its published release v0.N.M;
 #   one `go build` of the missing commands (they share the compile cache). kube-apiserver alone
-#   about 9 min and 2 GB peak on 2 cores; the other two add a few minutes once it is built.
+#   about 9 min and 2 GB peak on 2 cores; the other three add a few minutes once it is built
+#   (kubectl: the cluster suite applies deploy/cluster/ with the version it tests).
 #   Each is cached by version in its own directory (a cache holding only kube-apiserver gains the
-#   other two on the next run).
+#   others on the next run).
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
 K8S_VERSION=${K8S_VERSION:-v1.35.0}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.17}
 STAGING_VERSION="v0${K8S_VERSION#v1}"
 ETCD_CACHE=/var/cache/cri-shim/etcd-$ETCD_VERSION
-KUBE_CMDS=(kube-apiserver kube-scheduler kube-controller-manager)
+KUBE_CMDS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
 missing=()
 for c in "${KUBE_CMDS[@]}"; do
   [ -x "/var/cache/cri-shim/$c-$K8S_VERSION/$c" ] || missing+=("$c")

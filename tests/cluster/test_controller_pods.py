@@ -29,6 +29,7 @@ from tests.support.kube_controllers import (
     KubeComponent,
     ServiceRoute,
     require_kube_controllers,
+    require_kubectl,
     start_controller_manager,
     start_scheduler,
 )
@@ -100,7 +101,7 @@ def kube_controllers(control_plane: ControlPlane, tmp_path: Path) -> Iterator[tu
 
 def _apply(admin: Admin, image: str) -> None:
     """`kubectl apply -f` of deploy/cluster/, the image reference replaced."""
-    kubectl = binaries.require("kubectl")
+    kubectl = require_kubectl()
     with tempfile.TemporaryDirectory() as d:
         for name in MANIFESTS:
             text = (DEPLOY / name).read_text()

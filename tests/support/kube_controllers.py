@@ -2,8 +2,9 @@
 so a Deployment applied to it runs as pods on a registered kubelet; and the one Service route a pod
 needs to reach the API server without kube-proxy.
 
-Install: ``scripts/setup.d/55-apiserver.sh`` builds both with kube-apiserver (one wrapper module,
-one ``go build``), cached at /var/cache/cri-shim/{kube-scheduler,kube-controller-manager}-<v>/.
+Install: ``scripts/setup.d/55-apiserver.sh`` builds both, and kubectl, with kube-apiserver (one
+wrapper module, one ``go build``), cached at
+/var/cache/cri-shim/{kube-scheduler,kube-controller-manager,kubectl}-<v>/.
 
 * The scheduler and the controller manager run with the admin's kubeconfig, no leader election,
   serving their health endpoints on loopback ports. The controller manager runs only the
@@ -38,26 +39,35 @@ from tests.support.registry import free_port
 
 SCHEDULER = Path(f"/var/cache/cri-shim/kube-scheduler-{K8S_VERSION}/kube-scheduler")
 CONTROLLER_MANAGER = Path(f"/var/cache/cri-shim/kube-controller-manager-{K8S_VERSION}/kube-controller-manager")
+KUBECTL = Path(f"/var/cache/cri-shim/kubectl-{K8S_VERSION}/kubectl")
 #: What a Deployment's pods need, and nothing that acts on Nodes (see the module's docstring).
 CONTROLLERS = ("deployment-controller", "replicaset-controller", "serviceaccount-controller",
                "serviceaccount-token-controller", "root-ca-certificate-publisher-controller",
                "garbage-collector-controller", "node-lifecycle-controller")
 
 
-def require_kube_controllers() -> tuple[str, str]:
-    """(kube-scheduler, kube-controller-manager): skips (fails under CI) with the install command."""
+def _require(env: str, path: Path) -> str:
     import pytest
 
-    found = []
-    for env, path in (("CRI_SHIM_KUBE_SCHEDULER", SCHEDULER), ("CRI_SHIM_KUBE_CONTROLLER_MANAGER", CONTROLLER_MANAGER)):
-        p = os.environ.get(env) or str(path)
-        if not os.access(p, os.X_OK):
-            msg = f"no {Path(p).name} at {p} (install: {INSTALL})"
-            if binaries.in_ci():
-                pytest.fail(msg + " (CI is set: cluster tests must not be skipped)", pytrace=False)
-            pytest.skip(msg)
-        found.append(p)
-    return found[0], found[1]
+    p = os.environ.get(env) or str(path)
+    if not os.access(p, os.X_OK):
+        msg = f"no {Path(p).name} at {p} (install: {INSTALL})"
+        if binaries.in_ci():
+            pytest.fail(msg + " (CI is set: cluster tests must not be skipped)", pytrace=False)
+        pytest.skip(msg)
+    return p
+
+
+def require_kube_controllers() -> tuple[str, str]:
+    """(kube-scheduler, kube-controller-manager): skips (fails under CI) with the install command."""
+    return (_require("CRI_SHIM_KUBE_SCHEDULER", SCHEDULER),
+            _require("CRI_SHIM_KUBE_CONTROLLER_MANAGER", CONTROLLER_MANAGER))
+
+
+def require_kubectl() -> str:
+    """kubectl of the API server's version (not whichever is on PATH: kubectl supports one minor
+    version of skew)."""
+    return _require("CRI_SHIM_KUBECTL", KUBECTL)
 
 
 class KubeComponent:
