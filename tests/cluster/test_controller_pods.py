@@ -144,6 +144,15 @@ def _node_ready(admin: Admin) -> bool:
     return admin.run(go)
 
 
+def _delete_node(admin: Admin) -> None:
+    try:
+        admin.run(lambda api: CoreV1Api(api).delete_node(KUBELET_NODE))
+    except ApiException as e:
+        if e.status != 404:
+            raise
+    delete(admin, *SHIM, "nodeimagesetstatuses", KUBELET_NODE)
+
+
 def _pulls_through_shim(metrics_address: str) -> float:
     scrape = asyncio.run(prom.scrape(metrics_address))
     return sum(v for (name, labels), v in scrape.samples.items()
@@ -170,6 +179,7 @@ def test_controller_deployment_runs_as_pods_pulled_through_the_shim(
         kubelet_factory: Any, tmp_path: Path) -> None:
     route = ServiceRoute(pod_containerd.bridge, KUBERNETES_SERVICE_IP, 443, ("127.0.0.1", control_plane.port)).install()
     admin.apply_custom(*SHIM, "imagesets", image_set("t6-pods", [node_images.busybox.ref], {"t6-pool": "ctl"}))
+    kubelet = None
     try:
         kc = control_plane.kubelet_kubeconfig(tmp_path / "kubelet.kubeconfig", KUBELET_NODE)
         metrics = f"127.0.0.1:{free_port()}"
@@ -229,3 +239,6 @@ def test_controller_deployment_runs_as_pods_pulled_through_the_shim(
         _delete_deployment(admin)
         delete(admin, *SHIM, "imagesets", "t6-pods")
         route.remove()
+        if kubelet is not None:  # its Node goes with it: kubelet keeps the labels of a Node it finds registered
+            kubelet.stop()
+        _delete_node(admin)
