@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
-# etcd and kube-apiserver for the cluster suite (tests/cluster, bench/cluster_fleet.py), built
-# from the Go module proxy and cached by version (envtest's binary download is not reachable here).
+# etcd, kube-apiserver, kube-scheduler, kube-controller-manager and kubectl for the cluster suite
+# (tests/cluster, bench/cluster_fleet.py), built from the Go module proxy and cached by version
+# (envtest's binary download is not reachable here).
 # - etcd: a wrapper module requiring go.etcd.io/etcd/server/v3 (its go.mod has ../ replaces, so
 #   `go install ...@v` is refused; in a wrapper, dependencies' replaces are ignored). About 2 min.
-# - kube-apiserver: a wrapper module requiring k8s.io/kubernetes with every k8s.io/* staging module
-#   replaced by its published release v0.N.M. About 9 min and 2 GB peak on 2 cores.
+# - kube-apiserver, kube-scheduler, kube-controller-manager, kubectl: a wrapper module requiring
+#   k8s.io/kubernetes with every k8s.io/* staging module replaced by its published release v0.N.M;
+#   one `go build` of the missing commands (they share the compile cache). kube-apiserver alone
+#   about 9 min and 2 GB peak on 2 cores; the other three add a few minutes once it is built
+#   (kubectl: the cluster suite applies deploy/cluster/ with the version it tests).
+#   Each is cached by version in its own directory (a cache holding only kube-apiserver gains the
+#   others on the next run).
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
 K8S_VERSION=${K8S_VERSION:-v1.35.0}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.17}
 STAGING_VERSION="v0${K8S_VERSION#v1}"
 ETCD_CACHE=/var/cache/cri-shim/etcd-$ETCD_VERSION
-API_CACHE=/var/cache/cri-shim/kube-apiserver-$K8S_VERSION
-[ -x "$ETCD_CACHE/etcd" ] && [ -x "$API_CACHE/kube-apiserver" ] && exit 0
+KUBE_CMDS=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
+missing=()
+for c in "${KUBE_CMDS[@]}"; do
+  [ -x "/var/cache/cri-shim/$c-$K8S_VERSION/$c" ] || missing+=("$c")
+done
+[ -x "$ETCD_CACHE/etcd" ] && [ ${#missing[@]} -eq 0 ] && exit 0
 work=$(mktemp -d /var/tmp/apiserver-build.XXXXXX)
 trap 'chmod -R u+w "$work" 2>/dev/null; rm -rf "$work"' EXIT
 export CGO_ENABLED=0 GOFLAGS=-mod=mod
@@ -43,9 +53,9 @@ GO
   echo "setup: etcd at $ETCD_CACHE/etcd"
 fi
 
-if [ ! -x "$API_CACHE/kube-apiserver" ]; then
-  echo "setup: build kube-apiserver $K8S_VERSION from the Go module proxy (about 9 min)"
-  mkdir -p "$work/api" "$API_CACHE"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: build ${missing[*]} $K8S_VERSION from the Go module proxy (kube-apiserver about 9 min)"
+  mkdir -p "$work/api/bin"
   cd "$work/api"
   # k8s.io/kubernetes' own go.mod lists every staging module; each becomes a replace to the release.
   gomod=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" \
@@ -61,20 +71,22 @@ for m in mods:
     print(f"\t{m} => {m} {staging}")
 print(")")
 PY
-  cat > tools.go <<'GO'
-//go:build tools
-
-package tools
-
-import _ "k8s.io/kubernetes/cmd/kube-apiserver"
-GO
+  { printf '//go:build tools\n\npackage tools\n\nimport (\n'
+    for c in "${KUBE_CMDS[@]}"; do printf '\t_ "k8s.io/kubernetes/cmd/%s"\n' "$c"; done
+    printf ')\n'; } > tools.go
   go mod tidy
   minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
   v=k8s.io/component-base/version
-  nice -n 10 go build -o "$work/api/kube-apiserver" \
+  pkgs=()
+  for c in "${missing[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$c"); done
+  nice -n 10 go build -o "$work/api/bin/" \
     -ldflags "-s -w -X $v.gitVersion=$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=$minor -X $v.gitTreeState=clean" \
-    k8s.io/kubernetes/cmd/kube-apiserver
-  install -m 0755 "$work/api/kube-apiserver" "$API_CACHE/kube-apiserver.tmp"
-  mv "$API_CACHE/kube-apiserver.tmp" "$API_CACHE/kube-apiserver"
-  echo "setup: kube-apiserver at $API_CACHE/kube-apiserver"
+    "${pkgs[@]}"
+  for c in "${missing[@]}"; do
+    dest=/var/cache/cri-shim/$c-$K8S_VERSION
+    mkdir -p "$dest"
+    install -m 0755 "$work/api/bin/$c" "$dest/$c.tmp"
+    mv "$dest/$c.tmp" "$dest/$c"
+    echo "setup: $c at $dest/$c"
+  done
 fi

@@ -223,7 +223,7 @@ def test_leader_killed_standby_takes_over_within_the_lease(control_plane, admin,
 
 
 def test_deployment_manifest_accepted(control_plane, admin) -> None:
-    """deploy/cluster/controller.yaml's Deployment is valid for the API server (dry run: no scheduler here)."""
+    """deploy/cluster/controller.yaml's Deployment is valid for the API server (a dry run; test_controller_pods.py runs it as pods)."""
     dep = next(d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text()) if d and d["kind"] == "Deployment")
     assert dep["spec"]["replicas"] == 2
     out = admin.run(lambda api: AppsV1Api(api).create_namespaced_deployment("cri-shim", dep, dry_run="All"))

@@ -42,6 +42,8 @@ APISERVER = Path(f"/var/cache/cri-shim/kube-apiserver-{K8S_VERSION}/kube-apiserv
 ETCD = Path(f"/var/cache/cri-shim/etcd-{ETCD_VERSION}/etcd")
 INSTALL = "bash scripts/setup.d/55-apiserver.sh"
 SA_NAMESPACE = "cri-shim"
+SERVICE_CIDR = "10.96.0.0/24"
+KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of SERVICE_CIDR, as the API server allocates it
 
 
 def require_control_plane() -> tuple[str, str]:
@@ -94,7 +96,10 @@ class ControlPlane:
                  "-days", "2", "-subj", "/CN=cri-shim-test-ca", cwd=d)
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
                  "-subj", "/CN=kube-apiserver", cwd=d)
-        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        # The `kubernetes` Service's ClusterIP and names too: in-cluster clients (the controller's
+        # pods, tests/cluster/test_controller_pods.py) verify the serving cert against them.
+        (d / "san.ext").write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost,IP:{KUBERNETES_SERVICE_IP},"
+                                   "DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n")
         _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", "server.crt", "-days", "2", "-extfile", "san.ext", cwd=d)
         _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
@@ -159,7 +164,7 @@ class ControlPlane:
              "--service-account-issuer", "https://kubernetes.default.svc",
              "--service-account-key-file", str(d / "sa.pub"),
              "--service-account-signing-key-file", str(d / "sa.key"),
-             "--service-cluster-ip-range", "10.96.0.0/24", "--allow-privileged",
+             "--service-cluster-ip-range", SERVICE_CIDR, "--allow-privileged",
              "--enable-priority-and-fairness=false", "--watch-cache=true", "-v", "1", *self.extra_args],
             stdout=self.apiserver_log, stderr=subprocess.STDOUT)
         self.wait_ready(timeout)

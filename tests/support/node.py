@@ -229,12 +229,14 @@ class NodeContainerd(Containerd2):
     """containerd 2.x configured to run pods here: runc without systemd cgroups, the sandbox may
     not lower its oom_score_adj (this VM forbids it), the 2.x shim first on PATH, a CNI bridge
     of its own (unique name and subnet), plain-HTTP ``registries`` via certs.d, and
-    ``sandbox_image`` as the pause image."""
+    ``sandbox_image`` as the pause image. ``pod_routes`` (CIDRs) are routed from each pod through
+    the bridge's gateway (the host): a Service CIDR, tests/support/kube_controllers.py."""
 
     def __init__(self, binary: str, workdir: str | Path, *, sandbox_image: str, registries: Sequence[str] = (),
-                 snapshotter: str = "native") -> None:
+                 snapshotter: str = "native", pod_routes: Sequence[str] = ()) -> None:
         super().__init__(binary, workdir, {})
         self.sandbox_image = sandbox_image
+        self.pod_routes = list(pod_routes)
         self.registries = list(registries)
         self.snapshotter = snapshotter
         tag = uuid.uuid4().hex[:6]
@@ -290,6 +292,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             "cniVersion": "1.0.0", "name": "crishim-node",
             "plugins": [{"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
                          "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]],
+                                  "routes": [{"dst": cidr} for cidr in self.pod_routes],
                                   "dataDir": str(self.dir / "cni" / "ipam")}},
                         {"type": "loopback"}]}))
         for host in self.registries:
