@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -155,14 +156,20 @@ class _Progress:
 
 def install(opts: Options, root: Path, host: Host, say: Say) -> int:
     """Returns the exit status: EXIT_OK, EXIT_ROLLED_BACK or EXIT_REFUSED."""
-    ch = Changes(root, host, say, opts.dry_run)
+    return locked(root, host, say, opts.dry_run, lambda ch: _install(opts, ch, host, say))
+
+
+def locked(root: Path, host: Host, say: Say, dry_run: bool, body: Callable[[Changes], int]) -> int:
+    """One install or uninstall at a time: ``body`` runs holding the lock (released whatever
+    happens), or the call is refused with nothing changed."""
+    ch = Changes(root, host, say, dry_run)
     try:
         ch.lock()
     except HostError as e:
         say(f"refused, nothing changed: {e}")
         return EXIT_REFUSED
     try:
-        return _install(opts, ch, host, say)
+        return body(ch)
     finally:
         ch.unlock()
 

@@ -25,7 +25,7 @@ from . import kubelet as kubelet_mod
 from . import readiness, state, yamledit
 from .changes import Changes, Say
 from .host import Host, HostError
-from .install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, SHIM_STATE_DIR, SHIM_UNIT, is_active, main_pid
+from .install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, SHIM_STATE_DIR, SHIM_UNIT, is_active, locked, main_pid
 from .kubelet import Refused
 from .state import KubeletRecord, State
 from .yamledit import EditError
@@ -43,16 +43,7 @@ class Options:
 
 
 def uninstall(opts: Options, root: Path, host: Host, say: Say) -> int:
-    ch = Changes(root, host, say, opts.dry_run)
-    try:
-        ch.lock()
-    except HostError as e:
-        say(f"refused, nothing changed: {e}")
-        return EXIT_REFUSED
-    try:
-        return _uninstall(opts, ch, host, say)
-    finally:
-        ch.unlock()
+    return locked(root, host, say, opts.dry_run, lambda ch: _uninstall(opts, ch, host, say))
 
 
 def _uninstall(opts: Options, ch: Changes, host: Host, say: Say) -> int:
