@@ -7,8 +7,9 @@ it, checking each step, and switch everything back by itself when a check fails.
 2. Files: ``/etc/cri-shim/config.yaml`` (``--config``; else the one in place; else the shipped
    config.example.yaml with ``upstream`` set), ``/etc/systemd/system/cri-shim.service`` and the
    kubelet drop-in ``kubelet.service.d/10-cri-shim.conf`` (each only when a package did not
-   ship it under /lib/systemd/system or /usr/lib/systemd/system); ``daemon-reload``, enable and
-   start the shim.
+   ship it under /lib/systemd/system or /usr/lib/systemd/system), and on CRI-O the shim's drop-in
+   ``cri-shim.service.d/20-runtime.conf`` (``After=``/``Wants=crio.service``); ``daemon-reload``,
+   enable and start the shim.
 3. ``Version`` through the shim's socket must name the runtime kubelet uses, within
    ``--shim-timeout``; else everything above is undone.
 4. kubelet's config file: ``imageServiceEndpoint`` (or ``containerRuntimeEndpoint`` in full
@@ -51,6 +52,10 @@ UNIT_DIR = "/etc/systemd/system"
 PACKAGED_UNIT_DIRS = ("/lib/systemd/system", "/usr/lib/systemd/system")
 UNIT_FILE = SHIM_UNIT
 DROP_IN = "kubelet.service.d/10-cri-shim.conf"
+#: the shim's drop-in that orders it after a runtime other than containerd (the unit's own After=)
+RUNTIME_DROP_IN = "cri-shim.service.d/20-runtime.conf"
+#: a runtime's name in its Version answer -> its systemd unit, for runtimes the shipped unit does not name
+RUNTIME_UNITS = {"cri-o": "crio.service"}
 #: the program the shipped unit's ExecStart= runs
 SHIPPED_EXECUTABLE = "/usr/local/bin/cri-shim"
 #: the mode -> the shipped snippet of kubelet settings it merges
@@ -133,6 +138,9 @@ class Plan:
     listen: str  #: the shim's socket, from that config
     unit: tuple[str, bytes | None]  #: (path, bytes to write; None: the package's, used as it is)
     drop_in: tuple[str, bytes | None]
+    #: (path, bytes) of the shim's drop-in ordering it after the runtime's unit; None: the shipped
+    #: unit's After=containerd.service is the runtime's already
+    runtime_drop_in: tuple[str, bytes] | None
     #: kubelet's config: key -> value as it will be written (only the keys that change)
     kubelet_keys: dict[str, str]
     kubelet_config: bytes  #: kubelet's config file as it will be
@@ -249,7 +257,18 @@ def _plan(opts: Options, ch: Changes, host: Host, say: Say) -> Plan:
     new = yamledit.edit(text, keys, kubelet.config_path).encode() if keys else kubelet.config_data
     return Plan(opts, before, kubelet, probe, upstream, runtime, config, config_source, cfg.listen,
                 (unit, None if unit_packaged else _desired_unit(opts, ch)),
-                (drop_in, None if drop_in_packaged else shipped(DROP_IN)), keys, new)
+                (drop_in, None if drop_in_packaged else shipped(DROP_IN)), runtime_drop_in(runtime), keys, new)
+
+
+def runtime_drop_in(runtime: Runtime) -> tuple[str, bytes] | None:
+    """The shim's drop-in for a runtime whose unit the shipped unit does not name (CRI-O): the shim
+    starts after it and pulls it in, as the unit does for containerd."""
+    unit = RUNTIME_UNITS.get(runtime.name.lower())
+    if unit is None:
+        return None
+    text = (f"# Written by `cri-shim node install`: the runtime behind this shim is {runtime.name}.\n"
+            f"[Unit]\nAfter={unit}\nWants={unit}\n")
+    return f"{UNIT_DIR}/{RUNTIME_DROP_IN}", text.encode()
 
 
 def _refuse_what_the_file_cannot_switch(ch: Changes, kubelet: Kubelet, mode: str) -> None:
@@ -347,6 +366,11 @@ def _apply(plan: Plan, progress: _Progress, ch: Changes, host: Host, say: Say) -
             say(f"{path}: shipped by the package, used as it is")
         else:
             units_changed = _put(progress, ch, path, data, what) or units_changed
+    if plan.runtime_drop_in is not None:
+        path, data = plan.runtime_drop_in
+        ch.makedirs(path.rsplit("/", 1)[0])
+        what = f"the shim's drop-in: Wants=/After= the runtime's unit ({plan.runtime.name})"
+        units_changed = _put(progress, ch, path, data, what) or units_changed
     if units_changed:
         progress.units_changed = True
         ch.systemctl("daemon-reload")

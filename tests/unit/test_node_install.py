@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shim.node_install import install, uninstall
-from shim.node_install.host import NodeView
+from shim.node_install.host import NodeView, Runtime
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, shipped
 from tests.unit.fake_node import KUBEADM_CONFIG, RUNTIME_SOCKET, FakeHost, kubeadm_node, snapshot
 
@@ -195,6 +195,28 @@ def test_uninstall_restores_kubelet_byte_for_byte_and_removes_what_install_added
     calls = len(host.calls)
     rc, out = do_uninstall(root, host)
     assert rc == EXIT_OK and out[0].startswith("nothing to undo") and host.calls[calls:] == []
+
+
+def test_on_cri_o_the_shim_is_ordered_after_crio_and_uninstall_removes_the_drop_in(
+        node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    host.runtime = Runtime("cri-o", "1.34.0")
+    before = snapshot(root)
+    rc, out = do_install(root, host)
+    assert rc == EXIT_OK, "\n".join(out)
+    drop_in = root / "etc/systemd/system/cri-shim.service.d/20-runtime.conf"
+    lines = drop_in.read_text().splitlines()
+    assert "[Unit]" in lines and "After=crio.service" in lines and "Wants=crio.service" in lines
+    assert ["systemctl", "daemon-reload"] in host.mutations()
+    assert do_install(root, host)[0] == EXIT_OK  # a second run changes nothing
+    assert do_uninstall(root, host)[0] == EXIT_OK
+    assert snapshot(root) == before  # the drop-in and its directory are gone
+
+
+def test_on_containerd_no_runtime_drop_in_is_written(node: tuple[Path, FakeHost]) -> None:
+    root, host = node
+    assert do_install(root, host)[0] == EXIT_OK
+    assert not (root / "etc/systemd/system/cri-shim.service.d").exists()
 
 
 def test_uninstall_after_the_operator_edited_kubelets_config_puts_back_only_installs_keys(
