@@ -45,11 +45,6 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
             raise WireError("varint too long")
 
 
-def read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    """The varint at ``buf[i]``: (value, index after it). Raises WireError."""
-    return _read_varint(buf, i)
-
-
 def fields(buf: bytes) -> Iterator[tuple[int, int, int, int, int]]:
     """Yield (field_number, wire_type, start, value_start, end) for each top-level field."""
     i = 0
