@@ -101,7 +101,6 @@ class ClientConnection(asyncio.Protocol):
         self.peer = Peer()
         self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
         self._linger_bytes = -1  # >= 0 while lingering after the GOAWAY of a closed connection
-        self._pump_due = False  # a _pump is scheduled (call_soon): a handler's answer goes out in one write
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -464,7 +463,6 @@ class ClientConnection(asyncio.Protocol):
                     raise asyncio.CancelledError()
                 room = 0 if self._client_write_paused else calls.send_room(s)
                 if room <= 0:
-                    self._pump()  # what is sent so far goes out before waiting for the window
                     stall = self.config.stream_stall_seconds
                     now = self.loop.time()
                     stalled_since = now if stalled_since is None else stalled_since
@@ -479,18 +477,5 @@ class ClientConnection(asyncio.Protocol):
                 stalled_since = None
                 calls.send_data(s, bytes(view[:room]))
                 view = view[room:]
-            self._pump_soon()
+                self._pump()
         return send
-
-    def _pump_soon(self) -> None:
-        """Write the core's output on the loop's next turn, once: a unary answer's HEADERS, DATA and
-        trailers (sent right after it, then pumped by _serve_local) leave in one write, and a
-        stream's message without waiting for the next one."""
-        if not self._pump_due:
-            self._pump_due = True
-            self.loop.call_soon(self._pumped_soon)
-
-    def _pumped_soon(self) -> None:
-        self._pump_due = False
-        if not self._closed:
-            self._pump()
