@@ -7,7 +7,9 @@ node) at a fixed rate, one method at a time: ``Version`` (relayed: the anchor),
 ``ImageStatus`` of a pinned image, ``ListImages`` (20 images, 5 pinned), ``PullImage`` of
 an image the runtime has, and ``RemoveImage`` of a pinned image (refused, FAILED_PRECONDITION);
 and, as the floor of an intercepted call, ``RemoveImage`` of an empty name, which the shim
-answers without calling the runtime.
+answers without calling the runtime. With ``--no-pins`` the shim intercepts neither ImageStatus
+nor ListImages (shim/process/app.py): their cost as relayed calls, the least an answer patched
+on its way through the relay could cost.
 The methods take turns in short slices, in a different order each round, so load from
 elsewhere on the machine hits them alike. For each slice the shim's CPU time is read from
 ``/proc/PID/task/*/schedstat`` (nanoseconds, every thread: the event loop and gRPC's own);
@@ -135,8 +137,12 @@ async def paced(mc: grpc.aio.UnaryUnaryMultiCallable, req: bytes, expect: grpc.S
     return n
 
 
-async def run(target: str, pid: int, rate: float, seconds: float, rounds: int, only: list[str]) -> dict:
+async def run(target: str, pid: int, rate: float, seconds: float, rounds: int, only: list[str],
+              pins: bool = True) -> dict:
     cs = {name: c for name, c in cases().items() if not only or name.split()[0] in only or name.startswith(("Version", "Floor"))}
+    if not pins:  # ImageStatus and ListImages are relayed (shim/process/app.py); no RemoveImage is refused
+        cs = {name.replace("ImageStatus", "ImageStatus (relayed)").replace("ListImages", "ListImages (relayed)"): c
+              for name, c in cs.items() if not name.startswith(("RemoveImage", "Floor"))}
     spent = {name: 0 for name in cs}
     calls = {name: 0 for name in cs}
     client = {name: 0 for name in cs}
@@ -172,6 +178,8 @@ def main() -> None:
     ap.add_argument("--runtime", help=argparse.SUPPRESS)  # internal: serve the scripted runtime on this socket
     ap.add_argument("--only", action="append", default=[], metavar="METHOD",
                     help="measure only this intercepted method (and Version), e.g. ImageStatus; repeatable")
+    ap.add_argument("--no-pins", action="store_true",
+                    help="no pins: ImageStatus and ListImages are relayed (what they cost as relayed calls)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.runtime:
@@ -184,7 +192,7 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, "-P", "-m", "bench.intercept_cpu", "--runtime", rt_sock],
                                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
         cfg = os.path.join(workdir, "shim.yaml")
-        Path(cfg).write_text(json.dumps({"server": {"admin_socket": ""}, "pins": {"images": [PIN]}}))
+        Path(cfg).write_text(json.dumps({"server": {"admin_socket": ""}, "pins": {"images": [] if args.no_pins else [PIN]}}))
         for _ in range(100):
             if os.path.exists(rt_sock):
                 break
@@ -200,7 +208,8 @@ def main() -> None:
         else:
             raise SystemExit("the shim did not start")
         load_before = [round(x, 2) for x in os.getloadavg()]
-        result = asyncio.run(run(f"unix://{shim_sock}", shim.pid, args.rate, args.seconds, args.rounds, args.only))
+        result = asyncio.run(run(f"unix://{shim_sock}", shim.pid, args.rate, args.seconds, args.rounds, args.only,
+                                 not args.no_pins))
         out = {"shim_root": args.shim_root, "rate": args.rate, "cases": result,
                "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}}
     finally:
