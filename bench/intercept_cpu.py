@@ -52,7 +52,7 @@ PINNED_EVERY = 4  # every 4th image is under registry.k8s.io/pause (pinned)
 PIN = "registry.k8s.io/pause:*"
 
 
-def shim_cpu_ns(pid: int) -> int:
+def cpu_ns(pid: int) -> int:
     """CPU time of every thread of ``pid``, in nanoseconds."""
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -157,11 +157,11 @@ async def run(target: str, pid: int, rate: float, seconds: float, rounds: int, o
             rng.shuffle(order)
             for name in order:
                 _, req, expect = cs[name]
-                before, mine = shim_cpu_ns(pid), shim_cpu_ns(me)
+                before, mine = cpu_ns(pid), cpu_ns(me)
                 calls[name] += await paced(mcs[name], req, expect, rate, seconds)
                 await asyncio.sleep(0.05)  # the last answers' trailing work
-                spent[name] += shim_cpu_ns(pid) - before
-                client[name] += shim_cpu_ns(me) - mine
+                spent[name] += cpu_ns(pid) - before
+                client[name] += cpu_ns(me) - mine
     per = {name: spent[name] / calls[name] / 1e3 for name in cs}
     anchor = per["Version (relayed)"]
     return {name: {"calls": calls[name], "cpu_us_per_call": round(per[name], 1),
