@@ -17,17 +17,23 @@ decoded object is dropped as soon as it is read. Bound: ``cluster.max_pods`` pod
 
 ``priority_of(namespace, name, uid)``: by uid, else by namespace/name (a static pod: the uid in
 its sandbox is kubelet's, its mirror pod's is the API server's). None when the pod is not known,
-has no ``spec.priority``, or while the watch is not synced or failing (API server unreachable,
-403): callers then fall back to their rules, for every pod alike.
+has no ``spec.priority``, or while the watch is not synced or failing (API server unreachable):
+callers then fall back to their rules, for every pod alike. A 403 (a ServiceAccount identity
+without ``list`` on pods, or a kubelet identity of another node) ends the watch: one request, one
+warning, ``refused`` in status, every answer None until the shim restarts or reloads.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from kubernetes_asyncio.client import ApiClient
 
+from ..observability import logs
 from .informer import Informer, ListFn, Obj
+
+_log = logs.get("cluster")
 
 
 def field_selector(node_name: str) -> str:
@@ -56,12 +62,19 @@ class NodePods:
         self.node_name = node_name
         self.max_pods = max_pods
         self._by_name: dict[tuple[str, str], str] = {}  # (namespace, name) -> uid
+        self.refused = False  # the API server answered 403: not asked again
         self.informer = Informer(api, "pods", list_pods, **{**common, "on_change": _nothing},
                                  on_event=self._event, key=_uid, shrink=_keep, max_items=max_pods,
-                                 field_selector=field_selector(node_name))
+                                 give_up_on=frozenset({403}), field_selector=field_selector(node_name))
 
     async def run(self) -> None:
+        """Watch until cancelled, or until the API server refuses (403)."""
         await self.informer.run()
+        self.refused = True
+        logs.log(_log, logging.WARNING, "cannot list the pods bound to this node: pulls are ordered by the "
+                 "config's rules, not the pods' priority, until the shim restarts (kubelet's identity may list "
+                 "them; a ServiceAccount needs list, watch on pods, see docs/node-identity.md; "
+                 "cluster.pod_priority: false does not ask)", node=self.node_name, error=self.informer.error)
 
     def _event(self, kind: str, old: Obj, new: Obj) -> None:
         if kind == "LIST":
@@ -96,6 +109,8 @@ class NodePods:
                                "max_pods": self.max_pods}
         if inf.not_kept:
             out["not_kept"] = inf.not_kept
+        if self.refused:
+            out["refused"] = True
         if inf.error:
             out["error"] = inf.error
         return out

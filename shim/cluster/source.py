@@ -301,13 +301,14 @@ class ClusterSource:
             "imagesets": Informer(api, "imagesets", _lister(custom, objects.IMAGE_SET),
                                   kind=(objects.IMAGE_SET.api_version, objects.IMAGE_SET.kind), **self._common),
         }
-        if self.cfg.pod_priority:
-            self.pods = NodePods(api, core.list_pod_for_all_namespaces, self.node_name, max_pods=self.cfg.max_pods,
-                                 **self._common)
-            self.informers["pods"] = self.pods.informer
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
                        for name, inf in self.informers.items()]
+        if self.cfg.pod_priority:
+            self.pods = NodePods(api, core.list_pod_for_all_namespaces, self.node_name, max_pods=self.cfg.max_pods,
+                                 **self._common)
+            self.informers["pods"] = self.pods.informer  # its synced / error under "watches" in status
+            self._tasks.append(loop.create_task(self.pods.run(), name="cluster-watch-pods"))
         self._tasks.append(loop.create_task(self.apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
         self._tasks.append(loop.create_task(self._identity_check(api), name="cluster-identity"))

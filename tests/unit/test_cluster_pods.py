@@ -136,16 +136,18 @@ async def test_unreachable_api_server_every_answer_none_then_back(kube: FakeKube
         await stopped(task)
 
 
-async def test_forbidden_every_answer_none_and_status_says_why(kube: FakeKube) -> None:
+async def test_forbidden_asked_once_every_answer_none_and_status_says_why(kube: FakeKube) -> None:
     kube.fail(PODS, 403, times=1000)
     kube.put(PODS, pod("cni", "n1", 2000001000, ns="kube-system"))
     pods = node_pods(kube)
     task = asyncio.get_running_loop().create_task(pods.run())
     try:
-        await wait_for(lambda: pods.status().get("error"), what="the 403 seen")
+        await wait_for(lambda: pods.status().get("refused"), what="the 403 seen")
         assert pods.status()["error"].startswith("HTTP 403")
         assert not pods.status()["synced"]
         assert pods.priority_of("kube-system", "cni", "uid-cni") is None
+        await asyncio.sleep(0.5)  # backoff_max 0.2: it would have asked again
+        assert kube.count(PODS) == 1  # refused: not asked again
     finally:
         await stopped(task)
 
