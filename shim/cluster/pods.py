@@ -12,8 +12,8 @@ accumulate.
 Kept per pod, by uid: its namespace, name and ``spec.priority`` (the Priority admission plugin
 sets it from ``priorityClassName``; absent where that plugin is off). Everything else of the
 decoded object is dropped as soon as it is read. Bound: ``cluster.max_pods`` pods (default
-1000; kubelet's ``maxPods`` defaults to 110), about 0.5 KiB each; a pod beyond it is not kept
-(``not_kept`` in status) and its priority is unknown.
+1000; kubelet's ``maxPods`` defaults to 110), about 0.3 KiB each with 40-character names; a pod
+beyond it is not kept (``not_kept`` in status) and its priority is unknown.
 
 ``priority_of(namespace, name, uid)``: by uid, else by namespace/name (a static pod: the uid in
 its sandbox is kubelet's, its mirror pod's is the API server's). None when the pod is not known,
