@@ -18,7 +18,7 @@
   their uid); ``shrink`` (optional) replaces each object by what the caller keeps of it before
   it is stored or handed to ``on_event`` (the rest of the decoded JSON is garbage at once);
   ``max_items`` (optional) bounds ``items``: an object beyond it is not kept (``not_kept``
-  counts them) until one is deleted and it changes again.
+  counts each time one was not) until one is deleted and it changes again.
 * ``on_change`` is called after every change (synchronously, in the loop; coalescing is the
   caller's business). ``on_event`` (optional) also gets what changed: ``(type, old, new)`` per
   watch event (``ADDED``/``MODIFIED``/``DELETED``; old or new None where there is none), and
