@@ -304,10 +304,10 @@ class ClusterSource:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
                        for name, inf in self.informers.items()]
-        if self.cfg.pod_priority:
+        if self.cfg.pod_priority:  # its own status row ("pod_priority"), not under "watches": a refused
+            # pod list (a ServiceAccount without rights on pods) leaves the image sets' watches as they are
             self.pods = NodePods(api, core.list_pod_for_all_namespaces, self.node_name, max_pods=self.cfg.max_pods,
                                  **self._common)
-            self.informers["pods"] = self.pods.informer  # its synced / error under "watches" in status
             self._tasks.append(loop.create_task(self.pods.run(), name="cluster-watch-pods"))
         self._tasks.append(loop.create_task(self.apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))

@@ -136,7 +136,6 @@ def test_shim_status_shows_the_pod_watch(control_plane: ControlPlane, admin: Adm
         shim = shim_factory(cfg, log_level="info")
         st = wait_for_blocking(lambda: (s := shim_status(sock)).get("pod_priority", {}).get("answering") and s, 30,
                                "the pod watch synced")
-        assert st["watches"]["pods"]["synced"] is True
         assert st["pod_priority"]["pods"] >= 1 and "error" not in st["pod_priority"]
         shim.stop()
 
