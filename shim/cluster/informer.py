@@ -14,6 +14,11 @@
   every watch resumes within about ``cluster.probe_interval_seconds`` of the API server's return.
 * ``give_up_on``: HTTP statuses that end ``run()`` instead of retrying (a Secret whose watch
   RBAC does not allow falls back to reading it by name).
+* ``key`` names an object in ``items`` (default its ``metadata.name``; pods of many namespaces:
+  their uid); ``shrink`` (optional) replaces each object by what the caller keeps of it before
+  it is stored or handed to ``on_event`` (the rest of the decoded JSON is garbage at once);
+  ``max_items`` (optional) bounds ``items``: an object beyond it is not kept (``not_kept``
+  counts each time one was not) until one is deleted and it changes again.
 * ``on_change`` is called after every change (synchronously, in the loop; coalescing is the
   caller's business). ``on_event`` (optional) also gets what changed: ``(type, old, new)`` per
   watch event (``ADDED``/``MODIFIED``/``DELETED``; old or new None where there is none), and
@@ -59,12 +64,18 @@ async def open_response(resp: Any) -> Any:
     return resp
 
 
+def _by_name(obj: dict[str, Any]) -> str:
+    return str(obj["metadata"]["name"])
+
+
 class Informer:
     def __init__(self, api: ApiClient, name: str, list_fn: ListFn, *, on_change: Callable[[], None],
                  reach: Reachability, kind: tuple[str, str] | None = None, on_event: EventFn | None = None,
                  watch_timeout: float = 300.0,
                  request_timeout: float = 30.0, backoff_initial: float = 1.0, backoff_max: float = 60.0,
-                 give_up_on: frozenset[int] = frozenset(), **list_kwargs: Any) -> None:
+                 give_up_on: frozenset[int] = frozenset(), key: Callable[[dict[str, Any]], str] | None = None,
+                 shrink: Callable[[dict[str, Any]], dict[str, Any]] | None = None, max_items: int | None = None,
+                 **list_kwargs: Any) -> None:
         self.api = api
         self.name = name
         self._list_fn = list_fn
@@ -74,6 +85,10 @@ class Informer:
         self._reach = reach
         self._kind = kind  # (apiVersion, kind) filled in where the API omits them
         self._give_up_on = give_up_on
+        self._key = key or _by_name
+        self._shrink = shrink
+        self.max_items = max_items
+        self.not_kept = 0  # objects not stored because ``items`` held ``max_items``
         self.watch_timeout = watch_timeout
         self.request_timeout = request_timeout
         self.backoff_initial = backoff_initial
@@ -88,6 +103,8 @@ class Informer:
         self.throttled = 0  # 429s waited out
 
     def _obj(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self._shrink is not None:
+            return self._shrink(obj)
         if self._kind is not None:
             obj.setdefault("apiVersion", self._kind[0])
             obj.setdefault("kind", self._kind[1])
@@ -102,7 +119,13 @@ class Informer:
         finally:
             resp.release()
         self._answered()
-        self.items = {o["metadata"]["name"]: self._obj(o) for o in body.get("items") or []}
+        items: dict[str, dict[str, Any]] = {}
+        for o in body.get("items") or []:
+            if self.max_items is not None and len(items) >= self.max_items:
+                self.not_kept += 1
+                continue
+            items[self._key(o)] = self._obj(o)
+        self.items = items
         self.resource_version = body["metadata"]["resourceVersion"]
         self.synced = True
         if self._on_event is not None:
@@ -137,12 +160,17 @@ class Informer:
             raise ApiException(status=obj.get("code") or 500, reason=f"{obj.get('reason')}: {obj.get('message')}")
         rv = (obj.get("metadata") or {}).get("resourceVersion")
         if kind in ("ADDED", "MODIFIED", "DELETED"):
+            name = self._key(obj)
             obj = self._obj(obj)
-            name = obj["metadata"]["name"]
             if kind == "DELETED":
                 old = self.items.pop(name, None)
             else:
                 old = self.items.get(name)
+                if old is None and self.max_items is not None and len(self.items) >= self.max_items:
+                    self.not_kept += 1
+                    if rv:
+                        self.resource_version = rv
+                    return
                 self.items[name] = obj
             if self._on_event is not None:
                 self._on_event(kind, old, None if kind == "DELETED" else obj)

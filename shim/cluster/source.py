@@ -29,6 +29,7 @@ from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
+from .pods import NodePods
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
 from .selection import Applied, select_sets
@@ -81,6 +82,14 @@ class ClusterSource:
         self.mco_checks = 0  # discovery answers
         self.mco_error = ""
         self._mco_tasks: dict[str, asyncio.Task[None]] = {}
+        # the pods bound to this node and their priority (pods.py): built by start when
+        # cluster.pod_priority is on, None before start, after stop, or when it is off
+        self.pods: NodePods | None = None
+
+    def priority_of(self, namespace: str, name: str, uid: str) -> int | None:
+        """A pod's ``spec.priority`` from the API server (NodePods.priority_of); None = unknown:
+        not started, ``cluster.pod_priority`` off, the pod not seen, or the API server not answering."""
+        return self.pods.priority_of(namespace, name, uid) if self.pods is not None else None
 
     def mark_changed(self) -> None:
         """Something the selection reads changed (the informers call this): the apply loop runs again."""
@@ -295,6 +304,11 @@ class ClusterSource:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(inf.run(), name=f"cluster-watch-{name}")
                        for name, inf in self.informers.items()]
+        if self.cfg.pod_priority:  # its own status row ("pod_priority"), not under "watches": a refused
+            # pod list (a ServiceAccount without rights on pods) leaves the image sets' watches as they are
+            self.pods = NodePods(api, core.list_pod_for_all_namespaces, self.node_name, max_pods=self.cfg.max_pods,
+                                 **self._common)
+            self._tasks.append(loop.create_task(self.pods.run(), name="cluster-watch-pods"))
         self._tasks.append(loop.create_task(self.apply_loop(), name="cluster-apply"))
         self._tasks.append(loop.create_task(self._secrets_loop(), name="cluster-secrets"))
         self._tasks.append(loop.create_task(self._identity_check(api), name="cluster-identity"))
@@ -431,6 +445,7 @@ class ClusterSource:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks, self._mco_tasks = [], {}
+        self.pods = None  # every answer None from now on: the callers' rules
         if self.secrets is not None:
             await self.secrets.stop()
         if self.reach is not None:
@@ -483,6 +498,8 @@ class ClusterSource:
                           "discovery_answers": self.mco_checks,
                           **({"version": self.mco_kinds[0].api_version} if self.mco_kinds else {}),
                           **({"error": self.mco_error} if self.mco_error else {})}
+        if self.pods is not None:
+            out["pod_priority"] = self.pods.status()
         if self.reach is not None:
             out["api"] = self.reach.status()
         return out

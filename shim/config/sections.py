@@ -196,6 +196,9 @@ class ClusterConfig:
     secret_refresh_seconds: float = knob(300.0, duration(at_least=1.0))  # re-read a pull Secret we may get, not watch
     probe_interval_seconds: float = knob(1.0, duration(at_least=0.1))  # while unreachable, GET /readyz this often
     mco_discovery_seconds: float = knob(600.0, duration(at_least=1.0))  # ask again whether MCO's group is served
+    # watch the pods bound to this node for their priority (spec.priority; shim/cluster/pods.py)
+    pod_priority: bool = knob(True, boolean())
+    max_pods: int = knob(1000, integer(1))  # pods kept (uid, namespace, name, priority: ~0.3 KiB each)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,49 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from tests.support.registry import free_port
 
 
+CHANGES = ("ADDED", "MODIFIED", "DELETED")
+
+
+def _field(obj: dict[str, Any], path: str) -> str:
+    value: Any = obj
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return "" if value is None else str(value)
+
+
+def matches(obj: dict[str, Any] | None, selector: str) -> bool:
+    """Whether ``obj`` matches a field selector (``a.b=v``, ``a.b!=v``, comma-separated), as the API server
+    evaluates it (a field that is not set is the empty string)."""
+    if obj is None:
+        return False
+    for req in filter(None, selector.split(",")):
+        if "!=" in req:
+            f, v = req.split("!=", 1)
+            if _field(obj, f) == v:
+                return False
+        else:
+            f, v = req.split("=", 1)
+            if _field(obj, f.rstrip("=")) != v:
+                return False
+    return True
+
+
+def _seen_as(ev: dict[str, Any], old: dict[str, Any] | None, selector: str) -> dict[str, Any] | None:
+    """The event a watch with ``selector`` gets: an object that stops matching is DELETED for it,
+    one that starts matching ADDED; one that never matched, nothing."""
+    if not selector:
+        return ev
+    now = ev["type"] != "DELETED" and matches(ev["object"], selector)
+    before = ev["type"] != "ADDED" and matches(old, selector)
+    if now and before:
+        return ev
+    if now:
+        return {"type": "ADDED", "object": ev["object"]}
+    if before:
+        return {"type": "DELETED", "object": ev["object"]}
+    return None
+
+
 class FakeKube:
     def __init__(self) -> None:
         self.port = free_port()
@@ -36,10 +79,13 @@ class FakeKube:
         self.collections: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
         self.discovery: dict[str, dict[str, Any]] = {}  # path -> document; any other /apis/... path: 404
         self.requests: list[tuple[str, bool]] = []  # (path, watch)
+        self.queries: list[dict[str, str]] = []  # each GET's path and query parameters
         self.ready = True
         self._failures: dict[str, list[tuple[int, dict[str, str]]]] = defaultdict(list)
-        self._watchers: dict[str, list[asyncio.Queue[dict[str, Any] | None]]] = defaultdict(list)
-        self._log: dict[str, list[tuple[int, dict[str, Any]]]] = defaultdict(list)  # (rv, event), replayed
+        # each open watch: its field selector and its queue of (event, the object before it)
+        self._watchers: dict[str, list[tuple[str, asyncio.Queue[Any]]]] = defaultdict(list)
+        # (rv, event, the object before it), replayed
+        self._log: dict[str, list[tuple[int, dict[str, Any], dict[str, Any] | None]]] = defaultdict(list)
         self._runner: web.AppRunner | None = None
         self._clients: list[ApiClient] = []
         self._uids = itertools.count(1)
@@ -53,20 +99,21 @@ class FakeKube:
         obj = json.loads(json.dumps(obj))
         obj.setdefault("metadata", {})["resourceVersion"] = str(self.rv)
         name = obj["metadata"]["name"]
-        kind = "MODIFIED" if name in self.collections[path] else "ADDED"
+        old = self.collections[path].get(name)
+        kind = "MODIFIED" if old is not None else "ADDED"
         self.collections[path][name] = obj
-        self._log[path].append((self.rv, {"type": kind, "object": obj}))
-        for q in self._watchers[path]:
-            q.put_nowait({"type": kind, "object": obj})
+        self._log[path].append((self.rv, {"type": kind, "object": obj}, old))
+        for _, q in self._watchers[path]:
+            q.put_nowait(({"type": kind, "object": obj}, old))
 
     def remove(self, path: str, name: str) -> None:
         """Delete an object of the collection at ``path``; watchers see it."""
         obj = self.collections[path].pop(name)
         self.rv += 1
         obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.rv)}}
-        self._log[path].append((self.rv, {"type": "DELETED", "object": obj}))
-        for q in self._watchers[path]:
-            q.put_nowait({"type": "DELETED", "object": obj})
+        self._log[path].append((self.rv, {"type": "DELETED", "object": obj}, obj))
+        for _, q in self._watchers[path]:
+            q.put_nowait(({"type": "DELETED", "object": obj}, obj))
 
     def _stored(self, path: str, obj: dict[str, Any]) -> dict[str, Any]:
         """``put`` with what the API server adds to a new object (uid, creationTimestamp)."""
@@ -122,6 +169,7 @@ class FakeKube:
         path = request.path
         watch = request.query.get("watch") in ("true", "True", "1")
         self.requests.append((path, watch))
+        self.queries.append({"path": path, **request.query})
         if path == "/readyz":
             return web.Response(status=200 if self.ready else 500, text="ok" if self.ready else "not ready")
         if self._failures[path]:
@@ -140,27 +188,29 @@ class FakeKube:
             return web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
         items = list(self.collections[path].values())
         field = request.query.get("fieldSelector", "")
-        if field.startswith("metadata.name="):
-            items = [o for o in items if o["metadata"]["name"] == field.split("=", 1)[1]]
+        items = [o for o in items if matches(o, field)]
         if not watch:
             return web.json_response({"metadata": {"resourceVersion": str(self.rv)}, "items": items})
         resp = web.StreamResponse()
         resp.enable_chunked_encoding()
         await resp.prepare(request)
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        q: asyncio.Queue[Any] = asyncio.Queue()
         since = int(request.query.get("resourceVersion") or 0)
-        for rv, ev in self._log[path]:  # what happened since the watch's resourceVersion, as etcd replays it
+        for rv, ev, old in self._log[path]:  # what happened since the watch's resourceVersion, as etcd replays it
             if rv > since:
-                q.put_nowait(ev)
-        self._watchers[path].append(q)
+                q.put_nowait((ev, old))
+        watcher = (field, q)
+        self._watchers[path].append(watcher)
         try:
-            while (ev := await q.get()) is not None:
-                await resp.write(json.dumps(ev).encode() + b"\n")
+            while (item := await q.get()) is not None:
+                seen = _seen_as(*item, field) if item[0].get("type") in CHANGES else item[0]
+                if seen is not None:
+                    await resp.write(json.dumps(seen).encode() + b"\n")
             await resp.write_eof()
         except ConnectionError:  # the client went away, or down() closes the connection
             pass
         finally:
-            self._watchers[path].remove(q)
+            self._watchers[path].remove(watcher)
         return resp
 
     async def start(self) -> "FakeKube":
@@ -180,13 +230,13 @@ class FakeKube:
         """End the open watches (of ``path``, else all), as a server does at their timeout."""
         for p, qs in self._watchers.items():
             if path is None or p == path:
-                for q in qs:
+                for _, q in qs:
                     q.put_nowait(None)
 
     def watch_event(self, path: str, event: dict[str, Any]) -> None:
         """Send ``event`` as it is to the open watches of ``path`` (e.g. an ERROR the server sends)."""
-        for q in self._watchers[path]:
-            q.put_nowait(event)
+        for _, q in self._watchers[path]:
+            q.put_nowait((event, None))
 
     async def down(self) -> None:
         """An outage: open watches end, then nothing listens on the port."""
