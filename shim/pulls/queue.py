@@ -101,10 +101,11 @@ class Lanes(Generic[Q]):
         chosen: Lane | None = None
         for lane, flights in self._lanes.items():
             head = flights[0]
+            rank: tuple[int, int, int, int]
             if lane[0] is Priority.FOREGROUND:
-                rank = (lane[0], -self.band(head, now), -lane[2], head.order)
+                rank = (int(lane[0]), -self.band(head, now), -lane[2], head.order)
             else:
-                rank = (lane[0], self._served.get(lane, -1), 0, head.order)
+                rank = (int(lane[0]), self._served.get(lane, -1), 0, head.order)
             if (best is None or rank < best) and may_start(*lane):
                 best, chosen = rank, lane
         if chosen is None:
