@@ -163,7 +163,7 @@ def events(kubelet_log: str, wall0: float, reason: str) -> dict[str, tuple[float
 
 
 def start_node(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_ref: str, base: Path,
-               shim_config: dict[str, Any] | None = None) -> tuple[Path, NodeContainerd, Crictl, ShimProcess | None,
+               shim_config: dict[str, Any] | None = None, shim_log_level: str = "info") -> tuple[Path, NodeContainerd, Crictl, ShimProcess | None,
                                                                   Kubelet, str]:
     """A fresh containerd (pause image pulled), the shim if (d), a healthy kubelet of run ``name``."""
     what, kubelet_config, max_parallel = RUNS[name]
@@ -178,7 +178,7 @@ def start_node(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pau
     shim: ShimProcess | None = None
     if max_parallel is not None:
         pulls = {"max_parallel": max_parallel, **(shim_config or {})}
-        shim = ShimProcess(work / "shim", upstream=ctd.socket, socket_path=work / "shim.sock", log_level="info",
+        shim = ShimProcess(work / "shim", upstream=ctd.socket, socket_path=work / "shim.sock", log_level=shim_log_level,
                            config={"pulls": pulls, "metrics": {"address": metrics}})
         shim.start()
         endpoint = shim.endpoint
@@ -294,7 +294,8 @@ def critical_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, p
     proxy = reg.proxy
     assert proxy is not None
     load = load_average()
-    work, ctd, direct, shim, kubelet, _ = start_node(name, binaries, reg, pause_ref, base, CRITICAL_SHIM.get(name))
+    work, ctd, direct, shim, kubelet, _ = start_node(name, binaries, reg, pause_ref, base, CRITICAL_SHIM.get(name),
+                                                     shim_log_level="debug")  # "pull done" with queued_seconds
     try:
         proxy.reset()
         proxy.set_link_throttle(link_bps)
@@ -317,8 +318,14 @@ def critical_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, p
             time.sleep(0.25)
         present = {p: pulled[p][0] - at for p, at in added.items()}
         app_times = sorted(v for p, v in present.items() if p != crit)
+        queued = None  # the critical pull's wait in the shim's queue (its "pull done" debug line)
+        if shim is not None:
+            for line in shim.log_text().splitlines():
+                if "pull done" in line and critical.rsplit("/", 1)[-1] in line:
+                    m = re.search(r"queued_seconds[=\": ]+([0-9.]+)", line)
+                    queued = float(m[1]) if m else None
         return {"run": name, "what": RUNS[name][0], "load_average": round(load, 1), "idle": not apps,
-                "critical_seconds": round(present[crit], 2),
+                "critical_seconds": round(present[crit], 2), "critical_queued_seconds": queued,
                 "apps_p50_seconds": round(statistics.median(app_times), 2) if app_times else None,
                 "apps_max_seconds": round(app_times[-1], 2) if app_times else None,
                 "apps_seconds": {p: round(v, 2) for p, v in sorted(present.items()) if p != crit}}
@@ -328,8 +335,8 @@ def critical_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, p
 
 
 def critical_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| run | critical pod's image present | on an idle node | ratio | application pods p50 | max "
-             "| max vs (p0) | load |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | critical pod's image present | of which queued in the shim | on an idle node | ratio "
+             "| application pods p50 | max | max vs (p0) | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     busy = [r for r in rows if not r["idle"]]
     idle = {r["run"]: r for r in rows if r["idle"]}
     base = next((r for r in busy if r["run"] == "p0"), None)
@@ -337,10 +344,11 @@ def critical_table(rows: list[dict[str, Any]]) -> str:
         i = idle.get(r["run"])
         ratio = f"{r['critical_seconds'] / i['critical_seconds']:.1f}x" if i else "–"
         vs = f"{r['apps_max_seconds'] / base['apps_max_seconds']:.2f}x" if base else "–"
-        lines.append(f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s "
+        q = r.get("critical_queued_seconds")
+        lines.append(f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s | {'–' if q is None else f'{q:.1f} s'} "
                      f"| {i['critical_seconds']:.1f} s | {ratio} | {r['apps_p50_seconds']:.1f} s "
                      f"| {r['apps_max_seconds']:.1f} s | {vs} | {r['load_average']} |" if i else
-                     f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s | – | – "
+                     f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s | – | – | – "
                      f"| {r['apps_p50_seconds']:.1f} s | {r['apps_max_seconds']:.1f} s | {vs} | {r['load_average']} |")
     return "\n".join(lines)
 
