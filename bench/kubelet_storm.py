@@ -337,11 +337,16 @@ def critical_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, p
 def critical_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| run | critical pod's image present | of which queued in the shim | on an idle node | ratio "
              "| application pods p50 | max | max vs (p0) | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    busy = [r for r in rows if not r["idle"]]
-    idle = {r["run"]: r for r in rows if r["idle"]}
-    base = next((r for r in busy if r["run"] == "p0"), None)
-    for r in busy:
-        i = idle.get(r["run"])
+    rounds: dict[tuple[str, bool], int] = {}
+    by_round: dict[tuple[str, bool, int], dict[str, Any]] = {}
+    for r in rows:  # the n-th row of a run and kind is of round n: compared within its round
+        n = rounds[(r["run"], r["idle"])] = rounds.get((r["run"], r["idle"]), -1) + 1
+        by_round[(r["run"], r["idle"], n)] = r
+    for (name, is_idle, n), r in by_round.items():
+        if is_idle:
+            continue
+        i = by_round.get((name, True, n))
+        base = by_round.get(("p0", False, n))
         ratio = f"{r['critical_seconds'] / i['critical_seconds']:.1f}x" if i else "–"
         vs = f"{r['apps_max_seconds'] / base['apps_max_seconds']:.2f}x" if base else "–"
         q = r.get("critical_queued_seconds")
