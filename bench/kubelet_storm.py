@@ -6,6 +6,8 @@
                                   [--small-images 5] [--small-mib 5] [--gap 1] [--link-mibps 20] ...
     python bench/kubelet_storm.py --hung [--runs c,d] [--hung-kinds manifest,blob] [--hung-wait 400]
                                   [--no-progress 60]
+    python bench/kubelet_storm.py --critical [--runs c,p0,p1,p2] [--app-pods 20] [--app-images 5]
+                                  [--app-mib 8] [--critical-mib 1] [--gap 1] [--link-mibps 6]
 
 A standalone kubelet v1.35 (static pods, the node suite's tests/support/node.py) runs
 ``--pods`` pods, pod ``i`` using image ``i % images`` (busybox plus incompressible filler,
@@ -46,6 +48,16 @@ manifest, one's blob stops after 1.5 MiB; the counting proxy keeps the connectio
 healthy pod is Running (at most ``--hung-wait``) and when and how the hung pulls ended (kubelet's
 ``Failed`` events). The shim runs with ``pulls.no_progress_timeout_seconds: --no-progress``
 (default 60, the shipped default).
+
+``--critical``: ``--app-pods`` application pods over ``--app-images`` images of ``--app-mib``
+arrive, ``--gap`` seconds later one pod in ``kube-system`` of a ``--critical-mib`` image (the
+shim's ``pulls.priority_rules`` make it ``system-node-critical``, as the API server's answer
+would for a CNI DaemonSet pod). Reported per run: seconds from writing each pod's manifest
+until its image is present (kubelet's ``Pulled`` events): the critical pod's, and the
+application pods' p50 and max; and the critical pod's time on an idle node of the same
+configuration (a fresh node, only that pod). Runs: (c) kubelet alone, ``maxParallelImagePulls:
+2``; (p0) the shim without priority (``pulls.priority_order: false``: arrival order, the shim
+before issue 49); (p1) the shim with priority; (p2) (p1) with ``pulls.critical_slots: 1``.
 
 A warning is printed (and the load average recorded in every row) when the 1-minute load
 average is above 1: on a busy machine the figures measure the machine.
@@ -89,6 +101,16 @@ RUNS: dict[str, tuple[str, dict[str, Any], int | None]] = {
     "b": ("kubelet serializeImagePulls: false", {"serializeImagePulls": False}, None),
     "c": ("(b) + maxParallelImagePulls: 2", {"serializeImagePulls": False, "maxParallelImagePulls": 2}, None),
     "d": ("(b) through the shim, pulls.max_parallel: 2", {"serializeImagePulls": False}, 2),
+    # --critical
+    "p0": ("(d) without priority (pulls.priority_order: false)", {"serializeImagePulls": False}, 2),
+    "p1": ("(d) with priority", {"serializeImagePulls": False}, 2),
+    "p2": ("(d) with priority and pulls.critical_slots: 1", {"serializeImagePulls": False}, 2),
+}
+CRITICAL_RULES = [{"priority": "system-node-critical", "namespaces": ["kube-system"]}]
+CRITICAL_SHIM: dict[str, dict[str, Any]] = {  # the shim's pulls config of each --critical run
+    "p0": {"priority_order": False},
+    "p1": {"priority_rules": CRITICAL_RULES},
+    "p2": {"priority_rules": CRITICAL_RULES, "critical_slots": 1},
 }
 
 
@@ -141,7 +163,7 @@ def events(kubelet_log: str, wall0: float, reason: str) -> dict[str, tuple[float
 
 
 def start_node(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_ref: str, base: Path,
-               shim_config: dict[str, Any] | None = None) -> tuple[Path, NodeContainerd, Crictl, ShimProcess | None,
+               shim_config: dict[str, Any] | None = None, shim_log_level: str = "info") -> tuple[Path, NodeContainerd, Crictl, ShimProcess | None,
                                                                   Kubelet, str]:
     """A fresh containerd (pause image pulled), the shim if (d), a healthy kubelet of run ``name``."""
     what, kubelet_config, max_parallel = RUNS[name]
@@ -156,7 +178,7 @@ def start_node(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pau
     shim: ShimProcess | None = None
     if max_parallel is not None:
         pulls = {"max_parallel": max_parallel, **(shim_config or {})}
-        shim = ShimProcess(work / "shim", upstream=ctd.socket, socket_path=work / "shim.sock", log_level="info",
+        shim = ShimProcess(work / "shim", upstream=ctd.socket, socket_path=work / "shim.sock", log_level=shim_log_level,
                            config={"pulls": pulls, "metrics": {"address": metrics}})
         shim.start()
         endpoint = shim.endpoint
@@ -264,6 +286,78 @@ def hung_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause
         stop_node(work, ctd, direct, shim, kubelet)
 
 
+def critical_run(name: str, binaries: tuple[str, str], reg: RegistryWithProxy, pause_ref: str,
+                 apps: list[tuple[str, str]], critical: str, gap: float, link_bps: int, base: Path,
+                 timeout: float) -> dict[str, Any]:
+    """``apps`` (pod, image ref) at once, ``gap`` seconds later the critical pod of image ``critical``
+    (none: the idle run, the critical pod alone): seconds until each pod's image is present."""
+    proxy = reg.proxy
+    assert proxy is not None
+    load = load_average()
+    work, ctd, direct, shim, kubelet, _ = start_node(name, binaries, reg, pause_ref, base, CRITICAL_SHIM.get(name),
+                                                     shim_log_level="debug")  # "pull done" with queued_seconds
+    try:
+        proxy.reset()
+        proxy.set_link_throttle(link_bps)
+        wall0, t0 = time.time(), time.monotonic()
+        added: dict[str, float] = {}
+        for pod, ref in apps:
+            kubelet.add_static_pod(static_pod(pod, ref))
+            added[kubelet.pod_name(pod)] = time.monotonic() - t0
+        if apps:
+            time.sleep(gap)
+        kubelet.add_static_pod(static_pod("critical", critical, namespace="kube-system"))
+        crit = kubelet.pod_name("critical")
+        added[crit] = time.monotonic() - t0
+        while True:
+            pulled = events(kubelet.log(), wall0, "Pulled")
+            if added.keys() <= pulled.keys():
+                break
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"run {name}: {len(pulled)}/{len(added)} images present after {timeout:.0f} s")
+            time.sleep(0.25)
+        present = {p: pulled[p][0] - at for p, at in added.items()}
+        app_times = sorted(v for p, v in present.items() if p != crit)
+        queued = None  # the critical pull's wait in the shim's queue (its "pull done" debug line)
+        if shim is not None:
+            for line in shim.log_text().splitlines():
+                if "pull done" in line and critical.rsplit("/", 1)[-1] in line:
+                    m = re.search(r"queued_seconds[=\": ]+([0-9.]+)", line)
+                    queued = float(m[1]) if m else None
+        return {"run": name, "what": RUNS[name][0], "load_average": round(load, 1), "idle": not apps,
+                "critical_seconds": round(present[crit], 2), "critical_queued_seconds": queued,
+                "apps_p50_seconds": round(statistics.median(app_times), 2) if app_times else None,
+                "apps_max_seconds": round(app_times[-1], 2) if app_times else None,
+                "apps_seconds": {p: round(v, 2) for p, v in sorted(present.items()) if p != crit}}
+    finally:
+        proxy.set_link_throttle(None)
+        stop_node(work, ctd, direct, shim, kubelet)
+
+
+def critical_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| run | critical pod's image present | of which queued in the shim | on an idle node | ratio "
+             "| application pods p50 | max | max vs (p0) | load |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rounds: dict[tuple[str, bool], int] = {}
+    by_round: dict[tuple[str, bool, int], dict[str, Any]] = {}
+    for r in rows:  # the n-th row of a run and kind is of round n: compared within its round
+        n = rounds[(r["run"], r["idle"])] = rounds.get((r["run"], r["idle"]), -1) + 1
+        by_round[(r["run"], r["idle"], n)] = r
+    for (name, is_idle, n), r in by_round.items():
+        if is_idle:
+            continue
+        i = by_round.get((name, True, n))
+        base = by_round.get(("p0", False, n))
+        ratio = f"{r['critical_seconds'] / i['critical_seconds']:.1f}x" if i else "–"
+        vs = f"{r['apps_max_seconds'] / base['apps_max_seconds']:.2f}x" if base else "–"
+        q = r.get("critical_queued_seconds")
+        lines.append(f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s | {'–' if q is None else f'{q:.1f} s'} "
+                     f"| {i['critical_seconds']:.1f} s | {ratio} | {r['apps_p50_seconds']:.1f} s "
+                     f"| {r['apps_max_seconds']:.1f} s | {vs} | {r['load_average']} |" if i else
+                     f"| ({r['run']}) {r['what']} | {r['critical_seconds']:.1f} s | – | – | – "
+                     f"| {r['apps_p50_seconds']:.1f} s | {r['apps_max_seconds']:.1f} s | {vs} | {r['load_average']} |")
+    return "\n".join(lines)
+
+
 def best_order(images: list[tuple[int, int]], shared: int, link_bps: float) -> tuple[float, float]:
     """(physical limit, p50 of the best order) for images given as (their own bytes, pods) and
     ``shared`` bytes every image has (the busybox layer, fetched once): the shared bytes first,
@@ -342,12 +436,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="how each hung registry hangs: manifest (never answered) or blob (stops after 1.5 MiB)")
     ap.add_argument("--hung-wait", type=float, default=400.0, help="seconds to wait for the healthy pod")
     ap.add_argument("--no-progress", type=float, default=60.0, help="the shim's pulls.no_progress_timeout_seconds")
-    ap.add_argument("--runs", default=None, help="default a,b,c,d (with --hung: c,d)")
+    ap.add_argument("--critical", action="store_true", help="application pods, then a critical one (docstring)")
+    ap.add_argument("--app-pods", type=int, default=20)
+    ap.add_argument("--app-images", type=int, default=5)
+    ap.add_argument("--app-mib", type=float, default=8.0)
+    ap.add_argument("--critical-mib", type=float, default=1.0)
+    ap.add_argument("--runs", default=None, help="default a,b,c,d (with --hung: c,d; with --critical: c,p0,p1,p2)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the runs, interleaved (default 1)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    runs = [r.strip() for r in (args.runs or ("c,d" if args.hung else "a,b,c,d")).split(",") if r.strip()]
+    default_runs = "c,d" if args.hung else "c,p0,p1,p2" if args.critical else "a,b,c,d"
+    runs = [r.strip() for r in (args.runs or default_runs).split(",") if r.strip()]
     if not set(runs) <= RUNS.keys() or args.pods < 1 or args.images < 1:
         ap.error("runs from a,b,c,d; pods and images >= 1")
     link_mibps = args.link_mibps or (20.0 if args.mixed else 6.0)
@@ -372,6 +472,21 @@ def main(argv: list[str] | None = None) -> int:
                                      args.no_progress))
                 log(f"  {rows[-1]}")
             print(json.dumps(rows, indent=2) if args.json else hung_table(rows, args.hung_wait))
+            return 0
+        if args.critical:
+            apps = push_images(reg, node.busybox_layer, args.app_images, int(args.app_mib * MiB))
+            crit = push_images(reg, node.busybox_layer, 1, int(args.critical_mib * MiB), "critical")[0]
+            app_pods = [(f"app{n}", apps[n % len(apps)].ref) for n in range(args.app_pods)]
+            log(f"{args.app_pods} pods over {len(apps)} images of {apps[0].image.size / MiB:.1f} MiB, then a critical "
+                f"pod of {crit.image.size / MiB:.1f} MiB, link {link_mibps:g} MiB/s")
+            for name in [n for _ in range(max(1, args.repeat)) for n in runs]:
+                for idle in (True, False):
+                    warn_load()
+                    log(f"critical run ({name}) {RUNS[name][0]}{' idle' if idle else ''} ...")
+                    rows.append(critical_run(name, binaries, reg, node.pause.ref, [] if idle else app_pods, crit.ref,
+                                             args.gap, int(link_mibps * MiB), base, args.timeout))
+                    log(f"  {rows[-1]}")
+            print(json.dumps(rows, indent=2) if args.json else critical_table(rows))
             return 0
         if args.mixed:
             big = push_images(reg, node.busybox_layer, 1, int(args.big_mib * MiB), "big")

@@ -26,6 +26,8 @@ from .sections import (
     MAX_STATUS_ROWS,
     MIN_PROGRESS_INTERVAL,
     RELOADABLE_SERVER_KEYS,
+    SYSTEM_CLUSTER_CRITICAL,
+    SYSTEM_NODE_CRITICAL,
     ClusterConfig,
     Config,
     HandlerRule,
@@ -33,6 +35,7 @@ from .sections import (
     LogConfig,
     MetricsConfig,
     PinsConfig,
+    PriorityRule,
     PullsConfig,
     RuntimeHandlersConfig,
     ServerConfig,
@@ -44,8 +47,8 @@ __all__ = [
     "DEFAULT_ADMIN_SOCKET", "DEFAULT_LISTEN", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_UPSTREAM", "KUBELET_MAX_MESSAGE",
     "MAX_STATUS_ROWS", "MIN_MESSAGE_BYTES", "MIN_PROGRESS_INTERVAL", "RELOADABLE_SERVER_KEYS", "UNIX_PATH_MAX",
     "ClusterConfig", "Config", "ConfigError", "HandlerRule", "ImageSetsConfig", "LogConfig", "MetricsConfig",
-    "PinsConfig", "PullsConfig", "RuntimeHandlersConfig", "ServerConfig", "from_dict", "load", "socket_path",
-    "with_overrides",
+    "PinsConfig", "PriorityRule", "PullsConfig", "RuntimeHandlersConfig", "SYSTEM_CLUSTER_CRITICAL",
+    "SYSTEM_NODE_CRITICAL", "ServerConfig", "from_dict", "load", "socket_path", "with_overrides",
 ]
 
 

@@ -107,6 +107,33 @@ class LogConfig:
     repeat_window_seconds: float = knob(DEFAULT_REPEAT_WINDOW_SECONDS, duration())
 
 
+SYSTEM_CLUSTER_CRITICAL = 2000000000  # the PriorityClass values Kubernetes ships
+SYSTEM_NODE_CRITICAL = 2000001000
+PRIORITY_NAMES = {"system-cluster-critical": SYSTEM_CLUSTER_CRITICAL, "system-node-critical": SYSTEM_NODE_CRITICAL}
+
+
+def _priority_value(key: str, v: Any) -> int:
+    if isinstance(v, str) and v in PRIORITY_NAMES:
+        return PRIORITY_NAMES[v]
+    if isinstance(v, bool) or not isinstance(v, int) or not -2147483648 <= v <= SYSTEM_NODE_CRITICAL:
+        raise ConfigError(key, f"expected an integer priority (at most {SYSTEM_NODE_CRITICAL}) or one of "
+                               f"{', '.join(sorted(PRIORITY_NAMES))}, got {shown(v)}")
+    return v
+
+
+@dataclass(frozen=True)
+class PriorityRule:
+    """A pod matching every given field has ``priority`` (an empty rule matches no pod)."""
+    priority: int = required(lambda k, v: _priority_value(k, v))
+    namespaces: tuple[str, ...] = knob((), strings())
+    pod_labels: tuple[tuple[str, str], ...] = knob((), lambda k, v: _str_map(k, v))
+    # true: a static pod (its kubernetes.io/config.source annotation set and not "api")
+    static_pods: bool = knob(False, boolean())
+
+
+DEFAULT_PRIORITY_RULES = (PriorityRule(SYSTEM_NODE_CRITICAL, static_pods=True),)
+
+
 @dataclass(frozen=True)
 class PullsConfig:
     max_parallel: int = knob(4, integer())  # 0 = unlimited
@@ -123,6 +150,14 @@ class PullsConfig:
     # most max_parallel - 1 slots), and the most one uid may run of it
     untrusted_share: float = knob(0.5, fraction())
     max_parallel_per_uid: int = knob(1, integer(1))
+    # trusted pulls by their pod's priority, then age (pulls/queue.py, docs/pulls.md "Ordering"); false: by age only
+    priority_order: bool = knob(True, boolean())
+    # a queued trusted pull rises above every pull that has waited at least this much less (the aging rate)
+    priority_aging_seconds: float = knob(60.0, duration(above=0))
+    # pod priority without the API server (pulls/pod_priority.py): the highest priority of the rules a pod matches
+    priority_rules: tuple[PriorityRule, ...] = knob(DEFAULT_PRIORITY_RULES, lambda k, v: _priority_rules(k, v))
+    # slots above max_parallel only pulls of pods at system-cluster-critical or above may take; 0 = none
+    critical_slots: int = knob(0, integer())
 
 
 MIN_PROGRESS_INTERVAL = 0.1
@@ -255,6 +290,14 @@ def _rules(key: str, v: Any) -> tuple[HandlerRule, ...]:
     if not isinstance(v, list):
         raise ConfigError(key, f"expected a list of rules, got {shown(v)}")
     return tuple(_section(HandlerRule, f"{key}[{i}]", _mapping(f"{key}[{i}]", r)) for i, r in enumerate(v))
+
+
+def _priority_rules(key: str, v: Any) -> tuple[PriorityRule, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ConfigError(key, f"expected a list of rules, got {shown(v)}")
+    return tuple(_section(PriorityRule, f"{key}[{i}]", _mapping(f"{key}[{i}]", r)) for i, r in enumerate(v))
 
 
 def _check_server(cfg: ServerConfig, d: Mapping[str, Any]) -> ServerConfig:

@@ -66,6 +66,9 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
     key = pull_key(req, handler, namespace=namespace, sent_as=call.sent_as)
     # kubelet (root) and server.trusted_uids go first; any other local client within its share (pulls/slots.py)
     priority = Priority.FOREGROUND if call.peer.trusted else Priority.UNTRUSTED
+    # a trusted caller's pod priority orders the trusted queue (pulls/queue.py); an untrusted one's counts for nothing
+    pod_priority = (svc.pod_priority.of(req.sandbox_config)
+                    if svc.pod_priority is not None and priority is Priority.FOREGROUND else 0)
     svc.events.pull_requested(priority.name.lower())
     span = call.span
     if span.is_recording():
@@ -81,7 +84,7 @@ async def pull_image(svc: ImageService, request: bytes, call: Call) -> bytes:
 
     try:
         outcome = await svc.scheduler.pull(key, run, priority=priority, uid=call.peer.uid,
-                                           deadline=call.deadline,
+                                           deadline=call.deadline, pod_priority=pod_priority,
                                            listener=span.add_event if span.is_recording() else None)
     except RpcError as e:
         _failed(span, image, handler, e.code.name, e.details, from_upstream=e.from_upstream)

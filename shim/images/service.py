@@ -15,6 +15,7 @@ from ..cri.tracer import NO_TRACING, Tracer
 from ..cri.upstream import Upstream
 from ..errors import RpcError, invalid_request
 from ..observability import logs
+from ..pulls.pod_priority import PodPriority
 from ..pulls.scheduler import PullScheduler
 from ..runtime_handlers.resolver import HandlerResolver
 from .events import ImageEvents
@@ -33,6 +34,7 @@ class ImageService:
     scheduler: PullScheduler
     events: ImageEvents  # the metrics
     handlers: HandlerResolver | None = None  # runtime_handlers (KEP-4216), when configured
+    pod_priority: PodPriority | None = None  # a trusted pull's pod priority (pulls.priority_rules, the lookup)
     tracing: Tracer = NO_TRACING
     pin_patterns: tuple[str, ...] = ()  # pins.images, as configured
     pins_enforce: bool = True  # pins.mode

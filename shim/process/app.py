@@ -29,6 +29,7 @@ from ..observability.metrics import Metrics
 from ..observability.tracing import Tracing
 from ..pins.ledger import PinLedger
 from ..pulls.lease import SlotLease
+from ..pulls.pod_priority import PodPriority
 from ..pulls.poller import ProgressPoller
 from ..pulls.scheduler import PullScheduler
 from ..relay.listener import Relay
@@ -61,13 +62,17 @@ class App:
         p = cfg.pulls
         self.scheduler = PullScheduler(p.max_parallel, cfg.image_sets.max_parallel, dedup=p.dedup,
                                        untrusted_share=p.untrusted_share, max_parallel_per_uid=p.max_parallel_per_uid,
-                                       observers=[self.metrics])
+                                       priority_order=p.priority_order, aging_seconds=p.priority_aging_seconds,
+                                       critical_slots=p.critical_slots, observers=[self.metrics])
+        # a trusted pull's pod priority: pulls.priority_rules until the cluster source's lookup is given (use_lookup)
+        self.pod_priority = PodPriority(p.priority_rules)
         # the progress poller and the slot lease follow the scheduler's events from their construction on
         self.progress = ProgressPoller(self.upstream, self.scheduler, self.metrics, p)
         self.lease = SlotLease(self.scheduler, self.progress.unjudged, p.no_progress_timeout_seconds)
         self.handlers = HandlerResolver(self.upstream, cfg.runtime_handlers)
         try:
             self.images = ImageService(self.upstream, self.scheduler, self.metrics, handlers=self.handlers,
+                                       pod_priority=self.pod_priority,
                                        tracing=self.tracing, pin_patterns=tuple(cfg.pins.images),
                                        pins_enforce=cfg.pins.mode == "enforce",
                                        dedup_per_namespace=p.dedup_per_namespace,
@@ -105,7 +110,11 @@ class App:
         self.cfg = cfg
         self.scheduler.configure(cfg.pulls.max_parallel, cfg.image_sets.max_parallel, cfg.pulls.dedup,
                                  untrusted_share=cfg.pulls.untrusted_share,
-                                 max_parallel_per_uid=cfg.pulls.max_parallel_per_uid)
+                                 max_parallel_per_uid=cfg.pulls.max_parallel_per_uid,
+                                 priority_order=cfg.pulls.priority_order,
+                                 aging_seconds=cfg.pulls.priority_aging_seconds,
+                                 critical_slots=cfg.pulls.critical_slots)
+        self.pod_priority.configure(cfg.pulls.priority_rules)
         self.progress.configure(cfg.pulls)
         self.lease.configure(cfg.pulls.no_progress_timeout_seconds)
 

@@ -38,8 +38,11 @@ A flight has a class (``Priority``): **foreground** (a CRI client whose uid is i
 **background** (image-set prefetch). Who may start, and in which order, is the slot rule of
 slots.py: trusted first, untrusted peers within their share (and one uid within its own
 limit), prefetch within its sub-cap, the two together never the last slot, and never more
-than twice the cap running in the runtime, released flights included. Queues are FIFO
-within a class (and, for untrusted flights, within a uid: queue.py).
+than twice the cap running in the runtime, released flights included (plus
+``pulls.critical_slots`` for critical pods' pulls). The order within a class is queue.py's
+ordering rule: trusted flights by effective priority (their pod priority, raised by age every
+``pulls.priority_aging_seconds``), then age; untrusted flights FIFO within a uid, the uids
+taking turns; prefetch FIFO.
 
 The class of a collapsed flight (the priority rule): a **queued** flight is foreground while
 a trusted caller waits for it, else background while a prefetch does, else untrusted, charged
@@ -48,6 +51,11 @@ flight a trusted caller or prefetch waits for into its lane); it moves to that l
 end) when a caller joins or leaves. A **running** flight keeps the class it started with,
 except that a trusted caller joining it makes it foreground: it then counts against no share.
 A running flight is never lowered: what it counts against was checked when it started.
+
+A trusted flight's pod priority (``Flight.rank``, the caller's ``pod_priority``:
+pod_priority.py) is the highest among the trusted callers waiting for it now; it changes when
+one joins or leaves, and a queued flight whose pod priority changes keeps its place and age
+in the trusted class (queue.py). Untrusted and background callers bring no pod priority.
 """
 
 from __future__ import annotations
@@ -134,6 +142,10 @@ class Flight:
     callers: dict[Priority, int] = field(default_factory=dict)  # the callers waiting now, by class
     uids: dict[int, int] = field(default_factory=dict)  # the untrusted ones by uid, oldest first
     origin: Priority = Priority.FOREGROUND  # the class of the caller whose request goes upstream; never changes
+    rank: int = 0  # a trusted flight's pod priority: its highest trusted caller's (the priority rule)
+    ranks: dict[int, int] = field(default_factory=dict)  # the trusted callers waiting now, by pod priority
+    order: int = 0  # set by the queue (queue.Lanes.push): its place in its class
+    since: float = 0.0  # set by the queue: when it entered its class
 
     @property
     def queued(self) -> bool:
@@ -144,14 +156,17 @@ class PullScheduler:
     """At most ``max_parallel`` flights holding a slot (0 = no cap), by the slot rule of slots.py."""
 
     def __init__(self, max_parallel: int, background_max_parallel: int = 1, *, dedup: bool = True,
-                 untrusted_share: float = 0.5, max_parallel_per_uid: int = 1,
+                 untrusted_share: float = 0.5, max_parallel_per_uid: int = 1, priority_order: bool = True,
+                 aging_seconds: float = 60.0, critical_slots: int = 0,
                  observers: Iterable[PullEvents] = (), clock: Callable[[], float] = time.monotonic) -> None:
-        self.slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid)
+        self.slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid,
+                           critical_slots)
         self.dedup = dedup
+        self.priority_order = priority_order  # pulls.priority_order: False, every pod priority counts as 0
         self.observers: list[PullEvents] = list(observers)  # metrics, progress: told in this order
         self._clock = clock
         self._flights: dict[tuple[str, str], list[Flight]] = {}  # (image, handler) -> queued/running flights
-        self._queue: Lanes[Flight] = Lanes()
+        self._queue: Lanes[Flight] = Lanes(clock, aging_seconds)
         self._running: set[Flight] = set()  # upstream; each holds a slot unless released (released_at)
         self._seq = itertools.count()
         self._closed: RpcError | None = None
@@ -177,11 +192,14 @@ class PullScheduler:
         return self.slots.background_slots
 
     def configure(self, max_parallel: int, background_max_parallel: int, dedup: bool, *,
-                  untrusted_share: float = 0.5, max_parallel_per_uid: int = 1) -> None:
-        """Change the caps (reload). Raising a cap starts queued flights at once; with no slot
-        left for untrusted peers (a cap of 1) their queued flights are refused."""
-        slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid)
+                  untrusted_share: float = 0.5, max_parallel_per_uid: int = 1, priority_order: bool = True,
+                  aging_seconds: float = 60.0, critical_slots: int = 0) -> None:
+        """Change the caps and the ordering (reload). Raising a cap starts queued flights at once;
+        with no slot left for untrusted peers (a cap of 1) their queued flights are refused.
+        ``priority_order`` applies to pulls asked for from now on."""
+        slots = Slots(max_parallel, background_max_parallel, untrusted_share, max_parallel_per_uid, critical_slots)
         self.slots, self.dedup = slots, dedup
+        self.priority_order, self._queue.aging_seconds = priority_order, aging_seconds
         if slots.untrusted_slots == 0:
             for flight in self._queue.take(Priority.UNTRUSTED):
                 self._forget(flight)
@@ -192,9 +210,10 @@ class PullScheduler:
 
     async def pull(self, key: PullKey, run: Runner, *, priority: Priority = Priority.FOREGROUND,
                    uid: int | None = None, deadline: Deadline = NO_DEADLINE,
-                   listener: Listener | None = None) -> PullOutcome:
+                   listener: Listener | None = None, pod_priority: int = 0) -> PullOutcome:
         """Wait for the pull ``key`` (joining an identical one) until ``deadline``, for a
-        caller of class ``priority`` (``uid``: an untrusted caller's uid). The deadline ends
+        caller of class ``priority`` (``uid``: an untrusted caller's uid; ``pod_priority``: a
+        trusted caller's pod priority, pod_priority.py, ignored for the others). The deadline ends
         this caller's wait, not the flight (unless nobody else waits for it).
 
         Raises RpcError: the runtime's error, DEADLINE_EXCEEDED when ``deadline`` passes
@@ -205,16 +224,17 @@ class PullScheduler:
             raise self._closed
         if priority is Priority.UNTRUSTED and uid is None:
             uid = -1
+        rank = pod_priority if priority is Priority.FOREGROUND and self.priority_order else 0
         flight = self._joinable(key, priority) if self.dedup else None
         joined = flight is not None
         if flight is None:
             if priority is Priority.UNTRUSTED and self.slots.untrusted_slots == 0:
                 raise self._no_untrusted_slot()
-            flight = self._new_flight(key, priority, run, uid)
+            flight = self._new_flight(key, priority, run, uid, rank)
         else:
             for o in self.observers:
                 o.joined(flight)
-        self._arrive(flight, priority, uid)
+        self._arrive(flight, priority, uid, rank)
         if listener is not None:
             flight.listeners.append(listener)
         try:
@@ -223,7 +243,7 @@ class PullScheduler:
         finally:
             if listener is not None:
                 flight.listeners.remove(listener)
-            self._leave(flight, priority, uid)
+            self._leave(flight, priority, uid, rank)
         started = flight.started_at if flight.started_at is not None else self._clock()
         return PullOutcome(response, joined, max(0.0, started - flight.enqueued_at))
 
@@ -289,6 +309,8 @@ class PullScheduler:
                                     "queued_seconds": round((f.started_at or now) - f.enqueued_at, 3)}
             if f.uid is not None:
                 d["uid"] = f.uid
+            if f.priority is Priority.FOREGROUND:
+                d["pod_priority"] = f.rank
             if f.started_at is not None:
                 d["running_seconds"] = round(now - f.started_at, 3)
             if f.released_at is not None:
@@ -318,11 +340,12 @@ class PullScheduler:
             return mine[0]
         return None
 
-    def _new_flight(self, key: PullKey, priority: Priority, run: Runner, uid: int | None) -> Flight:
+    def _new_flight(self, key: PullKey, priority: Priority, run: Runner, uid: int | None, rank: int) -> Flight:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_consume)
         flight = Flight(key, priority, run, next(self._seq), self._clock(), fut,
-                        uid=uid if priority is Priority.UNTRUSTED else None, origin=priority)
+                        uid=uid if priority is Priority.UNTRUSTED else None, origin=priority,
+                        rank=rank if priority is Priority.FOREGROUND else 0)
         if self.dedup:
             self._flights.setdefault((key.image, key.handler), []).append(flight)
         self._queue.push(flight)
@@ -330,15 +353,17 @@ class PullScheduler:
         self._changed()
         return flight
 
-    def _arrive(self, flight: Flight, priority: Priority, uid: int | None) -> None:
-        """A caller of ``priority`` (and ``uid``) waits for ``flight`` now."""
+    def _arrive(self, flight: Flight, priority: Priority, uid: int | None, rank: int) -> None:
+        """A caller of ``priority`` (and ``uid``, or pod priority ``rank``) waits for ``flight`` now."""
         flight.waiters += 1
         flight.callers[priority] = flight.callers.get(priority, 0) + 1
         if uid is not None and priority is Priority.UNTRUSTED:
             flight.uids[uid] = flight.uids.get(uid, 0) + 1
+        if priority is Priority.FOREGROUND:
+            flight.ranks[rank] = flight.ranks.get(rank, 0) + 1
         self._reclass(flight)
 
-    def _leave(self, flight: Flight, priority: Priority, uid: int | None) -> None:
+    def _leave(self, flight: Flight, priority: Priority, uid: int | None, rank: int) -> None:
         """A caller stopped waiting for ``flight`` (answered, deadline, cancelled)."""
         flight.waiters -= 1
         flight.callers[priority] -= 1
@@ -346,6 +371,10 @@ class PullScheduler:
             flight.uids[uid] -= 1
             if not flight.uids[uid]:
                 del flight.uids[uid]
+        if priority is Priority.FOREGROUND:
+            flight.ranks[rank] -= 1
+            if not flight.ranks[rank]:
+                del flight.ranks[rank]
         if flight.future.done():
             return
         if flight.waiters == 0:
@@ -359,20 +388,24 @@ class PullScheduler:
         if top is None or flight.future.done():
             return
         uid = next(iter(flight.uids), -1) if top is Priority.UNTRUSTED else None
+        rank = max(flight.ranks) if top is Priority.FOREGROUND else 0
         if flight.queued:
             if top is Priority.UNTRUSTED and self.slots.untrusted_slots == 0:
                 # left to untrusted callers (root stopped waiting) with no slot for them: it could
                 # never start, so it is refused as their own pull would be (as configure does)
                 self._abandon(flight, self._no_untrusted_slot())
-            elif (top, uid) != (flight.priority, flight.uid):
+            elif (top, uid, rank) != (flight.priority, flight.uid, flight.rank):
+                same_class = top is flight.priority
                 self._queue.remove(flight)
-                flight.priority, flight.uid = top, uid
-                self._queue.push(flight)
+                flight.priority, flight.uid, flight.rank = top, uid, rank
+                self._queue.push(flight, keep_place=same_class)
                 self._dispatch()
-        elif top is Priority.FOREGROUND and flight.priority is not Priority.FOREGROUND:
-            flight.priority, flight.uid = top, None  # its share gets its slot back
-            self._dispatch()
-            self._changed()
+        else:
+            flight.rank = rank if top is Priority.FOREGROUND else flight.rank  # for status: no slot depends on it
+            if top is Priority.FOREGROUND and flight.priority is not Priority.FOREGROUND:
+                flight.priority, flight.uid = top, None  # its share gets its slot back
+                self._dispatch()
+                self._changed()
 
     def _no_untrusted_slot(self) -> RpcError:
         return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,

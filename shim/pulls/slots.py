@@ -15,6 +15,12 @@ socket, by uid) and **background** (image-set prefetch). With ``N = pulls.max_pa
   most ``N - 1``. These count released flights too: a released flight of theirs still holds
   its share, so the lease never lets an untrusted peer or prefetch past it.
 
+* With ``C = pulls.critical_slots`` (default 0), a trusted flight of a pod at
+  ``system-cluster-critical`` or above (``CRITICAL``; pod_priority.py) may start while up to
+  ``N + C`` flights hold a slot and ``2 N + C`` run: the ``C`` extra slots are kept for critical
+  pods, and nothing else takes them. Worst case: ``N + C`` pulls share the link and the runtime
+  (each critical pod beyond ``C`` waits as any trusted pull does, first in the queue).
+
 So a trusted pull waits only while other trusted pulls hold the cap (or, released, fill the
 hard bound): untrusted peers and prefetch never hold the last slot, whatever they pull and
 however slowly. With ``N = 1`` no slot is left for untrusted peers (``untrusted_slots`` 0:
@@ -29,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+CRITICAL = 2000000000  # system-cluster-critical: a pod at or above it may take pulls.critical_slots
 HARD_BOUND_FACTOR = 2  # flights running in the runtime, with a slot or released: at most this times the cap
 
 
@@ -46,6 +53,7 @@ class Slots:
     background_max_parallel: int = 1  # image_sets.max_parallel
     untrusted_share: float = 0.5  # pulls.untrusted_share, in (0, 1]
     max_parallel_per_uid: int = 1  # pulls.max_parallel_per_uid
+    critical_slots: int = 0  # pulls.critical_slots: above the cap, for critical pods' pulls only
 
     @property
     def hard_bound(self) -> int:
@@ -73,11 +81,14 @@ class Slots:
         share = self.untrusted_slots
         return self.max_parallel_per_uid if share is None else min(self.max_parallel_per_uid, share)
 
-    def may_start(self, priority: Priority, uid: int | None, running: Running) -> bool:
-        """May a flight of ``priority`` (charged to ``uid`` if untrusted) start now?"""
+    def may_start(self, priority: Priority, uid: int | None, rank: int, running: Running) -> bool:
+        """May a flight of ``priority`` (charged to ``uid`` if untrusted; ``rank``: a trusted
+        flight's pod priority) start now?"""
         n = self.max_parallel
         if n and (running.held >= n or running.total >= self.hard_bound):
-            return False
+            extra = self.critical_slots if priority is Priority.FOREGROUND and rank >= CRITICAL else 0
+            if not extra or running.held >= n + extra or running.total >= self.hard_bound + extra:
+                return False
         if priority is Priority.FOREGROUND:
             return True
         if n and running.untrusted + running.background >= n - 1:
@@ -93,7 +104,7 @@ class Slots:
         """The bounds, for `cri-shim status`."""
         return {"max_parallel": self.max_parallel, "hard_bound": self.hard_bound or None,
                 "untrusted_slots": self.untrusted_slots, "per_uid_slots": self.per_uid_slots,
-                "background_slots": self.background_slots}
+                "background_slots": self.background_slots, "critical_slots": self.critical_slots}
 
 
 @dataclass

@@ -107,6 +107,8 @@ def _valid(tp: Any) -> Any:
     return {str: "x", int: 1, float: 1.0, bool: True}[tp]
 
 
+NEGATIVE_ALLOWED = {"pulls.priority_rules[0].priority"}  # a Kubernetes pod priority may be below 0
+
 WRONG_TYPE = {
     int: [("string", "lots"), ("bool", True), ("float", 1.5), ("list", [1]), ("map", {"a": 1})],
     float: [("string", "soon"), ("bool", True), ("list", [1.0]), ("map", {"a": 1})],
@@ -160,7 +162,7 @@ def _field_cases(path: Path_, tp: Any, f: dataclasses.Field | None) -> Iterator[
         return
     for why, v in WRONG_TYPE[tp]:
         yield Case(path, v, why, key)
-    if tp in (int, float):
+    if tp in (int, float) and key not in NEGATIVE_ALLOWED:
         yield Case(path, -1, "negative", key)
     if tp is float:
         yield Case(path, math.nan, "nan", key)
@@ -207,6 +209,10 @@ EXPLICIT = [
     (("image_sets", "min_free_bytes"), "lots", "not-a-size"),
     (("image_sets", "retry_max_seconds"), 1, "below-initial"),  # the default initial is 5
     (("runtime_handlers", "rules", 0, "handler"), "", "empty"),
+    (("pulls", "priority_rules", 0, "priority"), "very-important", "unknown-name"),
+    (("pulls", "priority_rules", 0, "priority"), 3_000_000_000, "above-system-node-critical"),
+    (("pulls", "priority_aging_seconds"), 0, "zero"),
+    (("pulls", "critical_slots"), "one", "not-a-number"),
     (("runtime_handlers", "pod_cache_size"), 0, "zero"),
     (("metrics", "address"), "9464", "no-host"),
     (("metrics", "address"), "127.0.0.1:99999", "port-range"),

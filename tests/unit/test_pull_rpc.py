@@ -252,3 +252,37 @@ async def test_parseable_but_malformed_request_is_invalid_argument(runtime: Fake
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("cri-shim: malformed PullImageRequest: ") and says in e.value.details()
     assert runtime.calls("PullImage") == []
+
+
+def pod_pull(image: str, namespace: str, name: str, annotations: dict[str, str] | None = None) -> bytes:
+    req = api_pb2.PullImageRequest()
+    req.image.image = image
+    req.sandbox_config.metadata.name, req.sandbox_config.metadata.namespace = name, namespace
+    req.sandbox_config.metadata.uid = f"uid-{name}"
+    req.sandbox_config.annotations.update(annotations or {})
+    return req.SerializeToString()
+
+
+async def test_a_static_pods_pull_queued_last_reaches_the_runtime_first(runtime: FakeRuntime, engine: str) -> None:
+    """kubelet's sandbox config says which pod pulls: with the default pulls.priority_rules a static
+    pod (kubernetes.io/config.source: file) is system-node-critical and its queued pull starts first."""
+    slow = SlowPulls()
+    runtime.unary[PULL] = slow
+    async with running_shim(runtime.endpoint, {"pulls": {"max_parallel": 1}}, engine=engine) as shim:
+        async with grpc.aio.insecure_channel(shim.endpoint) as ch:
+            pull = ch.unary_unary(PULL)
+            tasks = [asyncio.ensure_future(pull(pod_pull("reg/app0:1", "default", "app0"), timeout=10))]
+            await wait_for(lambda: slow.active == 1)
+            for i in (1, 2, 3):
+                tasks.append(asyncio.ensure_future(pull(pod_pull(f"reg/app{i}:1", "default", f"app{i}"), timeout=10)))
+                await wait_for(lambda: shim.app.scheduler.queued == i)
+            tasks.append(asyncio.ensure_future(pull(pod_pull("reg/cni:1", "kube-system", "cni-node1",
+                                                             {"kubernetes.io/config.source": "file"}), timeout=10)))
+            await wait_for(lambda: shim.app.scheduler.queued == 4)
+            queued = {r["image"]: r["pod_priority"] for r in shim.app.scheduler.snapshot()["queued"]}
+            assert queued == {"docker.io/reg/app1:1": 0, "docker.io/reg/app2:1": 0, "docker.io/reg/app3:1": 0,
+                              "docker.io/reg/cni:1": 2000001000}
+            slow.release.set()
+            await asyncio.gather(*tasks)
+    order = [api_pb2.PullImageRequest.FromString(c.request).image.image for c in runtime.calls("PullImage")]
+    assert order == ["reg/app0:1", "reg/cni:1", "reg/app1:1", "reg/app2:1", "reg/app3:1"]

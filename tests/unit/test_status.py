@@ -146,7 +146,7 @@ async def test_status_through_the_cli(engine: str, runtime: FakeRuntime, admin_s
                                                           "stall_min_bytes_per_second": 65536,
                                                           "slots": {"max_parallel": 4, "hard_bound": 8,
                                                                     "untrusted_slots": 2, "per_uid_slots": 1,
-                                                                    "background_slots": 2},
+                                                                    "background_slots": 2, "critical_slots": 0},
                                                           "running": {"trusted": 0, "untrusted": 0, "background": 0,
                                                                       "released": 0, "untrusted_by_uid": {}}}
 
