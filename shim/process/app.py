@@ -191,6 +191,7 @@ class App:
         self.cluster = ClusterSource(c, self.image_sets, self.metrics)
         self.cluster.load_state()
         await self.cluster.start()
+        self.pod_priority.use_lookup(self.cluster)  # the pods bound to this node (cluster.pod_priority)
         self.node_report = NodeReport(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
                                       event_interval=c.event_interval_seconds, event_namespace=c.event_namespace,
                                       request_timeout=c.request_timeout_seconds, max_rows=c.status_max_rows,
@@ -202,6 +203,7 @@ class App:
             await self.node_report.stop()
             self.node_report = None
         if self.cluster is not None:
+            self.pod_priority.use_lookup(None)
             await self.cluster.stop()
             self.cluster = None
 

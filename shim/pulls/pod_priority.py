@@ -41,8 +41,9 @@ class PodPriority:
         """The rules of a reloaded config."""
         self.rules = tuple(rules)
 
-    def use_lookup(self, lookup: PodLookup) -> None:
-        """From now on the lookup's answer wins over the rules when it knows the pod."""
+    def use_lookup(self, lookup: PodLookup | None) -> None:
+        """From now on the lookup (the pods bound to this node, from the API server) is asked
+        first; None: the rules alone (the cluster source stopped)."""
         self.lookup = lookup
 
     def of(self, sandbox: api_pb2.PodSandboxConfig) -> int:
@@ -50,20 +51,22 @@ class PodPriority:
         meta = sandbox.metadata
         if not meta.name and not meta.namespace:
             return 0
-        if self.lookup is not None:
-            known = self.lookup.priority_of(meta.namespace, meta.name, meta.uid)
-            if known is not None:
-                return known
-        return self.by_rules(meta.namespace, sandbox.labels, sandbox.annotations)
+        ruled = self._best_rule(meta.namespace, sandbox.labels, sandbox.annotations)
+        known = self.lookup.priority_of(meta.namespace, meta.name, meta.uid) if self.lookup is not None else None
+        # the API server's priority when it knows the pod; a rule only ever raises it (a static pod
+        # stays node-critical, as kubelet treats it, whatever its mirror pod's priority says)
+        if known is None:
+            return 0 if ruled is None else ruled
+        return known if ruled is None else max(known, ruled)
 
-    def by_rules(self, namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> int:
+    def _best_rule(self, namespace: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> int | None:
         source = annotations.get(CONFIG_SOURCE)
         static = source is not None and source != "api"
         best: int | None = None
         for rule in self.rules:
             if _matches(rule, namespace, labels, static) and (best is None or rule.priority > best):
                 best = rule.priority
-        return 0 if best is None else best
+        return best
 
 
 def _matches(rule: PriorityRule, namespace: str, labels: Mapping[str, str], static: bool) -> bool:

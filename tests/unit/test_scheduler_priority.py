@@ -371,13 +371,18 @@ def test_rules_by_namespace_and_labels_highest_wins() -> None:
     assert r.of(sandbox(annotations={"kubernetes.io/config.source": "file"})) == 0  # the list replaced the default
 
 
-def test_the_lookup_wins_when_it_knows_the_pod() -> None:
-    r = PodPriority([PriorityRule(SYSTEM_NODE_CRITICAL, namespaces=("kube-system",))])
-    assert r.of(sandbox("kube-system", "cni")) == SYSTEM_NODE_CRITICAL
-    r.use_lookup(Lookup({("kube-system", "cni", "u1"): 7, ("apps", "web", "u1"): 2000}))
-    assert r.of(sandbox("kube-system", "cni")) == 7
+def test_the_lookup_decides_when_it_knows_the_pod_and_a_rule_only_raises_it() -> None:
+    r = PodPriority([PriorityRule(1000, namespaces=("kube-system",))])
+    assert r.of(sandbox("kube-system", "cni")) == 1000
+    r.use_lookup(Lookup({("kube-system", "cni", "u1"): SYSTEM_NODE_CRITICAL, ("kube-system", "dns", "u1"): 7,
+                         ("apps", "web", "u1"): 2000, ("apps", "low", "u1"): -5}))
+    assert r.of(sandbox("kube-system", "cni")) == SYSTEM_NODE_CRITICAL  # the API's, above the rule
+    assert r.of(sandbox("kube-system", "dns")) == 1000  # the rule raises the API's 7
     assert r.of(sandbox("apps", "web")) == 2000
-    assert r.of(sandbox("kube-system", "other")) == SYSTEM_NODE_CRITICAL  # unknown to the API: the rules
+    assert r.of(sandbox("apps", "low")) == -5  # no rule: the API's, negative included
+    assert r.of(sandbox("kube-system", "other")) == 1000  # unknown to the API: the rules
+    r.use_lookup(None)  # the cluster source stopped: the rules alone
+    assert r.of(sandbox("apps", "web")) == 0
 
 
 @pytest.mark.parametrize("rules, key", [
