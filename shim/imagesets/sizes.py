@@ -16,6 +16,7 @@ Credentials are never logged; errors name the registry and the HTTP status only.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import ipaddress
 import json
@@ -164,6 +165,10 @@ class ImageSizes:
         return size
 
 
+def _basic(c: Credential) -> str:
+    return "Basic " + base64.b64encode(f"{c.username}:{c.password}".encode()).decode()
+
+
 def _json(body: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(body)
@@ -225,7 +230,7 @@ class _Registry:
         if header.lower().startswith("basic"):
             if c is None or not c.username:
                 raise SizeUnknown(f"{self.host}: needs credentials")
-            self.auth = aiohttp.BasicAuth(c.username, c.password).encode()
+            self.auth = _basic(c)
             return
         params = _challenge(header)
         realm = params.get("realm")
@@ -233,14 +238,14 @@ class _Registry:
             raise SizeUnknown(f"{self.host}: HTTP 401 without a usable challenge")
         query = {k: v for k, v in (("service", params.get("service")),
                                    ("scope", params.get("scope") or f"repository:{self.repo}:pull")) if v}
-        auth = aiohttp.BasicAuth(c.username, c.password) if c is not None and c.username else None
+        headers = {"Authorization": _basic(c)} if c is not None and c.username else {}
         if c is not None and c.identity_token:
             async with self.session.post(realm, data={"grant_type": "refresh_token", "refresh_token": c.identity_token,
                                                       "service": query.get("service", ""), "scope": query["scope"],
                                                       "client_id": "cri-shim"}) as resp:
                 await self._token(resp)
             return
-        async with self.session.get(realm, params=query, auth=auth) as resp:
+        async with self.session.get(realm, params=query, headers=headers) as resp:
             await self._token(resp)
 
     async def _token(self, resp: aiohttp.ClientResponse) -> None:
