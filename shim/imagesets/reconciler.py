@@ -188,6 +188,10 @@ class Reconciler:
         smallest that fits below kubelet's GC threshold), then the oldest queued one."""
         table, disk, gate = self.table, self.disk, self.gate
         guard = self.cfg.gc_threshold_guard
+        if not guard and len(gate):  # the rule was turned off (a reload): the held images queue again
+            for img in gate.clear():
+                if self._still_queued(img):
+                    table.queue_up(img, self._clock())
         while len(self._lanes) < self.cfg.max_parallel:
             if guard and len(gate):
                 top = gate.smallest(self._still_queued)
@@ -248,7 +252,7 @@ class Reconciler:
                 self._events.disk_pressure(None)
             return
         p = Pressure(top.item.spelled if top.size else "", top.size, top.estimate, usage, self.gate.reserved_bytes,
-                     limit, max(len(self.gate), 1))
+                     limit, len(self.gate) or self.table.totals[State.QUEUED])
         if disk.pressure is None:
             logs.log(_log, logging.WARNING, "image set prefetch waits: it would cross kubelet's image GC threshold",
                      reason=p.message())
@@ -339,5 +343,6 @@ class Reconciler:
             out["disk"]["gc_threshold"].update(
                 threshold_percent=limit.percent, threshold_source=limit.source, margin_percent=limit.margin_percent,
                 size_factor=self.cfg.size_factor, reserved_bytes=self.gate.reserved_bytes, held=len(self.gate),
-                sizes=self.sizes.status(), **({"kubelet_config_error": self.kubelet.error} if self.kubelet.error else {}))
+                sizes=self.sizes.status(),
+                **({"kubelet_config_error": self.kubelet.error} if self.kubelet.error else {}))
         return out

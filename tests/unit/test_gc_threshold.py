@@ -5,7 +5,6 @@ whose image filesystem fills as images land."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Iterator
