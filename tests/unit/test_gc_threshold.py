@@ -14,7 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from shim.cluster.node_report import NodeReport
 from shim.config import ImageSetsConfig
+from shim.controller import report, truth
 from shim.credentials.keyring import Credential
 from shim.cri.upstream import Upstream
 from shim.imagesets.gate import Gate
@@ -29,6 +31,7 @@ from tests.support.fake_runtime import FakeRuntime
 from tests.support.manifest_registry import PASSWORD, TOKEN, USER, ManifestRegistry
 from tests.support.prefetch_store import FakeImages
 from tests.support.wait import wait_for
+from tests.unit.test_cluster_refused import source
 
 MiB = 1 << 20
 
@@ -222,6 +225,25 @@ async def test_prefetch_fills_up_to_the_threshold_smaller_ones_go_and_gc_lets_th
         snap = h.sets.snapshot()
         assert snap.disk_pressure is not None and snap.disk_pressure["usedBytes"] == used
         sample = h.metrics.registry.get_sample_value
+
+        # the node's status row and condition, and the set's condition the controller writes from it
+        src, _ = source(tmp_path, h.sets, h.metrics)
+        doc = NodeReport(src, h.sets, None, interval=1, event_interval=300, event_namespace="default",
+                         request_timeout=5).document()["status"]
+        row = next(r for r in doc["sets"] if r["name"] == "big")
+        assert {k: row["diskPressure"][k] for k in ("usedBytes", "sizeBytes", "thresholdBytes", "waiting")} == {
+            "usedBytes": used, "sizeBytes": 100 * MiB + 100, "thresholdBytes": limit, "waiting": 3}
+        assert "failedReasons" not in row and doc["setStates"]["failing"] == 0  # waiting is not failing
+        conds = {c["type"]: c for c in doc["conditions"]}
+        assert conds["DiskPressure"]["status"] == "True" and "DiskPressure" in conds["DiskPressure"]["message"]
+        assert conds["Degraded"]["status"] == "False"
+        image_set = {"metadata": {"name": "big", "generation": 1}, "spec": {}}
+        at = {"metadata": {"name": "n1"}, "status": {**doc, "sets": [{**row, "desiredGeneration": "1"}]}}
+        t = truth.compute(image_set, {"n1": {"metadata": {"name": "n1", "labels": {}}}}, {"n1": at},
+                          now=2e9, changed_at=2e9, stale_after=120)
+        set_conds = {c["type"]: c for c in report.status_of(image_set, t, started=2e9, now=2e9)["conditions"]}
+        assert set_conds["DiskPressure"]["status"] == "True" and "n1 (used" in set_conds["DiskPressure"]["message"]
+        assert set_conds["Degraded"]["status"] == "False"
         assert sample("cri_shim_image_set_disk_pressure", {"quantity": "waiting"}) == 3
         assert sample("cri_shim_image_set_disk_pressure", {"quantity": "threshold_bytes"}) == limit
 
