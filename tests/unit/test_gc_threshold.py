@@ -4,7 +4,10 @@ whose image filesystem fills as images land."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import random
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Iterator
@@ -25,6 +28,7 @@ from shim.imagesets.reconciler import Environment
 from shim.imagesets.sizes import ImageSizes, SizeUnknown
 from shim.imagesets.threshold import KubeletThreshold, Limit, Usage, fits
 from shim.observability.metrics import Metrics
+from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
 from shim.reference import normalize
 from tests.support.fake_runtime import FakeRuntime
@@ -278,3 +282,58 @@ async def test_past_the_limit_nothing_is_sized_and_an_unknown_size_goes_by_usage
         h.extra["used"] = 0
         await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 2, 10, "both pulled")
         assert not h.sets.status()["disk"]["gc_threshold"]["pressure"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_waiting(
+        runtime, registry, tmp_path, seed: int) -> None:
+    """Random image sizes, limits and usage: at every prefetch start the filesystem plus the
+    pulls running stays within the limit; once settled, no waiting image would fit."""
+    rng = random.Random(seed)
+    total = 1000 * MiB
+    sizes = {registry.add(f"rnd{seed}/i{n}", "v1", [rng.randint(1, 150) * MiB]): 0 for n in range(rng.randint(3, 9))}
+    on_disk: dict[str, int] = {}
+    for r in sizes:
+        d = registry.digest_of(r.split("/", 1)[1].rsplit(":", 1)[0], "v1")
+        sizes[r] = sum(layer["size"] for layer in json.loads(registry.blobs[d][0])["layers"]) + 100
+        on_disk[normalize(r)] = 2 * sizes[r]
+    percent, margin = rng.randint(20, 90), rng.choice([0, 2.5, 5])
+    limit = int(total * (percent - margin) / 100)
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=percent,
+                              gc_threshold_margin_percent=margin, size_factor=2.0) as h:
+        h.extra["used"] = rng.randint(0, total // 2)
+        crossed: list[str] = []
+        pull = runtime.unary["/runtime.v1.ImageService/PullImage"]
+        running: dict[str, int] = {}
+
+        async def watched(request: bytes, context: Any) -> bytes:
+            ref = normalize(api_pb2.PullImageRequest.FromString(request).image.image)
+            running[ref] = on_disk[ref]
+            now = total - h.used().f_bavail * 4096
+            if now + sum(running.values()) > limit + 4096:  # statvfs counts whole blocks
+                crossed.append(f"{ref}: {now} used + {sum(running.values())} running > {limit}")
+            try:
+                return await pull(request, context)
+            finally:
+                running.pop(ref, None)
+
+        runtime.unary["/runtime.v1.ImageService/PullImage"] = watched
+        (tmp_path / "s.yaml").write_text(own("s", list(sizes)))  # declared once the pulls are watched
+
+        def settled() -> bool:
+            st = h.sets.status()
+            return "s" in st["sets"] and st["images"]["unknown"] == 0 and st["sets"]["s"]["pulling"] == 0 \
+            and not running
+
+        await wait_for(settled, 15, "settled")
+        await asyncio.sleep(0.2)  # a recheck (every 0.05 s here) changes nothing
+        assert settled() and crossed == []
+        used_now = total - h.used().f_bavail * 4096
+        waiting = [r for r in sizes if normalize(r) not in h.store.images]
+        assert all(used_now + on_disk[normalize(r)] > limit + 4096 for r in waiting), (waiting, used_now, limit)
+        print(f"seed {seed}: {len(sizes) - len(waiting)} pulled, {len(waiting)} waiting; used {used_now >> 20} MiB, "
+              f"limit {limit >> 20} MiB")
+        gc = h.sets.status()["disk"]["gc_threshold"]
+        assert gc["pressure"] == bool(waiting)
+        if waiting:
+            assert gc["waiting"] == len(waiting) and gc["thresholdBytes"] == limit
