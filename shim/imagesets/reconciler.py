@@ -189,9 +189,9 @@ class Reconciler:
         table, disk, gate = self.table, self.disk, self.gate
         guard = self.cfg.gc_threshold_guard
         if not guard and len(gate):  # the rule was turned off (a reload): the held images queue again
-            for img in gate.clear():
-                if self._still_queued(img):
-                    table.queue_up(img, self._clock())
+            for held in gate.clear():
+                if self._still_queued(held):
+                    table.queue_up(held, self._clock())
         while len(self._lanes) < self.cfg.max_parallel:
             if guard and len(gate):
                 top = gate.smallest(self._still_queued)
@@ -259,6 +259,7 @@ class Reconciler:
             self.table.mark_all_changed()
         disk.pressure = p
         self._events.disk_pressure(p.numbers())
+
     def _block(self, reason: str) -> None:
         if self.disk.block(reason):
             self.table.mark_all_changed()
@@ -284,9 +285,10 @@ class Reconciler:
         try:
             creds = await self.prefetch.credentials.for_image(img.spelled, frozenset(img.sets))
             size = await self.sizes.size_of(img.spelled, creds)
-        except SizeUnknown as e:
+        except Exception as e:  # SizeUnknown, or a bug: never leave the image stuck in a lane
+            why = str(e) if isinstance(e, SizeUnknown) else f"unexpected {type(e).__name__}"
             logs.log(_log, logging.INFO, "image size unknown; prefetch judged by the filesystem's usage alone",
-                     image=img.ref, error=str(e))
+                     image=img.ref, error=why)
             return True
         if not self.table.is_current(img) or img.state is not State.PULLING:
             return False  # dropped (or halted) meanwhile

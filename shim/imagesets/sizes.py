@@ -138,6 +138,8 @@ class ImageSizes:
                                                cred)
                 except SizeUnknown as e:
                     last = e
+                except (aiohttp.ClientError, ValueError, TimeoutError) as e:  # never the request's text: no secret
+                    last = SizeUnknown(f"{ref.domain}: {type(e).__name__}")
         self.errors += 1
         assert last is not None
         raise last
