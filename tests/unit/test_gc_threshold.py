@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -337,3 +338,19 @@ async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_wai
         assert gc["pressure"] == bool(waiting)
         if waiting:
             assert gc["waiting"] == len(waiting) and gc["thresholdBytes"] == limit
+
+
+async def test_turning_the_rule_off_lets_the_held_images_go(runtime, registry, tmp_path) -> None:
+    total = 1000 * MiB
+    refs = [registry.add(f"off/i{n}", "v1", [100 * MiB]) for n in range(3)]
+    on_disk = {normalize(r): 2 * (100 * MiB + 100) for r in refs}
+    (tmp_path / "s.yaml").write_text(own("s", refs))
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=30,
+                              gc_threshold_margin_percent=0) as h:
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("waiting") == 2
+                       and h.sets.status()["sets"]["s"]["pulling"] == 0, 10, "two held")
+        assert h.sets.status()["sets"]["s"]["present"] == 1
+        h.sets.configure(dataclasses.replace(h.sets.cfg, gc_threshold_guard=False))
+        await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 3, 10, "all pulled")
+        assert "gc_threshold" not in h.sets.status()["disk"] and h.sets.snapshot().disk_pressure is None
+        assert h.metrics.registry.get_sample_value("cri_shim_image_set_disk_pressure", {"quantity": "waiting"}) == 0
