@@ -326,9 +326,16 @@ async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_wai
             return "s" in st["sets"] and st["images"]["unknown"] == 0 and st["sets"]["s"]["pulling"] == 0 \
             and not running
 
-        await wait_for(settled, 15, "settled")
-        await asyncio.sleep(0.2)  # a recheck (every 0.05 s here) changes nothing
-        assert settled() and crossed == []
+        async def at_rest() -> None:  # settled, and still so after several rechecks (every 0.05 s here)
+            while True:
+                await wait_for(settled, 60, "settled")
+                before = len(h.store.pulls)
+                await asyncio.sleep(0.3)
+                if settled() and len(h.store.pulls) == before:
+                    return
+
+        await at_rest()
+        assert crossed == []
         used_now = total - h.used().f_bavail * 4096
         waiting = [r for r in sizes if normalize(r) not in h.store.images]
         assert all(used_now + on_disk[normalize(r)] > limit + 4096 for r in waiting), (waiting, used_now, limit)
