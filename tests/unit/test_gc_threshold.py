@@ -29,6 +29,7 @@ from shim.imagesets.reconciler import Environment
 from shim.imagesets.sizes import ImageSizes, SizeUnknown
 from shim.imagesets.threshold import KubeletThreshold, Limit, Usage, fits
 from shim.observability.metrics import Metrics
+from shim.process import status_render
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.scheduler import PullScheduler
 from shim.reference import normalize
@@ -229,6 +230,9 @@ async def test_prefetch_fills_up_to_the_threshold_smaller_ones_go_and_gc_lets_th
         assert "DiskPressure" in p["reason"] and "DiskPressure" in s["last_error"] and s["queued"] == 3
         snap = h.sets.snapshot()
         assert snap.disk_pressure is not None and snap.disk_pressure["usedBytes"] == used
+        shown = [ln for ln in status_render.render({"image_sets": h.sets.status()}).splitlines()
+                 if ln.startswith("prefetch ")]
+        assert len(shown) == 1 and "DiskPressure" in shown[0] and "/app/big" in shown[0]  # `cri-shim status`
         sample = h.metrics.registry.get_sample_value
 
         # the node's status row and condition, and the set's condition the controller writes from it
