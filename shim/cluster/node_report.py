@@ -27,7 +27,9 @@ Per set: desired generation (what is declared), current generation (the last one
 were all present, and pinned when the set pins), last failed generation with its error, image
 counts by state, failures by typed reason, bytes done / total of its running pulls.
 Conditions: ``Ready`` (every set current), ``Progressing`` (pulls queued or running, no failure:
-slow is not failed), ``Degraded`` (an image failed: auth, not found, no space, stalled, other).
+slow is not failed), ``Degraded`` (an image failed: auth, not found, no space, stalled, other),
+``DiskPressure`` (prefetch waits below kubelet's image GC threshold, ``image_sets.gc_threshold_guard``:
+the message has the numbers; a waiting set's row has them in ``diskPressure``; not a failure).
 
 A set whose newest version is refused (``ClusterSource.refused``; for files, a file in error)
 keeps its row with the generation still in force as ``currentGeneration``, the refused one as
@@ -66,6 +68,8 @@ _log = logs.get("cluster")
 _CONDITION_REASON = {"auth": "AuthFailed", "notFound": "NotFound", "noSpace": "NoSpace", "stalled": "Stalled",
                      "other": "PullFailed"}
 SECRET_UNAVAILABLE = "PullSecretUnavailable"
+DISK_PRESSURE = "DiskPressure"  # prefetch waits below kubelet's image GC threshold (imagesets/threshold.py)
+_PRESSURE_FIELDS = ("usedBytes", "sizeBytes", "thresholdBytes", "thresholdPercent", "image", "waiting")
 SET_REASONS = (INVALID_SET, SECRET_UNAVAILABLE)  # why a set's declared version is not (fully) applied
 _EVENT_REASON = {INVALID_SET: "ImageSetInvalid", SECRET_UNAVAILABLE: "ImageSetPullSecretUnavailable"}
 
@@ -176,6 +180,9 @@ class NodeReport:
                 row["error"] = snap.refused[name][:1024]
             if reasons:
                 row["failedReasons"] = {r: reasons[r] for r in REASONS if reasons.get(r)}
+            if c["queued"] and snap.disk_pressure is not None:  # waiting, not failing: kubelet's GC threshold
+                row["diskPressure"] = {k: snap.disk_pressure[k] for k in _PRESSURE_FIELDS}
+                row["diskPressure"]["message"] = str(snap.disk_pressure["message"])[:1024]
             if total:
                 row["bytesDone"], row["bytesTotal"] = done, total
             if problem is not None:
@@ -207,7 +214,8 @@ class NodeReport:
         kept, aggregated = aggregate.bound(rows, self.max_rows)
         self._rows = rows
         status: dict[str, Any] = {"nodeName": self.source.node_name, "sets": kept, "summary": summary, **aggregated,
-                                  "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current)}
+                                  "conditions": self._conds(rows, totals, reasons_all, errors, problems, n_current,
+                                                            snap.disk_pressure)}
         return {"apiVersion": NODE_STATUS.api_version, "kind": NODE_STATUS.kind,
                 "metadata": {"name": self.source.node_name, **self._owner()}, "status": status}
 
@@ -269,7 +277,8 @@ class NodeReport:
         problems[reason].append(f"{row['name']}: {error}")
 
     def _conds(self, rows: list[dict[str, Any]], totals: Counter[str], reasons: Counter[str], errors: list[str],
-               problems: dict[str, list[str]], n_current: int) -> list[dict[str, str]]:
+               problems: dict[str, list[str]], n_current: int,
+               pressure: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
         busy = totals["pulling"] + totals["queued"]
         everything = problems[INVALID_SET] + errors + problems[SECRET_UNAVAILABLE]
         if problems[INVALID_SET]:
@@ -288,6 +297,8 @@ class NodeReport:
                             f"{totals['pulling']} pulling, {totals['queued']} queued")
             if busy else ("False", "Idle", "no image set pull queued or running"),
             "Degraded": degraded,
+            "DiskPressure": ("True", DISK_PRESSURE, str(pressure["message"])[:2048]) if pressure is not None else
+            ("False", "BelowThreshold", "no prefetch waits below kubelet's image GC threshold"),
         }
         out = []
         for typ, (st, reason, message) in want.items():

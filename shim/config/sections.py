@@ -35,6 +35,7 @@ from .values import (
     image_patterns,
     integer,
     knob,
+    number_in,
     rate,
     required,
     section,
@@ -178,6 +179,13 @@ class ImageSetsConfig:
     max_file_bytes: int = knob(1 << 20, size(1))  # a bigger set file is rejected (not read)
     cooldown_seconds: float = knob(0.0, duration())
     min_free_bytes: int = knob(0, size())
+    # kubelet's image GC threshold rule (imagesets/threshold.py): a prefetch that would take the image
+    # filesystem past imageGCHighThresholdPercent minus the margin waits
+    gc_threshold_guard: bool = knob(False, boolean())
+    kubelet_config_file: str = knob("/var/lib/kubelet/config.yaml", text())  # where imageGCHighThresholdPercent is read
+    gc_high_threshold_percent: int = knob(0, lambda k, v: _int_in(k, v, 0, 100))  # 0: kubelet's (its file, else 85)
+    gc_threshold_margin_percent: float = knob(5.0, number_in(0, 100))  # percent of the filesystem kept below it
+    size_factor: float = knob(2.0, number_in(1, 100))  # bytes on disk per byte a manifest lists (stored + unpacked)
     debounce_seconds: float = knob(0.2, duration())
     retry_initial_seconds: float = knob(5.0, duration())
     retry_max_seconds: float = knob(300.0, duration())  # >= retry_initial_seconds

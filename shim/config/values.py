@@ -92,6 +92,15 @@ def fraction() -> Parse:
     return parse
 
 
+def number_in(low: float, high: float) -> Parse:
+    """A finite number in [low, high]."""
+    def parse(key: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
+            raise ConfigError(key, f"expected a number from {low:g} to {high:g}, got {shown(v)}")
+        return float(v)
+    return parse
+
+
 def rate() -> Parse:
     """Requests a second: a finite number >= 0 (0 = no limit)."""
     def parse(key: str, v: Any) -> float:

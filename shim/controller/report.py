@@ -18,6 +18,8 @@ conditions.
   its cause is gone). Not halted: ``NotHalted``, or ``NoNodeToGrant`` when nothing is in flight
   and no node can be granted (the message says why). An invalid ``spec.rollout``: Halted True,
   ``InvalidRollout``.
+* ``DiskPressure``: nodes whose prefetch of the set waits below kubelet's image GC threshold
+  (their rows' ``diskPressure``: used, next image's size, limit); not a failure, so not Degraded.
 """
 
 from __future__ import annotations
@@ -88,7 +90,13 @@ def _conditions(t: Truth, stale_granted: tuple[str, ...] = ()) -> dict[str, tupl
                     f"{t.missing} selected node(s) without any report: {', '.join(t.missing_nodes[:5])}")
     else:
         degraded = ("False", "NoFailures", "no selected node failing, stale or missing")
-    return {"Available": available, "Progressing": progressing, "Degraded": degraded}
+    if t.pressure:
+        nodes = "; ".join(f"{n} ({why})" for n, why in t.pressure_nodes[:5])
+        disk = ("True", "DiskPressure", f"{t.pressure} node(s) hold prefetch below kubelet's image GC threshold: "
+                f"{nodes}")
+    else:
+        disk = ("False", "BelowThreshold", "no selected node holds prefetch below kubelet's image GC threshold")
+    return {"Available": available, "Progressing": progressing, "Degraded": degraded, "DiskPressure": disk}
 
 
 def rollout_of(generation: Any, d: Decision, uid: str = "") -> dict[str, Any]:

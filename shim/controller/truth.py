@@ -97,6 +97,9 @@ class Truth:
     next_due: float | None  # when a node now progressing turns stale (wall clock), if nothing changes
     selector_error: str = ""
     waiting: int = 0  # paced sets: selected nodes waiting for a grant
+    # nodes whose prefetch of the set waits below kubelet's image GC threshold: node and its numbers
+    pressure_nodes: tuple[tuple[str, str], ...] = ()
+    pressure: int = 0
 
     @property
     def all_current(self) -> bool:
@@ -186,6 +189,7 @@ class NodeReading:
     reasons: tuple[str, ...] = ()  # FAILING: typed reasons
     error: str = ""
     fetching: bool = False  # WAITING, BEHIND: its row counts images pulling or queued (another generation)
+    pressure: str = ""  # PULLING: its images wait below kubelet's image GC threshold (the node's numbers)
 
 
 def _fetching(row: Mapping[str, Any] | None) -> bool:
@@ -193,6 +197,19 @@ def _fetching(row: Mapping[str, Any] | None) -> bool:
     set's previous generation while the newest waits for its grant), so it holds a rollout slot."""
     images = (row or {}).get("images") or {}
     return bool(images.get("pulling") or images.get("queued"))
+
+
+def _pressure(p: Any) -> str:
+    """A row's ``diskPressure`` in a few words, with its numbers ("" when none)."""
+    if not isinstance(p, Mapping):
+        return ""
+    gib = 1 << 30
+
+    def n(k: str) -> float:
+        v = p.get(k)
+        return v / gib if isinstance(v, int) else 0.0
+    return (f"used {n('usedBytes'):.2f} GiB, next image {n('sizeBytes'):.2f} GiB, limit {n('thresholdBytes'):.2f} GiB "
+            f"(imageGCHighThresholdPercent {p.get('thresholdPercent', '?')}), {p.get('waiting', '?')} waiting")
 
 
 def stale_at(r: NodeReading, granted_at: float | None, stale_after: float) -> float | None:
@@ -229,7 +246,7 @@ def read_report(obj: Mapping[str, Any] | None, name: Any, generation: str, *, ch
             reasons = sorted({r for r, n in (row.get("failedReasons") or {}).items() if n}
                              | ({str(row["reason"])} if row.get("reason") else set())) or ["other"]
             return NodeReading(Report.FAILING, None, tuple(reasons), str(row.get("error", ""))[:256])
-        return NodeReading(Report.PULLING)
+        return NodeReading(Report.PULLING, pressure=_pressure(row.get("diskPressure")))
     return NodeReading(Report.BEHIND, max(report_time(obj) or changed_at, changed_at) + stale_after,
                        fetching=row is not None and not row.get("implied") and _fetching(row))
 
@@ -276,6 +293,7 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
     failing: list[dict[str, str]] = []
     stale: list[str] = []
     missing: list[str] = []
+    pressure: list[tuple[str, str]] = []
     next_due: float | None = None
     for node, r in reports.items():
         if r.report is Report.MISSING:
@@ -283,6 +301,8 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
         elif r.report is Report.FAILING:
             reasons.update(r.reasons)
             failing.append({"node": node, "reasons": ",".join(r.reasons), "error": r.error})
+        elif r.pressure:
+            pressure.append((node, r.pressure))
         if r.report in (Report.MISSING, Report.CURRENT, Report.FAILING, Report.PULLING):
             counts[{Report.PULLING: "progressing"}.get(r.report, r.report.value)] += 1
             continue
@@ -301,4 +321,5 @@ def compute(image_set: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]
     return Truth(generation, len(reports), counts["current"], counts["progressing"], counts["failing"],
                  counts["stale"], counts["missing"],
                  {r: reasons[r] for r in (*REASONS, *sorted(set(reasons) - set(REASONS))) if reasons[r]},
-                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due, waiting=counts["waiting"])
+                 failing[:MAX_LISTED], stale[:MAX_LISTED], missing[:MAX_LISTED], next_due, waiting=counts["waiting"],
+                 pressure_nodes=tuple(pressure[:MAX_LISTED]), pressure=len(pressure))

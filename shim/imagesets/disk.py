@@ -1,9 +1,13 @@
-"""The disk guard: no prefetch starts while the runtime's image filesystem is short of space.
+"""The disk guards: no prefetch starts while the runtime's image filesystem is short of space,
+and none that would take it past kubelet's image GC threshold (threshold.py).
 
 Before each pull starts, the free space of the runtime's image filesystems (their mountpoints
 from ImageFsInfo, read with each full pass; then ``statvfs``) is checked against
 ``image_sets.min_free_bytes``. When short, nothing new starts, status says why, and the
 guard looks again every ``DISK_RECHECK_SECONDS``. Off (0) by default.
+
+``usage`` gives the threshold rule (``image_sets.gc_threshold_guard``) the fullest of those
+filesystems as kubelet counts it: capacity ``f_blocks``, used ``f_blocks - f_bavail``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from ..cri.upstream import Upstream
 from ..errors import RpcError
 from ..proto.runtime.v1 import api_pb2
 from ..pulls.progress import human_bytes
+from .threshold import Pressure, Usage
 
 DISK_RECHECK_SECONDS = 30.0  # while short of space
 
@@ -33,6 +38,34 @@ class DiskGuard:
         self.mounts: list[str] = []  # the runtime's image filesystems, as the last ImageFsInfo said
         self._fs_error = ""
         self.free_bytes: int | None = None  # on the fullest of them, at the last check
+        self.pressure: Pressure | None = None  # why prefetches wait below kubelet's GC threshold (threshold.py)
+        self.usage_error = ""  # why the threshold rule cannot read the usage now
+
+    @staticmethod
+    def wanted(cfg: ImageSetsConfig) -> bool:
+        """Whether a guard is on (the runtime's image filesystems are read then)."""
+        return cfg.min_free_bytes > 0 or cfg.gc_threshold_guard
+
+    def usage(self) -> Usage | None:
+        """The fullest image filesystem (by the share used), or None (``usage_error`` says why)."""
+        self.checked_at = self._clock()
+        if self._fs_error or not self.mounts:
+            self.usage_error = self._fs_error or "no image filesystem known yet"
+            return None
+        fullest: tuple[float, Usage] | None = None
+        for m in self.mounts:
+            try:
+                st = self._statvfs(m)
+            except OSError as e:
+                self.usage_error = f"cannot read {m}: {e.strerror}"
+                return None
+            total = st.f_blocks * st.f_frsize
+            u = Usage(m, total - st.f_bavail * st.f_frsize, total)
+            share = u.used / total if total else 1.0
+            if fullest is None or share > fullest[0]:
+                fullest = (share, u)
+        self.usage_error = ""
+        return fullest[1] if fullest is not None else None
 
     @property
     def knows_filesystems(self) -> bool:
@@ -82,5 +115,10 @@ class DiskGuard:
         return changed
 
     def status(self, cfg: ImageSetsConfig) -> dict[str, Any]:
-        return {"min_free_bytes": cfg.min_free_bytes, "free_bytes": self.free_bytes, "mountpoints": list(self.mounts),
-                "blocked": self.blocked}
+        out: dict[str, Any] = {"min_free_bytes": cfg.min_free_bytes, "free_bytes": self.free_bytes,
+                               "mountpoints": list(self.mounts), "blocked": self.blocked}
+        if cfg.gc_threshold_guard:
+            p = self.pressure
+            out["gc_threshold"] = {"pressure": bool(p), **({"reason": p.message(), **p.numbers()} if p else {}),
+                                   **({"error": self.usage_error} if self.usage_error else {})}
+        return out

@@ -31,3 +31,7 @@ class ImageSetEvents(Protocol):
 
     def image_sets_state_error(self, failing: bool) -> None:
         """Whether image_sets.state_file cannot be read or written now."""
+
+    def disk_pressure(self, numbers: Mapping[str, int | str] | None) -> None:
+        """Prefetches wait below kubelet's image GC threshold (the numbers: threshold.py
+        ``Pressure.numbers``), or no longer do (None)."""

@@ -32,13 +32,16 @@ from ..observability import logs
 from ..pulls.failure import PullFailure
 from .disk import DISK_RECHECK_SECONDS, DiskGuard
 from .events import ImageSetEvents
+from .gate import Gate, Held
 from .loader import ImageSet
 from .prefetch import Prefetch, Pulled
 from .report import PinsView, Reporter, status
 from .retries import RetryClock, backoff
 from .runtime_view import RESYNC_SECONDS, RuntimeView
+from .sizes import ImageSizes, SizeUnknown
 from .snapshot import Snapshot, State
 from .table import DeclaredImage, ImageTable
+from .threshold import KubeletThreshold, Limit, Pressure, Usage, fits
 
 _log = logs.get("imagesets")
 
@@ -80,6 +83,9 @@ class Reconciler:
         self.runtime.resync_seconds = env.resync_seconds
         self.reporter = Reporter(self.table, events, pins)
         self._lanes: dict[asyncio.Task[None], DeclaredImage] = {}
+        self.sizes = ImageSizes()  # manifest sizes, cached per digest (image_sets.gc_threshold_guard)
+        self.kubelet = KubeletThreshold()
+        self.gate: Gate[DeclaredImage] = Gate()  # prefetches held below kubelet's GC threshold
 
     @property
     def sets(self) -> dict[str, ImageSet]:
@@ -152,7 +158,11 @@ class Reconciler:
             task.cancel()
             if img.state is State.PULLING and self.table.is_current(img):
                 self.table.set_state(img, State.UNKNOWN, now)
+        for img in self.gate.clear():
+            if img.state is State.QUEUED and self.table.is_current(img):
+                self.table.set_state(img, State.UNKNOWN, now)
         self.table.unqueue(now)
+        self._set_pressure(None)
 
     def _next_wake(self) -> float:
         now = self._clock()
@@ -162,7 +172,7 @@ class Reconciler:
         retry = self.retries.next_at()
         if retry is not None:
             t = min(t, retry)
-        if self.disk.blocked and self.table.waiting:
+        if (self.disk.blocked and self.table.waiting) or self.disk.pressure is not None:
             t = min(t, self.disk.checked_at + self._disk_recheck_seconds)
         return t
 
@@ -174,9 +184,27 @@ class Reconciler:
     # ------------------------------------------------------------------ pulls
 
     def _start_pulls(self) -> None:
-        """Start pulls while a lane is free and the disk guard allows."""
-        table, disk = self.table, self.disk
-        while len(self._lanes) < self.cfg.max_parallel and (img := table.next_waiting()) is not None:
+        """Start pulls while a lane is free and the disk guards allow: held images first (the
+        smallest that fits below kubelet's GC threshold), then the oldest queued one."""
+        table, disk, gate = self.table, self.disk, self.gate
+        guard = self.cfg.gc_threshold_guard
+        if not guard and len(gate):  # the rule was turned off (a reload): the held images queue again
+            for held in gate.clear():
+                if self._still_queued(held):
+                    table.queue_up(held, self._clock())
+        while len(self._lanes) < self.cfg.max_parallel:
+            if guard and len(gate):
+                top = gate.smallest(self._still_queued)
+                if top is not None:
+                    usage, limit = disk.usage(), self.kubelet.limit(self.cfg)
+                    if usage is None or fits(usage, limit, gate.reserved_bytes, top.estimate):
+                        gate.take(top.item)
+                        self._launch(top.item, top.size, top.estimate)
+                        continue
+                    self._set_pressure(top, usage, limit)
+            img = table.next_waiting()
+            if img is None:
+                break
             reason = disk.why_short(self.cfg.min_free_bytes)
             if reason:
                 if reason != disk.blocked and not disk.blocked:
@@ -187,14 +215,50 @@ class Reconciler:
             if disk.blocked:
                 logs.log(_log, logging.INFO, "image set prefetch resumed", free_bytes=disk.free_bytes)
                 self._block("")
+            if guard:
+                usage, limit = disk.usage(), self.kubelet.limit(self.cfg)
+                if usage is not None and not fits(usage, limit, gate.reserved_bytes, 0):
+                    self._set_pressure(Held(img, 0, 0), usage, limit)  # nothing fits: none is even sized
+                    return
             table.take_waiting()
-            table.set_state(img, State.PULLING, self._clock())
-            task = asyncio.get_running_loop().create_task(self._run_lane(img), name=f"prefetch {img.ref}")
-            img.task = task
-            self._lanes[task] = img
-            task.add_done_callback(self._lane_done)
+            self._launch(img, None, 0)
         if not table.waiting and disk.blocked:
             self._block("")
+        if not len(gate) and disk.pressure is not None:
+            self._set_pressure(None)
+
+    def _still_queued(self, img: DeclaredImage) -> bool:
+        return img.state is State.QUEUED and self.table.is_current(img)
+
+    def _launch(self, img: DeclaredImage, size: int | None, estimate: int) -> None:
+        self.table.set_state(img, State.PULLING, self._clock())
+        if size is not None:
+            self.gate.reserve(img, estimate)
+        task = asyncio.get_running_loop().create_task(self._run_lane(img, size), name=f"prefetch {img.ref}")
+        img.task = task
+        self._lanes[task] = img
+        task.add_done_callback(self._lane_done)
+
+    def _set_pressure(self, top: Held[DeclaredImage] | None, usage: Usage | None = None,
+                      limit: Limit | None = None) -> None:
+        """Prefetches wait below kubelet's GC threshold (``top``: the smallest waiting, with the
+        numbers), or no longer do (None)."""
+        disk = self.disk
+        if top is None or usage is None or limit is None:
+            if disk.pressure is not None:
+                logs.log(_log, logging.INFO, "image set prefetch below kubelet's image GC threshold resumed")
+                disk.pressure = None
+                self.table.mark_all_changed()
+                self._events.disk_pressure(None)
+            return
+        p = Pressure(top.item.spelled if top.size else "", top.size, top.estimate, usage, self.gate.reserved_bytes,
+                     limit, len(self.gate) or self.table.totals[State.QUEUED])
+        if disk.pressure is None:
+            logs.log(_log, logging.WARNING, "image set prefetch waits: it would cross kubelet's image GC threshold",
+                     reason=p.message())
+            self.table.mark_all_changed()
+        disk.pressure = p
+        self._events.disk_pressure(p.numbers())
 
     def _block(self, reason: str) -> None:
         if self.disk.block(reason):
@@ -204,10 +268,41 @@ class Reconciler:
         self._lanes.pop(task, None)
         self._wake.set()
 
-    async def _run_lane(self, img: DeclaredImage) -> None:
-        self._settle(img, await self.prefetch.pull(img))
+    async def _run_lane(self, img: DeclaredImage, size: int | None) -> None:
+        if self.cfg.gc_threshold_guard and size is None and not await self._admit(img):
+            return  # held until it fits
+        try:
+            self._settle(img, await self.prefetch.pull(img))
+        finally:
+            self.gate.release(img)
         if self.cfg.cooldown_seconds > 0:
             await asyncio.sleep(self.cfg.cooldown_seconds)
+
+    async def _admit(self, img: DeclaredImage) -> bool:
+        """Size ``img`` from its manifest; True when it fits below kubelet's GC threshold now (its
+        estimate is then reserved), False when it is held. A size that cannot be read: judged
+        by the filesystem's usage alone (checked before the lane started)."""
+        try:
+            creds = await self.prefetch.credentials.for_image(img.spelled, frozenset(img.sets))
+            size = await self.sizes.size_of(img.spelled, creds)
+        except Exception as e:  # SizeUnknown, or a bug: never leave the image stuck in a lane
+            why = str(e) if isinstance(e, SizeUnknown) else f"unexpected {type(e).__name__}"
+            logs.log(_log, logging.INFO, "image size unknown; prefetch judged by the filesystem's usage alone",
+                     image=img.ref, error=why)
+            return True
+        if not self.table.is_current(img) or img.state is not State.PULLING:
+            return False  # dropped (or halted) meanwhile
+        estimate = int(size * self.cfg.size_factor)
+        usage, limit = self.disk.usage(), self.kubelet.limit(self.cfg)
+        if usage is None or fits(usage, limit, self.gate.reserved_bytes, estimate):
+            self.gate.reserve(img, estimate)
+            return True
+        img.task = None
+        self.gate.hold(img, size, estimate)
+        self.table.set_state(img, State.QUEUED, self._clock())
+        top = self.gate.smallest(self._still_queued)
+        self._set_pressure(top or Held(img, size, estimate), usage, limit)
+        return False
 
     def _settle(self, img: DeclaredImage, pulled: Pulled) -> None:
         """A prefetch ended: the image is present, or failed and waits for its retry."""
@@ -239,9 +334,17 @@ class Reconciler:
     def snapshot(self) -> Snapshot:
         """What every set stands at now: costs the number of sets (and of running pulls)."""
         return self.reporter.snapshot(self._lanes.values(), self.disk.blocked, self.runtime.error,
-                                      self.runtime.passes)
+                                      self.runtime.passes, self.disk.pressure)
 
     def status(self) -> dict[str, Any]:
         snap = self.snapshot()
-        return status(snap, cfg=self.cfg, table=self.table, retries=self.retries, disk=self.disk,
-                      runtime=self.runtime, prefetch=self.prefetch, now=self._clock())
+        out = status(snap, cfg=self.cfg, table=self.table, retries=self.retries, disk=self.disk,
+                     runtime=self.runtime, prefetch=self.prefetch, now=self._clock())
+        if self.cfg.gc_threshold_guard:
+            limit = self.kubelet.limit(self.cfg)
+            out["disk"]["gc_threshold"].update(
+                threshold_percent=limit.percent, threshold_source=limit.source, margin_percent=limit.margin_percent,
+                size_factor=self.cfg.size_factor, reserved_bytes=self.gate.reserved_bytes, held=len(self.gate),
+                sizes=self.sizes.status(),
+                **({"kubelet_config_error": self.kubelet.error} if self.kubelet.error else {}))
+        return out

@@ -22,6 +22,7 @@ from .retries import RetryClock
 from .runtime_view import RuntimeView
 from .snapshot import COUNTED, Counts, SetSnapshot, Snapshot, State
 from .table import DeclaredImage, ImageTable, SetCounts
+from .threshold import Pressure
 
 _log = logs.get("imagesets")
 
@@ -92,7 +93,7 @@ class Reporter:
         return n
 
     def snapshot(self, pulling: Iterable[DeclaredImage], disk_blocked: str, runtime_error: str,
-                 passes: int) -> Snapshot:
+                 passes: int, pressure: Pressure | None = None) -> Snapshot:
         """What every set stands at now: costs the number of sets (and of ``pulling``, the
         images being pulled)."""
         table = self._table
@@ -108,6 +109,8 @@ class Reporter:
             blocked = ""
             if c.queued and disk_blocked:
                 blocked = disk_blocked
+            elif c.queued and pressure is not None:
+                blocked = pressure.message()
             elif c.declared != c.present and runtime_error:
                 blocked = runtime_error
             last = next(reversed(counts.errored), None)
@@ -118,7 +121,9 @@ class Reporter:
                 ignored=s.ignored, runtime_handlers=tuple(sorted({h for h in s.handlers if h})))
         totals = Counts.of(len(table), table.totals)
         return Snapshot(sets=out, totals=totals, refused={n: why for n, (_, why) in sorted(table.refused.items())},
-                        disk_blocked=disk_blocked, runtime_error=runtime_error, passes=passes)
+                        disk_blocked=disk_blocked, runtime_error=runtime_error, passes=passes,
+                        disk_pressure=({"message": pressure.message(), **pressure.numbers()}
+                                       if pressure is not None else None))
 
 
 def status(snap: Snapshot, *, cfg: ImageSetsConfig, table: ImageTable, retries: RetryClock, disk: DiskGuard,

@@ -140,7 +140,7 @@ class RuntimeView:
                 done.result()
 
     def _can_probe(self) -> bool:
-        return not (self.cfg.min_free_bytes > 0 and not self._disk.knows_filesystems)  # the guard needs a full pass
+        return not (self._disk.wanted(self.cfg) and not self._disk.knows_filesystems)  # the guards need a full pass
 
     async def _list(self, started: float) -> None:
         """One full pass: what the runtime holds, against the last pass. An image whose state
@@ -149,7 +149,7 @@ class RuntimeView:
         try:
             raw = await self._upstream.unary(LIST_IMAGES, b"",
                                              deadline=Deadline.after(self.cfg.runtime_timeout_seconds))
-            if self.cfg.min_free_bytes > 0:
+            if self._disk.wanted(self.cfg):
                 await self._disk.read_filesystems(self.cfg.runtime_timeout_seconds)
         except RpcError as e:
             self._read_failed(e)

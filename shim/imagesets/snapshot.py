@@ -66,7 +66,7 @@ class SetSnapshot:
     counts: Counts
     failed_reasons: dict[str, int]  # typed reason (pulls/failure.py REASONS) -> images failed
     last_error: str  # the most recent failure of an image of this set ("image: error"), "" when none
-    blocked: str  # why queued images of this set cannot start (disk guard), or why none are known (runtime)
+    blocked: str  # why queued images of this set cannot start (disk guards), or why none are known (runtime)
     pinned: int | None  # images of a pinning set matched by the pins in force; None when not pinning
     pulling: tuple[str, ...]  # spelled names of its images being pulled now
     ignored: tuple[str, ...] = ()
@@ -87,4 +87,6 @@ class Snapshot:
     disk_blocked: str
     runtime_error: str
     passes: int  # ListImages passes finished; grows by one per pass
+    # prefetch held below kubelet's image GC threshold: message and numbers (threshold.py), or None
+    disk_pressure: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

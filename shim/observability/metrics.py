@@ -71,6 +71,11 @@ class Metrics(PullEvents, ProgressEvents, ImageEvents):
         self.image_set_secret_errors = Gauge("cri_shim_image_set_pull_secret_errors", "Cluster image sets naming a "
                                              "pull Secret that cannot be read or used (the set stays in force).",
                                              registry=r)
+        self.image_set_disk_pressure = Gauge(
+            "cri_shim_image_set_disk_pressure", "Prefetch held below kubelet's image GC threshold "
+            "(image_sets.gc_threshold_guard): waiting (prefetches held; 0 when none), used_bytes of the fullest "
+            "image filesystem, size_bytes of the smallest held image's manifest, threshold_bytes it may reach.",
+            ["quantity"], registry=r)
         self.image_set_reconciles = Counter("cri_shim_image_set_reconciles", "Image-set reconcile passes.",
                                             registry=r)
         self.pull_bytes = Counter("cri_shim_pull_bytes", "Bytes upstream pulls downloaded into the runtime, as "
@@ -174,6 +179,13 @@ class Metrics(PullEvents, ProgressEvents, ImageEvents):
 
     def runtime_listed(self) -> None:
         self.image_set_reconciles.inc()
+
+    def disk_pressure(self, numbers: Mapping[str, int | str] | None) -> None:
+        n = numbers or {}
+        for quantity, key in (("waiting", "waiting"), ("used_bytes", "usedBytes"), ("size_bytes", "sizeBytes"),
+                              ("threshold_bytes", "thresholdBytes")):
+            v = n.get(key, 0)
+            self.image_set_disk_pressure.labels(quantity).set(v if isinstance(v, int) else 0)
 
     def prefetch_started(self) -> None:
         self.pull_requests_total.labels("background").inc()

@@ -168,6 +168,14 @@ def refused_lines(doc: dict[str, Any]) -> list[str]:
     return ["refused    image sets the shim cannot apply; the last valid version of each stays in force:", *out]
 
 
+def pressure_lines(doc: dict[str, Any]) -> list[str]:
+    """Prefetch held below kubelet's image GC threshold, near the top, with its numbers."""
+    gc = ((doc.get("image_sets") or {}).get("disk") or {}).get("gc_threshold") or {}
+    if not gc.get("pressure"):
+        return []
+    return [f"prefetch   {gc.get('reason', 'DiskPressure')}"]
+
+
 def render(doc: dict[str, Any]) -> str:
     """The status document for a person."""
     lines = [f"cri-shim {doc.get('version', '?')}  pid {doc.get('pid', '?')}  up {_secs(doc.get('uptime_seconds', 0))}"]
@@ -191,6 +199,7 @@ def render(doc: dict[str, Any]) -> str:
             if "progress" in p:
                 lines.append(f"  {'':8}   {progress_line(p['progress'])}")
     lines += refused_lines(doc)
+    lines += pressure_lines(doc)
     tracing = doc.get("tracing", {})
     if tracing:
         lines.append("tracing    " + "  ".join(f"{k}={v}" for k, v in tracing.items()))

@@ -78,7 +78,8 @@ def test_set_truth_missing_stale_deleted_and_columns(control_plane, admin, contr
         st = set_status(admin, "c1-warm")
         assert st["missingNodes"] == ["c1-n3"] and st["observedGeneration"] == 1
         assert conds(admin, "c1-warm") == {"Available": "False/NodesNotCurrent", "Progressing": "False/Idle",
-                                           "Degraded": "True/NodesMissing"}
+                                           "Degraded": "True/NodesMissing",
+                                           "DiskPressure": "False/BelowThreshold"}
         obj = admin.get_custom(*SHIM, "imagesets", "c1-warm")
         managers = {(m["manager"], m.get("subresource", "")) for m in obj["metadata"]["managedFields"]}
         assert ("cri-shim-controller", "status") in managers
@@ -121,7 +122,8 @@ def test_set_truth_missing_stale_deleted_and_columns(control_plane, admin, contr
         assert admin.get_custom(*SHIM, "nodeimagesetstatuses", "c1-n2") is not None  # no GC here: still not counted
         st = set_status(admin, "c1-warm")
         assert conds(admin, "c1-warm") == {"Available": "True/AllNodesCurrent", "Progressing": "False/Idle",
-                                           "Degraded": "False/NoFailures"}
+                                           "Degraded": "False/NoFailures",
+                                           "DiskPressure": "False/BelowThreshold"}
         assert st["rolloutSeconds"] >= STALE_AFTER and st["rolloutCompletionTime"] >= st["rolloutStartTime"]
         print(f"rollout of generation 2: {st['rolloutSeconds']} s")
 

@@ -67,7 +67,8 @@ def test_pinned_image_set_truth_through_its_pools_in_a_report(control_plane, adm
         assert st["missingNodes"] == ["p1-i1"] and st["failedReasons"] == {"notFound": 1}
         assert st["failingNodes"] == [{"node": "p1-w2", "reasons": "notFound", "error": "reg.example/app:v1: NOT_FOUND"}]
         assert {c["type"]: f"{c['status']}/{c['reason']}" for c in st["conditions"]} == {
-            "Available": "False/NodesNotCurrent", "Progressing": "False/Idle", "Degraded": "True/NotFound"}
+            "Available": "False/NodesNotCurrent", "Progressing": "False/Idle", "Degraded": "True/NotFound",
+            "DiskPressure": "False/BelowThreshold"}
         assert "rollout" not in st  # not paced: MCO owns the set
         assert (admin.get_custom(MCO, "v1", "pinnedimagesets", "p1-warm") or {}).get("status") is None  # untouched
 

@@ -135,7 +135,7 @@ def test_the_report_object_and_fleet_status() -> None:
     assert (got["selected"], got["current"], got["observedGeneration"], got["rolloutSeconds"]) == (4, 4, 3, 10)
     assert got["machineConfigPools"] == ["infra", "worker"] and "rollout" not in got and "waiting" not in got
     assert {c["type"]: c["status"] for c in got["conditions"]} == {"Available": "True", "Progressing": "False",
-                                                                    "Degraded": "False"}
+                                                                    "Degraded": "False", "DiskPressure": "False"}
     out = summarize([{"metadata": {"name": "warm", "generation": 1}, "status": {"observedGeneration": 1}}],
                     [{"metadata": {"name": "warm", "generation": 7}, "status": got}])
     assert list(out) == ["warm", "PinnedImageSet/warm"]  # an ImageSet of the same name stays apart

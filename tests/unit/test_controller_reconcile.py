@@ -111,6 +111,10 @@ def condition(type_: str, status: str, reason: str, message: str, at: float = T0
             "lastTransitionTime": truth.format_time(at), "observedGeneration": 2}
 
 
+NO_PRESSURE = condition("DiskPressure", "False", "BelowThreshold",
+                        "no selected node holds prefetch below kubelet's image GC threshold")
+
+
 def expected_status(*, current: int, progressing: int, stale: int, missing: int, extra: dict[str, Any],
                     conditions: list[dict[str, Any]]) -> dict[str, Any]:
     return {"observedGeneration": 2, "selected": 3, "current": current, "progressing": progressing, "failing": 0,
@@ -129,7 +133,8 @@ PULLING = expected_status(
     conditions=[condition("Available", "False", "NodesNotCurrent", "1 of 3 selected nodes current"),
                 condition("Progressing", "True", "NodesPulling",
                           "1 node(s) pulling or catching up; 1 of 3 selected nodes current"),
-                condition("Degraded", "True", "NodesMissing", "1 selected node(s) without any report: c")])
+                condition("Degraded", "True", "NodesMissing", "1 selected node(s) without any report: c"),
+                NO_PRESSURE])
 
 
 def test_status_written_once_with_the_counts_and_not_again_when_nothing_changed() -> None:
@@ -171,7 +176,8 @@ def test_a_node_turning_stale_is_seen_at_its_requeue_after() -> None:
         current=1, progressing=0, stale=1, missing=1, extra={"missingNodes": ["c"], "staleNodes": ["b"]},
         conditions=[condition("Available", "False", "NodesNotCurrent", "1 of 3 selected nodes current"),
                     condition("Progressing", "False", "Idle", "1 of 3 selected nodes current", at=f.now),
-                    condition("Degraded", "True", "NodesStale", "1 node(s) behind with a silent shim: b")]))]
+                    condition("Degraded", "True", "NodesStale", "1 node(s) behind with a silent shim: b"),
+                    NO_PRESSURE]))]
     assert f.queue.waiting() == {}  # nobody left to turn stale
 
 

@@ -70,7 +70,7 @@ def test_conditions_slow_is_not_degraded_and_times_kept() -> None:
     st = report.status_of(SET, t, started=T0, now=T0 + 5)
     conds = {c["type"]: (c["status"], c["reason"]) for c in st["conditions"]}
     assert conds == {"Available": ("False", "NodesNotCurrent"), "Progressing": ("True", "NodesPulling"),
-                     "Degraded": ("False", "NoFailures")}
+                     "Degraded": ("False", "NoFailures"), "DiskPressure": ("False", "BelowThreshold")}
     assert "rolloutSeconds" not in st and st["observedGeneration"] == 2
     later = {**SET, "status": st}
     t = compute(nodes, [nis("a", T0, row("2", "2")), nis("b", T0 + 40, row("2", "2"))], now=T0 + 42)
