@@ -29,6 +29,7 @@ from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
+from .parses import DocumentParser, Parses
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
 from .selection import Applied, select_sets
@@ -48,7 +49,9 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
 
 
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents, *,
+                 parser: DocumentParser | None = None) -> None:
+        """``parser``: where objects are parsed (the image sets' parser child); None: in threads."""
         self.cfg = cfg
         self.sets = sets
         self.events = events  # the metrics
@@ -69,6 +72,7 @@ class ClusterSource:
         self.api: ApiClient | None = None
         self.informers: dict[str, Informer] = {}
         self.secrets: PullSecrets | None = None
+        self.parses = Parses(parser)  # the objects' sets, parsed off the loop (parses.py)
         self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
         self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
         self._inputs: object = None
@@ -162,7 +166,8 @@ class ClusterSource:
         no longer selects is confirmed gone (the pin ledger). A refused set is reported in
         ``refused`` (status row, Degraded, Event)."""
         result = select_sets(self.node_name, labels, own, mco,
-                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate)
+                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate,
+                             parse=self.parses.parsed_set)
         selected, errors, refused, held = result.applied.selected, result.errors, result.refused, result.held
         own_keys = {f"cluster:{r.kind}/{n}" for n, r in refused.items()}  # logged below, with what stays
         for key, err in errors.items():
@@ -265,6 +270,27 @@ class ClusterSource:
         self._select(labels, own, mco, read=own_inf.synced)
         self.applies += 1
         return True
+
+    async def _prepare(self) -> None:
+        """Parse the set objects' new versions off the loop (parses.py), so ``recompute`` costs the change.
+        ImageSets whose nodeSelector does not select this node (as its labels are known now) are not parsed."""
+        node_inf, own_inf = self.informers.get("node"), self.informers.get("imagesets")
+        node = node_inf.items.get(self.node_name) if node_inf is not None and node_inf.synced else None
+        if node is None or own_inf is None or not own_inf.synced:
+            return
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        docs = []
+        for obj in own_inf.items.values():
+            try:
+                if not objects.selects((obj.get("spec") or {}).get("nodeSelector"), labels, none_selects_all=True):
+                    continue
+            except (objects.SelectorError, AttributeError):
+                continue  # refused without parsing (own_set says why)
+            docs.append((objects.source_of(obj), obj, *objects.own_document(obj)))
+        pis = self.informers.get("pinnedimagesets")
+        for obj in pis.items.values() if pis is not None and pis.synced else ():
+            docs.append((objects.source_of(obj), obj, *objects.pinned_document(obj)))
+        await self.parses.prepare(docs)
 
     # ------------------------------------------------------------------ running
 
@@ -397,6 +423,7 @@ class ClusterSource:
                 continue
             self._dirty.clear()
             try:
+                await self._prepare()
                 applied = self.recompute()
             except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
                 self._inputs = None  # the same inputs are looked at again, not skipped as already applied

@@ -179,7 +179,7 @@ class App:
         from ..cluster.source import ClusterSource
 
         c = cfg.cluster
-        self.cluster = ClusterSource(c, self.image_sets, self.metrics)
+        self.cluster = ClusterSource(c, self.image_sets, self.metrics, parser=self.image_sets.parser)
         self.cluster.load_state()
         await self.cluster.start()
         self.node_report = NodeReport(self.cluster, self.image_sets, self.progress, interval=c.status_interval_seconds,
