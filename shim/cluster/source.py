@@ -271,7 +271,7 @@ class ClusterSource:
         self.applies += 1
         return True
 
-    async def _prepare(self) -> None:
+    async def prepare(self) -> None:
         """Parse the set objects' new versions off the loop (parses.py), so ``recompute`` costs the change.
         ImageSets whose nodeSelector does not select this node (as its labels are known now) are not parsed."""
         node_inf, own_inf = self.informers.get("node"), self.informers.get("imagesets")
@@ -423,7 +423,7 @@ class ClusterSource:
                 continue
             self._dirty.clear()
             try:
-                await self._prepare()
+                await self.prepare()
                 applied = self.recompute()
             except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
                 self._inputs = None  # the same inputs are looked at again, not skipped as already applied
