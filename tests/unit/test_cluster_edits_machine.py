@@ -132,3 +132,35 @@ class ClusterEdits(RuleBasedStateMachine):
 ClusterEdits.TestCase.settings = settings(max_examples=40, stateful_step_count=12, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestClusterEdits = ClusterEdits.TestCase
+
+
+def test_an_edit_parses_the_edited_object_alone_and_keeps_the_others() -> None:
+    """Three sets applied, then one edited: one object parsed again, in the parser child; the
+    other two are the same sets as before (nothing downstream sees them change)."""
+    parser = ParseProcess()
+    loop = asyncio.new_event_loop()
+    try:
+        ledger, sets, src = start_node(parser)
+
+        def obj(name: str, rv: str, *refs: str) -> dict[str, Any]:
+            return {"apiVersion": "cri-shim.io/v1", "kind": "ImageSet",
+                    "metadata": {"name": name, "uid": f"uid-{name}", "generation": int(rv), "resourceVersion": rv},
+                    "spec": {"pin": True, "images": [{"name": r} for r in refs]}}
+        objs = [obj("a", "1", POOL[0]), obj("b", "1", POOL[1]), obj("c", "1", POOL[2], POOL[3])]
+        src.informers = {"node": fake_informer([node({})]), "imagesets": fake_informer(objs)}
+        loop.run_until_complete(src.prepare())
+        src.recompute()
+        before = dict(sets.reconciler.sets)
+        parsed = src.parses.parsed
+        src.informers["imagesets"] = fake_informer([objs[0], objs[1], obj("c", "2", POOL[2], POOL[4])])
+        loop.run_until_complete(src.prepare())
+        src.recompute()
+        assert src.parses.parsed == parsed + 1
+        after = sets.reconciler.sets
+        assert after["a"] is before["a"] and after["b"] is before["b"]
+        assert after["c"].refs == (POOL[2], POOL[4]) and after["c"].generation == "2"
+        assert set(ledger.snapshot()) == {POOL[0], POOL[1], POOL[2], POOL[4]}
+        assert parser.pid is not None  # parsed in the child
+    finally:
+        parser.close()
+        loop.close()
