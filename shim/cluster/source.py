@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import socket
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..config import ClusterConfig
 from ..credentials import Credential
+from ..imagesets.loader import ImageSet
 from ..imagesets.manager import ImageSets
 from ..observability import logs
 from . import objects, state
@@ -48,6 +50,20 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
     return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
 
 
+HAND_OVER_IMAGES = 4000  # new names handed to the reconciler per step of the apply loop (ClusterSource.hand_over)
+
+
+@dataclass(frozen=True)
+class _HandOver:
+    """A selection to hand to the image sets (``ImageSets.set_source``'s arguments)."""
+    sets: dict[str, ImageSet]
+    held: dict[str, ImageSet]
+    uids: dict[str, str]
+    fresh: frozenset[str]
+    present: frozenset[str]
+    decided: tuple[str, ...]
+
+
 class ClusterSource:
     def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents, *,
                  parser: DocumentParser | None = None) -> None:
@@ -72,7 +88,11 @@ class ClusterSource:
         self.api: ApiClient | None = None
         self.informers: dict[str, Informer] = {}
         self.secrets: PullSecrets | None = None
-        self.parses = Parses(parser)  # the objects' sets, parsed off the loop (parses.py)
+        self.parses = Parses(parser)
+        self.hand_over_images = HAND_OVER_IMAGES
+        self._target: _HandOver | None = None  # the rest of the last selection to hand over (hand_over)
+        self._handed: dict[str, ImageSet] = {}  # the sets handed to the image sets last, by name
+        self._handed_uids: dict[str, str] = {}  # the objects' sets, parsed off the loop (parses.py)
         self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
         self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
         self._inputs: object = None
@@ -199,16 +219,53 @@ class ClusterSource:
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
-        self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
-                             held={n: s.set for n, s in held.items()},
-                             uids={n: s.uid for n, s in (*selected.items(), *held.items())},
-                             fresh=frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
-                             present=frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
-                             decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
-                                           (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
+        self._target = _HandOver({n: s.set for n, s in selected.items()}, {n: s.set for n, s in held.items()},
+                                 {n: s.uid for n, s in (*selected.items(), *held.items())},
+                                 frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
+                                 frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
+                                 tuple(f"{SOURCE}:{kind}/" for kind, whole in
+                                       (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
+        self.hand_over(whole=not read)  # the state file's, before serving: at once
         self.sets.set_overrides(**self._overrides())
         self.report()
         return changed
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether the last selection's new versions are not all handed to the image sets yet."""
+        return self._target is not None
+
+    def hand_over(self, *, whole: bool = False) -> None:
+        """Hand the last selection to the image sets: its unchanged sets and new versions of at most
+        ``hand_over_images`` names (the reconciler's table costs about 7 us a new name on the event
+        loop), unless ``whole``. A set whose turn has not come keeps the version handed before (or
+        none yet); every selected set is ``present`` throughout, so no pin goes meanwhile. The apply
+        loop calls it again, yielding in between, while ``handing_over``."""
+        t = self._target
+        if t is None:
+            return
+        budget = None if whole else self.hand_over_images
+        sets: dict[str, ImageSet] = {}
+        uids: dict[str, str] = {}
+        fresh: set[str] = set()
+        rest = False
+        for name, s in t.sets.items():
+            old = self._handed.get(name)
+            if old is s or budget is None or budget > 0:
+                if old is not s and budget is not None:
+                    budget -= len(s.refs)
+                sets[name], uids[name] = s, t.uids[name]
+                if name in t.fresh:
+                    fresh.add(name)
+                continue
+            rest = True  # its turn comes at the next step
+            if old is not None:
+                sets[name], uids[name] = old, self._handed_uids[name]
+        uids.update((n, t.uids[n]) for n in t.held)
+        self._handed, self._handed_uids = sets, {n: uids[n] for n in sets}
+        self._target = t if rest else None
+        self.sets.set_source(SOURCE, sets, held=t.held, uids=uids, fresh=frozenset(fresh), present=t.present,
+                             decided=t.decided)
 
     def secret_errors(self) -> dict[str, str]:
         """Set name -> why a pull Secret it names cannot be used (its last good entries, if any, stay)."""
@@ -432,6 +489,9 @@ class ClusterSource:
                 await asyncio.sleep(self.cfg.backoff_max_seconds)
                 self._dirty.set()
                 continue
+            while self.handing_over:  # a large first apply: the reconciler takes it in steps
+                await asyncio.sleep(0)
+                self.hand_over()
             if applied:
                 await asyncio.to_thread(self.save_state)
                 self.changed.set()

@@ -10,11 +10,14 @@ under the same name (a new uid); the apply loop may run after each step (parsed 
 shim does) or only after several (the informers moved on meanwhile). After every step the node
 that lived through the sequence and a node started now, empty, from the same objects, agree:
 the same refs pinned, by the same sets, the same sets declared (refs, handlers, pin, generation).
+The new versions are handed to the reconciler a few names at a time (as a large first apply
+is): no pin that stays goes meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import copy
 from typing import Any
 
@@ -61,6 +64,7 @@ class ClusterEdits(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.parser = ParseProcess()
         self.ledger, self.sets, self.src = start_node(self.parser)
+        self.src.hand_over_images = 2
         self.objects: dict[str, dict[str, Any]] = {}  # what the API server holds, by name
         self.rv = 0
         self.uids = 0
@@ -79,9 +83,18 @@ class ClusterEdits(RuleBasedStateMachine):
         self.src.informers["imagesets"] = fake_informer([copy.deepcopy(o) for o in self.objects.values()])
 
     def _apply_loop(self, prepared: bool) -> None:
+        """As the apply loop does: parse ahead (or not), select, then hand over in steps of at most
+        ``hand_over_images`` new names (2 here, so that most selections take several steps)."""
         if prepared:
             self.loop.run_until_complete(self.src.prepare())
+        before = set(self.ledger.snapshot())
         self.src.recompute()
+        steps = [set(self.ledger.snapshot())]
+        while self.src.handing_over:
+            self.src.hand_over()
+            steps.append(set(self.ledger.snapshot()))
+        kept = before & steps[-1]
+        assert all(kept <= pinned for pinned in steps), "a pin went and came back while the sets were handed over"
 
     @rule(name=st.sampled_from(NAMES), imgs=images, pin=st.booleans(), selected=st.booleans(),
           prepared=st.booleans(), now=st.booleans())
@@ -129,7 +142,7 @@ class ClusterEdits(RuleBasedStateMachine):
                                if o["spec"]["nodeSelector"]["matchLabels"]["role"] == "w"}
 
 
-ClusterEdits.TestCase.settings = settings(max_examples=40, stateful_step_count=12, deadline=None,
+ClusterEdits.TestCase.settings = settings(max_examples=int(os.environ.get("CRI_SHIM_LEDGER_EXAMPLES", "40")), stateful_step_count=12, deadline=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 TestClusterEdits = ClusterEdits.TestCase
 
