@@ -88,11 +88,11 @@ class ClusterSource:
         self.api: ApiClient | None = None
         self.informers: dict[str, Informer] = {}
         self.secrets: PullSecrets | None = None
-        self.parses = Parses(parser)
+        self.parses = Parses(parser)  # the objects' sets, parsed off the loop (parses.py)
         self.hand_over_images = HAND_OVER_IMAGES
         self._target: _HandOver | None = None  # the rest of the last selection to hand over (hand_over)
         self._handed: dict[str, ImageSet] = {}  # the sets handed to the image sets last, by name
-        self._handed_uids: dict[str, str] = {}  # the objects' sets, parsed off the loop (parses.py)
+        self._handed_uids: dict[str, str] = {}  # their objects' uids
         self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
         self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
         self._inputs: object = None
@@ -482,6 +482,9 @@ class ClusterSource:
             try:
                 await self.prepare()
                 applied = self.recompute()
+                while self.handing_over:  # a large first apply: the reconciler takes it in steps
+                    await asyncio.sleep(0)
+                    self.hand_over()
             except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
                 self._inputs = None  # the same inputs are looked at again, not skipped as already applied
                 logs.log(_log, logging.ERROR, "cluster image sets not applied; the sets applied last stay in force",
@@ -489,9 +492,6 @@ class ClusterSource:
                 await asyncio.sleep(self.cfg.backoff_max_seconds)
                 self._dirty.set()
                 continue
-            while self.handing_over:  # a large first apply: the reconciler takes it in steps
-                await asyncio.sleep(0)
-                self.hand_over()
             if applied:
                 await asyncio.to_thread(self.save_state)
                 self.changed.set()
