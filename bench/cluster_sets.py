@@ -1,6 +1,7 @@
 """Large image sets from the API server beside the same sets from files, in one run (issue 47).
 
-    python bench/cluster_sets.py [--sets 25] [--per-set 4000] [--seconds 60] [--edit-seconds 30] [--json]
+    python bench/cluster_sets.py [--sets 25] [--per-set 4000] [--seconds 60] [--edit-seconds 30]
+                                 [--cases api file] [--json]
 
 Starts a real etcd + kube-apiserver (scripts/setup.d/55-apiserver.sh, as tests/cluster does),
 docker-registry behind the counting proxy of tests/support and a private containerd (root in
@@ -44,7 +45,7 @@ from bench.node_scale import _DIRECT, Kubelet, Progress, idle, measure, write  #
 from tests.support import image_fleet  # noqa: E402
 from tests.support.apiserver import ControlPlane, require_control_plane  # noqa: E402
 from tests.support.containerd import Containerd  # noqa: E402
-from tests.support.kube import install  # noqa: E402
+from tests.support.kube import Admin, install  # noqa: E402
 from tests.support.registry import RegistryWithProxy, free_port  # noqa: E402
 from tests.support.shim import ShimProcess  # noqa: E402
 
@@ -70,21 +71,26 @@ def failed(port: int, names: list[str]) -> int:
                    for s in names))
 
 
-def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_seconds: float) -> dict[str, Any]:
-    apiserver, etcd = require_control_plane()
+def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_seconds: float,
+        cases: tuple[str, ...] = ("api", "file")) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-csets-", dir="/tmp"))
     ctd_dir = Path(tempfile.mkdtemp(prefix="bench-csets-ctd-", dir="/dev/shm"))
     (workdir / "kube").mkdir()
-    cp = ControlPlane(workdir / "kube", apiserver=apiserver, etcd=etcd, nodes=(NODE,))
+    cp: ControlPlane | None = None
+    if "api" in cases:
+        apiserver, etcd = require_control_plane()
+        cp = ControlPlane(workdir / "kube", apiserver=apiserver, etcd=etcd, nodes=(NODE,))
     registry = RegistryWithProxy(str(workdir / "registry")).start()
     assert registry.proxy is not None
     registry.proxy.idle_seconds = 2.0  # thousands of failed pulls: see CountingProxy.idle_seconds
     ctd: Containerd | None = None
     out: dict[str, Any] = Progress({"sets": sets, "per_set": per_set, "cores": os.cpu_count()})
+    admin: Admin | None = None
     try:
-        cp.start()
-        admin = install(cp.kubeconfig(workdir / "admin.kubeconfig"), (NODE,))
-        admin.create_node(NODE, {"kubernetes.io/hostname": NODE, "bench": "yes"})
+        if cp is not None:
+            cp.start()
+            admin = install(cp.kubeconfig(workdir / "admin.kubeconfig"), (NODE,))
+            admin.create_node(NODE, {"kubernetes.io/hostname": NODE, "bench": "yes"})
         ctd = Containerd(ctd_dir, registries=[registry.host, registry.direct_host])
         ctd.start()
         [base] = image_fleet.push_fleet(registry, "csets", 1)
@@ -107,9 +113,10 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
             return shim, port
 
         names = {case: [f"{case}-s{k}" for k in range(sets)] for case in ("api", "file")}
-        for case in ("api", "file"):
+        for case in cases:
             (workdir / case).mkdir()
             if case == "api":
+                assert cp is not None and admin is not None
                 config: dict[str, Any] = {"cluster": {
                     "kubeconfig": str(cp.node_kubeconfig(workdir / "node.kubeconfig", NODE)), "node_name": NODE,
                     "state_file": str(workdir / case / "cluster-state.json")}}
@@ -125,7 +132,7 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
                 out[f"{case}: idle, before the sets"] = measure(kubelet, pid, anchor_seconds)
                 t0 = time.monotonic()
                 for k, name in enumerate(names[case]):
-                    if case == "api":
+                    if admin is not None and case == "api":
                         admin.apply_custom(*SHIM, "imagesets", image_set(name, refs(case, k)))
                     else:
                         write(sets_dir / f"{name}.yaml", set_file(name, refs(case, k)))
@@ -138,7 +145,7 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
                 def edit() -> None:
                     n[0] += 1
                     name = names[case][0]
-                    if case == "api":
+                    if admin is not None and case == "api":
                         admin.apply_custom(*SHIM, "imagesets", image_set(name, refs(case, 0, n[0])))
                     else:
                         write(sets_dir / f"{name}.yaml", set_file(name, refs(case, 0, n[0])))
@@ -147,7 +154,7 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
             finally:
                 kubelet.close()
                 shim.stop()
-                if case == "api":
+                if admin is not None and case == "api":
                     for name in names[case]:
                         admin.custom("delete", *SHIM, "imagesets", name)
         return out
@@ -157,7 +164,8 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
         if ctd is not None:
             ctd.stop()
         registry.stop()
-        cp.stop()
+        if cp is not None:
+            cp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(ctd_dir, ignore_errors=True)
 
@@ -169,9 +177,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="the window after applying")
     ap.add_argument("--edit-seconds", type=float, default=30.0, help="the window of re-applies")
     ap.add_argument("--anchor-seconds", type=float, default=30.0, help="the window before the sets")
+    ap.add_argument("--cases", nargs="+", choices=("api", "file"), default=["api", "file"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = run(args.sets, args.per_set, args.seconds, args.edit_seconds, args.anchor_seconds)
+    res = run(args.sets, args.per_set, args.seconds, args.edit_seconds, args.anchor_seconds, tuple(args.cases))
     res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         print(json.dumps(res))
