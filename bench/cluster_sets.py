@@ -13,10 +13,11 @@ client calling containerd directly (``direct``: what the runtime itself answers 
 * ``api``: a shim with ``cluster.*`` set (its Node exists, labelled ``bench=yes``):
   ``idle, before the sets`` (the anchor: no set selects the node); then ``--sets`` ImageSets of
   ``--per-set`` images (``pin: true``) are created and ``after applying`` is measured
-  (``--seconds``, from the last create); ``at rest, nobody calling`` (both clients paused: the
-  shim's CPU with the sets and nothing else asked of it); then ``re-applied every 2 s``: one set
-  applied again (server-side apply) every 2 s with one image renamed (a new generation), for
-  ``--edit-seconds``.
+  (``--seconds``, from the last create) and ``after applying, nobody calling`` (both clients
+  paused: the shim's CPU with the sets and nothing else asked of it, the first pass still
+  running); then ``re-applied every 2 s``: one set applied again (server-side apply) every 2 s
+  with one image renamed (a new generation), for ``--edit-seconds``; then, once every image has
+  been tried once (at most ``--rest-timeout``), ``at rest`` and ``at rest, nobody calling``.
 * ``file``: a shim with ``image_sets.dir`` and the same windows: the anchor with an empty
   directory, then one file per set written, then one file rewritten every 2 s the same way.
 
@@ -72,7 +73,7 @@ def failed(port: int, names: list[str]) -> int:
 
 
 def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_seconds: float,
-        cases: tuple[str, ...] = ("api", "file")) -> dict[str, Any]:
+        cases: tuple[str, ...] = ("api", "file"), rest_timeout: float = 900) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-csets-", dir="/tmp"))
     ctd_dir = Path(tempfile.mkdtemp(prefix="bench-csets-ctd-", dir="/dev/shm"))
     (workdir / "kube").mkdir()
@@ -139,7 +140,7 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
                 out[f"{case}: applying seconds"] = round(time.monotonic() - t0, 1)
                 out[f"{case}: after applying"] = {**measure(kubelet, pid, seconds),
                                                   "failed_so_far": failed(port, names[case])}
-                out[f"{case}: at rest, nobody calling"] = idle(kubelet, pid, min(seconds, 20))
+                out[f"{case}: after applying, nobody calling"] = idle(kubelet, pid, min(seconds, 20))
                 n = [0]
 
                 def edit() -> None:
@@ -151,6 +152,14 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
                         write(sets_dir / f"{name}.yaml", set_file(name, refs(case, 0, n[0])))
                 out[f"{case}: re-applied every 2 s"] = {**measure(kubelet, pid, edit_seconds, during=edit),
                                                         "edits": n[0], "failed_so_far": failed(port, names[case])}
+                t0 = time.monotonic()  # at rest: once every image has been tried (and failed) once
+                while failed(port, names[case]) < sets * per_set and time.monotonic() - t0 < rest_timeout:
+                    time.sleep(2)
+                done = failed(port, names[case])
+                out[f"{case}: first pass done" if done >= sets * per_set else f"{case}: first pass not done"] = {
+                    "failed": done, "waited_seconds": round(time.monotonic() - t0)}
+                out[f"{case}: at rest"] = measure(kubelet, pid, min(seconds, 30))
+                out[f"{case}: at rest, nobody calling"] = idle(kubelet, pid, min(seconds, 30))
             finally:
                 kubelet.close()
                 shim.stop()
@@ -177,10 +186,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="the window after applying")
     ap.add_argument("--edit-seconds", type=float, default=30.0, help="the window of re-applies")
     ap.add_argument("--anchor-seconds", type=float, default=30.0, help="the window before the sets")
+    ap.add_argument("--rest-timeout", type=float, default=900.0,
+                    help="how long to wait for the first pass (every image tried once) before the rest windows")
     ap.add_argument("--cases", nargs="+", choices=("api", "file"), default=["api", "file"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = run(args.sets, args.per_set, args.seconds, args.edit_seconds, args.anchor_seconds, tuple(args.cases))
+    res = run(args.sets, args.per_set, args.seconds, args.edit_seconds, args.anchor_seconds, tuple(args.cases),
+              args.rest_timeout)
     res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         print(json.dumps(res))
