@@ -94,6 +94,7 @@ class ClusterSource:
         self._handed: dict[str, ImageSet] = {}  # the sets handed to the image sets last, by name
         self._handed_uids: dict[str, str] = {}  # their objects' uids
         self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
+        self._encoded: state.Encoded = {}  # their JSON as saved last, by version (state.py)
         self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
         self._inputs: object = None
         self._dirty = asyncio.Event()
@@ -152,7 +153,8 @@ class ClusterSource:
         in a thread); a failure is logged, counted and tried again later."""
         assert self.labels is not None
         try:
-            state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
+            state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()),
+                       self._encoded)
         except OSError as e:
             self._write_failed(e)
             self._unsaved = True
