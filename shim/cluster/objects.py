@@ -16,7 +16,7 @@ Written: ``NodeImageSetStatus`` (``cri-shim.io/v1``, cluster-scoped, named after
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..imagesets.loader import (
     HANDLER_ANNOTATION,
@@ -147,20 +147,34 @@ def source_of(obj: Mapping[str, Any]) -> str:
     return f"cluster:{obj.get('kind')}/{(obj.get('metadata') or {}).get('name')}"
 
 
-def own_set(obj: Mapping[str, Any], labels: Mapping[str, str]) -> Selected | None:
+ParseFn = Callable[[str, Mapping[str, Any], dict[str, Any], str], ImageSet]
+"""(key: ``source_of(obj)``, obj, its set document, where) -> the set (parses.py keeps them)."""
+
+
+def parse_here(key: str, obj: Mapping[str, Any], doc: dict[str, Any], where: str) -> ImageSet:
+    return parse_document(doc, where, key)
+
+
+def own_document(obj: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """An ImageSet object's set document (the file format's fields) and its name in errors."""
+    spec = obj.get("spec") or {}
+    where = f"ImageSet {(obj.get('metadata') or {}).get('name')}"
+    doc = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
+           "metadata": {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("name", "generation")},
+           "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
+    return doc, where
+
+
+def own_set(obj: Mapping[str, Any], labels: Mapping[str, str], parse: ParseFn = parse_here) -> Selected | None:
     """An ImageSet object: None when its nodeSelector does not select this node."""
     spec = obj.get("spec") or {}
-    name = (obj.get("metadata") or {}).get("name")
-    where = f"ImageSet {name}"
+    doc, where = own_document(obj)
     try:
         if not selects(spec.get("nodeSelector"), labels, none_selects_all=True):
             return None
     except SelectorError as e:
         raise SetFileError(f"{where}.spec.nodeSelector: {e}") from None
-    doc = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
-           "metadata": {k: v for k, v in (obj.get("metadata") or {}).items() if k in ("name", "generation")},
-           "spec": {k: v for k, v in spec.items() if k not in CLUSTER_ONLY_SPEC}}
-    s = parse_document(doc, where, source_of(obj))
+    s = parse(source_of(obj), obj, doc, where)
     secrets = pull_secret_refs(spec, where)
     overrides = []
     for i, o in enumerate(spec.get("roleOverrides") or []):
@@ -205,18 +219,24 @@ def pool_sets(pools: Sequence[Mapping[str, Any]], labels: Mapping[str, str]) -> 
     return out
 
 
-def pinned_set(obj: Mapping[str, Any]) -> Selected:
+def pinned_document(obj: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """A PinnedImageSet object's set document and its name in errors."""
     meta = obj.get("metadata") or {}
     doc: dict[str, Any] = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"),
            "metadata": {k: v for k, v in meta.items() if k in ("name", "generation", "annotations")},
            "spec": {k: v for k, v in (obj.get("spec") or {}).items() if k == "pinnedImages"}}
     if HANDLER_ANNOTATION not in (meta.get("annotations") or {}):
         doc["metadata"].pop("annotations", None)
-    return Selected(parse_document(doc, f"PinnedImageSet {meta.get('name')}", source_of(obj)), str(meta.get("uid", "")))
+    return doc, f"PinnedImageSet {meta.get('name')}"
 
 
-def select(node_labels: Mapping[str, str],
-           own: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Selected], dict[str, str]]:
+def pinned_set(obj: Mapping[str, Any], parse: ParseFn = parse_here) -> Selected:
+    doc, where = pinned_document(obj)
+    return Selected(parse(source_of(obj), obj, doc, where), str((obj.get("metadata") or {}).get("uid", "")))
+
+
+def select(node_labels: Mapping[str, str], own: Sequence[Mapping[str, Any]],
+           parse: ParseFn = parse_here) -> tuple[dict[str, Selected], dict[str, str]]:
     """The ImageSets that apply to this node, by set name, and errors by object.
 
     PinnedImageSets (through their pools, ``pool_sets`` and ``pinned_set``) are selected by
@@ -225,7 +245,7 @@ def select(node_labels: Mapping[str, str],
     errors: dict[str, str] = {}
     for obj in own:
         try:
-            sel = own_set(obj, node_labels)
+            sel = own_set(obj, node_labels, parse)
         except SetFileError as e:
             errors[source_of(obj)] = str(e)
             continue

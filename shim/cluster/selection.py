@@ -47,13 +47,13 @@ class Selection:
 
 def select_sets(node_name: str, labels: dict[str, str], own: list[dict[str, Any]],
                 mco: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None, last: Applied, *,
-                gate: bool = True) -> Selection:
+                gate: bool = True, parse: objects.ParseFn = objects.parse_here) -> Selection:
     """The sets that apply to a node with ``labels``, from its ImageSets ``own`` and (``mco``:
     PinnedImageSets, MachineConfigPools; None keeps the PinnedImageSets applied last) MCO's.
     ``gate``: hold a paced set's generation until granted (not for the state file's sets, all
-    in force)."""
+    in force). ``parse``: how an object's document becomes a set (parses.py keeps them by version)."""
     previous, old_own, old_pinned = last.selected, last.own_raw, last.pinned_raw
-    selected, errors = objects.select(labels, own)
+    selected, errors = objects.select(labels, own, parse)
     refused: dict[str, objects.Refused] = {}
     own_raw: dict[str, dict[str, Any]] = {}
     by_own = {o["metadata"]["name"]: o for o in own}
@@ -90,7 +90,7 @@ def select_sets(node_name: str, labels: dict[str, str], own: list[dict[str, Any]
                                               "ignoring this one")
             continue
         try:
-            sel = objects.pinned_set(obj)
+            sel = objects.pinned_set(obj, parse)
         except SetFileError as e:
             errors[objects.source_of(obj)] = str(e)
             kept_generation = _keep(previous, name, "PinnedImageSet", old_pinned, selected, pinned_raw)

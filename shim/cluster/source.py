@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import socket
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from ..config import ClusterConfig
 from ..credentials import Credential
+from ..imagesets.loader import ImageSet
 from ..imagesets.manager import ImageSets
 from ..observability import logs
 from . import objects, state
@@ -29,6 +31,7 @@ from .client import identity_problem, new_client, user_name
 from .discovery import mco_kinds
 from .informer import Informer
 from .objects import Kind, SecretRef, Selected
+from .parses import DocumentParser, Parses
 from .pods import NodePods
 from .reachability import Reachability, backoff, describe, readyz
 from .secrets import PullSecrets
@@ -48,8 +51,24 @@ def _lister(custom: CustomObjectsApi, kind: Kind) -> Any:
     return partial(custom.list_cluster_custom_object, kind.group, kind.version, kind.plural)
 
 
+HAND_OVER_IMAGES = 4000  # new names handed to the reconciler per step of the apply loop (ClusterSource.hand_over)
+
+
+@dataclass(frozen=True)
+class _HandOver:
+    """A selection to hand to the image sets (``ImageSets.set_source``'s arguments)."""
+    sets: dict[str, ImageSet]
+    held: dict[str, ImageSet]
+    uids: dict[str, str]
+    fresh: frozenset[str]
+    present: frozenset[str]
+    decided: tuple[str, ...]
+
+
 class ClusterSource:
-    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents) -> None:
+    def __init__(self, cfg: ClusterConfig, sets: ImageSets, events: SourceEvents, *,
+                 parser: DocumentParser | None = None) -> None:
+        """``parser``: where objects are parsed (the image sets' parser child); None: in threads."""
         self.cfg = cfg
         self.sets = sets
         self.events = events  # the metrics
@@ -70,7 +89,13 @@ class ClusterSource:
         self.api: ApiClient | None = None
         self.informers: dict[str, Informer] = {}
         self.secrets: PullSecrets | None = None
+        self.parses = Parses(parser)  # the objects' sets, parsed off the loop (parses.py)
+        self.hand_over_images = HAND_OVER_IMAGES
+        self._target: _HandOver | None = None  # the rest of the last selection to hand over (hand_over)
+        self._handed: dict[str, ImageSet] = {}  # the sets handed to the image sets last, by name
+        self._handed_uids: dict[str, str] = {}  # their objects' uids
         self._own_raw: dict[str, dict[str, Any]] = {}  # applied ImageSet objects, by name
+        self._encoded: state.Encoded = {}  # their JSON as saved last, by version (state.py)
         self._pinned_raw: dict[str, dict[str, Any]] = {}  # applied PinnedImageSet objects, by name
         self._inputs: object = None
         self._dirty = asyncio.Event()
@@ -137,7 +162,8 @@ class ClusterSource:
         in a thread); a failure is logged, counted and tried again later."""
         assert self.labels is not None
         try:
-            state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()))
+            state.save(self.cfg.state_file, self.labels, list(self._own_raw.values()), list(self._pinned_raw.values()),
+                       self._encoded)
         except OSError as e:
             self._write_failed(e)
             self._unsaved = True
@@ -171,7 +197,8 @@ class ClusterSource:
         no longer selects is confirmed gone (the pin ledger). A refused set is reported in
         ``refused`` (status row, Degraded, Event)."""
         result = select_sets(self.node_name, labels, own, mco,
-                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate)
+                             Applied(self.selected, self._own_raw, self._pinned_raw), gate=gate,
+                             parse=self.parses.parsed_set)
         selected, errors, refused, held = result.applied.selected, result.errors, result.refused, result.held
         own_keys = {f"cluster:{r.kind}/{n}" for n, r in refused.items()}  # logged below, with what stays
         for key, err in errors.items():
@@ -203,16 +230,53 @@ class ClusterSource:
         self.selected = selected
         if self.secrets is not None:
             self.secrets.name_sets({n: s.secrets for n, s in selected.items() if s.secrets})
-        self.sets.set_source(SOURCE, {n: s.set for n, s in selected.items()},
-                             held={n: s.set for n, s in held.items()},
-                             uids={n: s.uid for n, s in (*selected.items(), *held.items())},
-                             fresh=frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
-                             present=frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
-                             decided=tuple(f"{SOURCE}:{kind}/" for kind, whole in
-                                           (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
+        self._target = _HandOver({n: s.set for n, s in selected.items()}, {n: s.set for n, s in held.items()},
+                                 {n: s.uid for n, s in (*selected.items(), *held.items())},
+                                 frozenset((selected.keys() - result.kept) | held.keys()) if read else frozenset(),
+                                 frozenset(selected.keys() | refused.keys() | held.keys() | result.undecided),
+                                 tuple(f"{SOURCE}:{kind}/" for kind, whole in
+                                       (("ImageSet", read), ("PinnedImageSet", read and mco is not None)) if whole))
+        self.hand_over(whole=not read)  # the state file's, before serving: at once
         self.sets.set_overrides(**self._overrides())
         self.report()
         return changed
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether the last selection's new versions are not all handed to the image sets yet."""
+        return self._target is not None
+
+    def hand_over(self, *, whole: bool = False) -> None:
+        """Hand the last selection to the image sets: its unchanged sets and new versions of at most
+        ``hand_over_images`` names (the reconciler's table costs about 7 us a new name on the event
+        loop), unless ``whole``. A set whose turn has not come keeps the version handed before (or
+        none yet); every selected set is ``present`` throughout, so no pin goes meanwhile. The apply
+        loop calls it again, yielding in between, while ``handing_over``."""
+        t = self._target
+        if t is None:
+            return
+        budget = None if whole else self.hand_over_images
+        sets: dict[str, ImageSet] = {}
+        uids: dict[str, str] = {}
+        fresh: set[str] = set()
+        rest = False
+        for name, s in t.sets.items():
+            old = self._handed.get(name)
+            if old is s or budget is None or budget > 0:
+                if old is not s and budget is not None:
+                    budget -= len(s.refs)
+                sets[name], uids[name] = s, t.uids[name]
+                if name in t.fresh:
+                    fresh.add(name)
+                continue
+            rest = True  # its turn comes at the next step
+            if old is not None:
+                sets[name], uids[name] = old, self._handed_uids[name]
+        uids.update((n, t.uids[n]) for n in t.held)
+        self._handed, self._handed_uids = sets, {n: uids[n] for n in sets}
+        self._target = t if rest else None
+        self.sets.set_source(SOURCE, sets, held=t.held, uids=uids, fresh=frozenset(fresh), present=t.present,
+                             decided=t.decided)
 
     def secret_errors(self) -> dict[str, str]:
         """Set name -> why a pull Secret it names cannot be used (its last good entries, if any, stay)."""
@@ -274,6 +338,27 @@ class ClusterSource:
         self._select(labels, own, mco, read=own_inf.synced)
         self.applies += 1
         return True
+
+    async def prepare(self) -> None:
+        """Parse the set objects' new versions off the loop (parses.py), so ``recompute`` costs the change.
+        ImageSets whose nodeSelector does not select this node (as its labels are known now) are not parsed."""
+        node_inf, own_inf = self.informers.get("node"), self.informers.get("imagesets")
+        node = node_inf.items.get(self.node_name) if node_inf is not None and node_inf.synced else None
+        if node is None or own_inf is None or not own_inf.synced:
+            return
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        docs = []
+        for obj in own_inf.items.values():
+            try:
+                if not objects.selects((obj.get("spec") or {}).get("nodeSelector"), labels, none_selects_all=True):
+                    continue
+            except (objects.SelectorError, AttributeError):
+                continue  # refused without parsing (own_set says why)
+            docs.append((objects.source_of(obj), obj, *objects.own_document(obj)))
+        pis = self.informers.get("pinnedimagesets")
+        for obj in pis.items.values() if pis is not None and pis.synced else ():
+            docs.append((objects.source_of(obj), obj, *objects.pinned_document(obj)))
+        await self.parses.prepare(docs)
 
     # ------------------------------------------------------------------ running
 
@@ -411,7 +496,11 @@ class ClusterSource:
                 continue
             self._dirty.clear()
             try:
+                await self.prepare()
                 applied = self.recompute()
+                while self.handing_over:  # a large first apply: the reconciler takes it in steps
+                    await asyncio.sleep(0)
+                    self.hand_over()
             except Exception as e:  # no rule foresaw this object: keep what is in force, say so, try again
                 self._inputs = None  # the same inputs are looked at again, not skipped as already applied
                 logs.log(_log, logging.ERROR, "cluster image sets not applied; the sets applied last stay in force",

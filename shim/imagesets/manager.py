@@ -227,7 +227,7 @@ class ImageSets:
         held: dict[str, tuple[str, SourceSets, ImageSet]] = {
             n: (src, v, s) for src, v in self._views.items() for n, s in v.held.items()}
         for set_name, s in accepted.items():
-            if set_name in held or done.get(set_name) is s:
+            if set_name in held or (done.get(set_name) is s and not self._recreated(set_name)):
                 continue
             src, uid, fresh = self._whence(set_name, s)
             if fresh or set_name not in ledger:  # a kept or saved version never replaces a newer one read before
@@ -252,9 +252,18 @@ class ImageSets:
             f = self.directory.files.get(s.source)
             return FILE_SOURCE, "", f is not None and not f.error
         for src, v in self._views.items():
-            if v.sets.get(set_name) is s:
+            if (mine := v.sets.get(set_name)) is s or mine == s:  # equal: the reconciler keeps the version it has
                 return src, v.uids.get(set_name, ""), v.is_fresh(set_name)
         return FILE_SOURCE, "", False
+
+    def _recreated(self, set_name: str) -> bool:
+        """Whether the set in force is now another object's (deleted and created again with the same
+        content: the reconciler keeps the version it has, the ledger takes the new uid)."""
+        e = self.ledger.get(set_name)
+        if e is None or e.source == FILE_SOURCE:
+            return False
+        v = self._views.get(e.source)
+        return v is not None and set_name in v.uids and v.uids[set_name] != e.uid and v.is_fresh(set_name)
 
     def _gone(self, e: Entry) -> str:
         """Why the source of ``e`` confirms its set is gone, or "" when it does not (or cannot)."""

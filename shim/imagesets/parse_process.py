@@ -5,7 +5,8 @@ holds the GIL for a whole document: in a thread of the shim it stalls the event 
 with it every relayed call) for tens of milliseconds at a time. So ``SetDirectory`` hands
 the text (read by the shim, within ``image_sets.max_file_bytes``) to a child process,
 ``python -c`` running ``serve`` below, started with subprocess (fork then exec, nothing run
-in between) and talking on its stdin and stdout: ``(source, text)`` in, the sets as plain
+in between) and talking on its stdin and stdout: ``(source, text)`` in (or, for an object of
+the API server, ``(source, where, document)``: shim/cluster/parses.py), the sets as plain
 tuples or the ``SetFileError`` message out, each a marshal blob with a 4-byte length.
 
 The child imports only the loader (about 21 MiB RSS), runs ``NICE`` levels below the shim (on a
@@ -32,10 +33,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Any, Callable, Sequence
 
 from ..observability import logs
-from .loader import EMPTY, ImageSet, SetFileError, known_names, parse_here, parse_text
+from .loader import EMPTY, ImageSet, SetFileError, known_names, parse_document, parse_here, parse_text
 
 _log = logs.get("imagesets")
 IDLE_SECONDS = 30.0  # the child exits after this long without a request
@@ -89,9 +90,14 @@ def serve(idle_seconds: float = IDLE_SECONDS) -> None:
         req = _recv(inp)
         if req is None:
             return
-        source, text = marshal.loads(req)
+        msg = marshal.loads(req)
+        source = msg[0]
         try:
-            sets = parse_text(text, source, known if source == last_source else EMPTY)
+            names = known if source == last_source else EMPTY
+            if len(msg) == 3:  # (source, where, document): one API object's document (parse_document)
+                sets = [parse_document(msg[2], msg[1], source, names)]
+            else:  # (source, text): a file
+                sets = parse_text(msg[1], source, names)
         except SetFileError as e:
             _send(out, marshal.dumps((False, str(e))))
             continue
@@ -126,12 +132,22 @@ class ParseProcess:
         """The sets of ``text`` as ``loader.parse_text`` gives them; raises SetFileError.
         ``previous`` (the file's sets in force) serves the in-thread fallback; the child keeps
         the names of the last file it parsed itself."""
-        request = marshal.dumps((source, text))
+        return self._ask(marshal.dumps((source, text)), source, lambda: parse_here(text, source, previous))
+
+    def parse_document(self, doc: dict[str, Any], where: str, source: str,
+                       previous: Sequence[ImageSet] = ()) -> ImageSet:
+        """One API object's document (plain JSON values) as ``loader.parse_document`` gives it;
+        raises SetFileError. As ``parse``: the child keeps the names of the last source it read."""
+        def here() -> list[ImageSet]:
+            return [parse_document(doc, where, source, known_names(previous))]
+        return self._ask(marshal.dumps((source, where, doc)), source, here)[0]
+
+    def _ask(self, request: bytes, source: str, here: Callable[[], list[ImageSet]]) -> list[ImageSet]:
         with self._lock:
             for attempt in (1, 2):
                 proc = self._running()
                 if proc is None:
-                    return parse_here(text, source, previous)
+                    return here()
                 try:
                     assert proc.stdin is not None and proc.stdout is not None
                     _send(proc.stdin, request)

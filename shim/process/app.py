@@ -188,7 +188,7 @@ class App:
         from ..cluster.source import ClusterSource
 
         c = cfg.cluster
-        self.cluster = ClusterSource(c, self.image_sets, self.metrics)
+        self.cluster = ClusterSource(c, self.image_sets, self.metrics, parser=self.image_sets.parser)
         self.cluster.load_state()
         await self.cluster.start()
         self.pod_priority.use_lookup(self.cluster)  # the pods bound to this node (cluster.pod_priority)
