@@ -3,7 +3,10 @@ by that node's shim with server-side apply (field manager ``cri-shim``).
 
 Writes are coalesced: the document is rebuilt at most every ``cluster.status_interval_seconds``
 and sent only when it differs from the last one written, so a node at rest writes nothing and a
-busy node at most one request per interval. A failed write is retried at the next interval
+busy node at most one request per interval, plus one per set turning current: a set whose
+images turned all present (``ImageSets.completed``) and that the last document written did not
+show current is written at once (a paced rollout frees the node's slot when the controller reads
+it: waiting for the interval would add up to an interval to every wave). A failed write is retried at the next interval
 (the status catches up once the API server is back).
 
 The object is restored: the shim watches its own object (list + watch, ``fieldSelector
@@ -408,18 +411,13 @@ class NodeReport:
         custom, core = CustomObjectsApi(self.source.api), CoreV1Api(self.source.api)
         last = -1e18
         while True:
-            changed = False
-            try:
-                async with asyncio.timeout(self.interval):
-                    await self.source.changed.wait()
-                    changed = True
-            except TimeoutError:
-                pass
+            changed, completed = await self._wake()
             self.source.changed.clear()
+            self.sets.completed.clear()
             if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
                 await self._settle()
             wait = last + self.interval - self._clock()
-            if wait > 0:
+            if wait > 0 and not (completed and self.source.labels is not None and self._turned_current()):
                 await asyncio.sleep(wait)
             if self.source.labels is None:
                 continue  # nothing to say before this node's labels are known
@@ -430,6 +428,29 @@ class NodeReport:
             except Exception as e:  # a bug here must not end status reporting for good
                 logs.log(_log, logging.ERROR, "image set status not written", error=describe(e))
                 last = self._clock()
+
+    async def _wake(self) -> tuple[bool, bool]:
+        """Wait, at most ``interval``, for the sets in force to change (``source.changed``) or a
+        set's images to turn all present (``sets.completed``); which of the two happened."""
+        changed, completed = self.source.changed, self.sets.completed
+        if not changed.is_set() and not completed.is_set():
+            waits = [asyncio.ensure_future(changed.wait()), asyncio.ensure_future(completed.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return changed.is_set(), completed.is_set()
+
+    def _turned_current(self) -> bool:
+        """Whether the document now shows a set current (its generation, no problem) that the
+        last one written did not: written at once, not at the next interval (a paced rollout's
+        controller frees that node's slot when it reads it). At most once per set turning
+        current, which takes a pull or a new version."""
+        before = {r["name"]: r.get("currentGeneration") for r in self.rows_written}
+        self.document()
+        return any(r.get("currentGeneration") == r["desiredGeneration"] and not r.get("reason")
+                   and before.get(r["name"]) != r["currentGeneration"] for r in self._rows)
 
     async def _settle(self, limit: float = 2.0) -> None:
         """Wait (at most ``limit`` s) until the reconciler has finished a pass over the new sets."""
