@@ -358,8 +358,8 @@ def per_wave(limit: int, timeline: Timeline, spans: dict[str, list[tuple[float, 
     waves: list[dict[str, Any]] = []
     for w in range(math.ceil(len(order) / limit)):
         nodes = order[w * limit:(w + 1) * limit]
-        to_grant = [timeline.granted[n] - currents[i - limit] for i in range(w * limit, w * limit + len(nodes))
-                    if i >= limit and i - limit < len(currents)]
+        to_grant = [timeline.granted[order[i]] - currents[i - limit]
+                    for i in range(w * limit, w * limit + len(nodes)) if i >= limit and i - limit < len(currents)]
         to_request = [min(s for s, _ in spans[n]) - timeline.granted[n] for n in nodes if spans.get(n)]
         to_current = [timeline.current[n] - max(e for _, e in spans[n]) for n in nodes
                       if spans.get(n) and n in timeline.current]
