@@ -16,7 +16,9 @@ Per wave (the nodes in order of their grant, ``limit`` per wave) the bench repor
 watches of the ImageSet and of the NodeImageSetStatuses (times taken as each event arrives):
 
 * ``done_to_current``: a node's last registry request served -> its status object shows the
-  generation current (the node's status write);
+  generation current (the node's status write, seen by the bench's watch); split on the node's
+  side into ``done_to_write`` (-> the write showing it current begins) and ``write`` (that
+  write's request, to the API server's answer);
 * ``current_to_grant``: a node shown current -> the next grant (the k-th grant after the first
   wave paired with the k-th node shown current: the slot it freed; the controller's reaction);
 * ``grant_to_request``: a node's grant -> its first registry request (the node's watch of the
@@ -195,6 +197,22 @@ async def create_fleet(api: ApiClient, names: list[str], label: str, set_name: s
     return created
 
 
+class TimedReport(NodeReport):
+    """NodeReport that keeps, per generation of ``SET``, when the first write showing it current
+    began and when the API server answered it (CLOCK_MONOTONIC)."""
+
+    current_at: dict[str, tuple[float, float]]
+
+    async def write(self, custom: Any) -> bool:
+        began = time.monotonic()
+        wrote = await super().write(custom)
+        if wrote and self.last_written is not None:
+            for r in self.last_written["status"]["sets"]:
+                if r["name"] == SET and r.get("currentGeneration") == r["desiredGeneration"] and not r.get("reason"):
+                    self.current_at.setdefault(r["currentGeneration"], (began, time.monotonic()))
+        return wrote
+
+
 async def start_node(kubeconfig: Path, workdir: Path, name: str, runtime: Any, *, mco: bool,
                      status_interval: int) -> tuple[ImageSets, ClusterSource, NodeReport]:
     """One simulated node: the shim's ClusterSource, ImageSets and NodeReport over ``runtime``."""
@@ -205,8 +223,9 @@ async def start_node(kubeconfig: Path, workdir: Path, name: str, runtime: Any, *
     src = ClusterSource(ccfg, sets, metrics)
     await sets.start()
     await src.start()
-    st = NodeReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
-                    event_namespace="default", request_timeout=30)
+    st = TimedReport(src, sets, None, interval=ccfg.status_interval_seconds, event_interval=300,
+                     event_namespace="default", request_timeout=30)
+    st.current_at = {}
     st.start()
     return sets, src, st
 
@@ -251,7 +270,8 @@ async def _worker(kubeconfig: Path, workdir: Path, names: list[str], old: list[s
         await st.stop()
         await src.stop()
         await sets.stop()
-    print(json.dumps({"spans": registry.spans}), flush=True)
+    written = {src.node_name: st.current_at for _, src, st in nodes if isinstance(st, TimedReport)}
+    print(json.dumps({"spans": registry.spans, "written": written}), flush=True)
 
 
 class Workers:
@@ -260,6 +280,7 @@ class Workers:
     def __init__(self, kubeconfig: Path, workdir: Path, names: list[str], old: list[str], pull_seconds: float,
                  status_interval: int, procs: int) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.written: dict[str, dict[str, tuple[float, float]]] = {}
         for k in range(min(procs, len(names))):
             args = json.dumps({"kubeconfig": str(kubeconfig), "workdir": str(workdir), "names": names[k::procs],
                                "old": old, "pull_seconds": pull_seconds, "status_interval": status_interval})
@@ -274,7 +295,8 @@ class Workers:
                 raise RuntimeError(f"a worker did not start: {line!r}")
 
     async def stop(self) -> dict[str, list[tuple[float, float]]]:
-        """Stop every worker; the registry's spans of them all, by node."""
+        """Stop every worker; the registry's spans of them all, by node (and in ``written``, per
+        node and generation, the first status write showing the set current: began, answered)."""
         spans: dict[str, list[tuple[float, float]]] = {}
         for p in self.procs:
             assert p.stdin is not None
@@ -287,8 +309,10 @@ class Workers:
             assert p.stdout is not None
             line = await asyncio.to_thread(p.stdout.readline)
             if line.strip():
-                for node, v in json.loads(line)["spans"].items():
+                out = json.loads(line)
+                for node, v in out["spans"].items():
                     spans[node] = [(a, b) for a, b in v]
+                self.written.update({node: {g: (a, b) for g, (a, b) in w.items()} for node, w in out["written"].items()})
             terminate(p, timeout=10)
         return spans
 
@@ -351,7 +375,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 2), "max": round(xs[-1], 2)}
 
 
-def per_wave(limit: int, timeline: Timeline, spans: dict[str, list[tuple[float, float]]]) -> list[dict[str, Any]]:
+def per_wave(limit: int, timeline: Timeline, spans: dict[str, list[tuple[float, float]]],
+             written: dict[str, dict[str, tuple[float, float]]]) -> list[dict[str, Any]]:
     """The three latencies of each wave (the nodes in order of their grant, ``limit`` a wave)."""
     order = sorted(timeline.granted, key=lambda n: timeline.granted[n])
     currents = sorted(timeline.current.values())
@@ -364,9 +389,13 @@ def per_wave(limit: int, timeline: Timeline, spans: dict[str, list[tuple[float, 
         to_current = [timeline.current[n] - max(e for _, e in spans[n]) for n in nodes
                       if spans.get(n) and n in timeline.current]
         pull = [max(e for _, e in spans[n]) - min(s for s, _ in spans[n]) for n in nodes if spans.get(n)]
+        w_at = {n: written[n][timeline.gen] for n in nodes if timeline.gen in written.get(n, {}) and spans.get(n)}
+        to_write = [w_at[n][0] - max(e for _, e in spans[n]) for n in w_at]
+        write = [w_at[n][1] - w_at[n][0] for n in w_at]
         waves.append({"wave": w + 1, "nodes": len(nodes), "current_to_grant": _stats(to_grant),
                       "grant_to_request": _stats(to_request), "pull": _stats(pull),
-                      "done_to_current": _stats(to_current)})
+                      "done_to_current": _stats(to_current),
+                      "done_to_write": _stats(to_write), "write": _stats(write)})
     return waves
 
 
@@ -450,7 +479,7 @@ async def rollout_run(audit: Audit, cp: ControlPlane, workdir: Path, n: int, ima
             "all_current_seconds_watched": round(watched, 2) if watched is not None else None,
             "vs_ideal": round(total / ideal, 2) if ideal else None,
             "rollout_phase": (status.get("rollout") or {}).get("phase"),
-            "per_wave": per_wave(limit, timeline, spans),
+            "per_wave": per_wave(limit, timeline, spans, workers.written),
             "load_average_before_after": [[round(x, 2) for x in load0], [round(x, 2) for x in load1]],
             "rest": rest, "during": during,
             "controller_cpu_seconds": {"rest": round(rest_cpu, 2), "rest_window": rest["seconds"],
