@@ -416,9 +416,11 @@ class NodeReport:
             self.sets.completed.clear()
             if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
                 await self._settle()
-            wait = last + self.interval - self._clock()
-            if wait > 0 and not (completed and self.source.labels is not None and self._turned_current()):
-                await asyncio.sleep(wait)
+            # the rest of the interval since the last write; a set turning current meanwhile ends it
+            due = last + self.interval
+            while self._clock() < due and not (completed and self.source.labels is not None
+                                                and self._turned_current()):
+                completed = await self._completed_within(due - self._clock())
             if self.source.labels is None:
                 continue  # nothing to say before this node's labels are known
             try:
@@ -441,6 +443,16 @@ class NodeReport:
                 for w in waits:
                     w.cancel()
         return changed.is_set(), completed.is_set()
+
+    async def _completed_within(self, timeout: float) -> bool:
+        """Whether a set's images turned all present (``sets.completed``) within ``timeout`` s."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.sets.completed.wait()
+        except TimeoutError:
+            return False
+        self.sets.completed.clear()
+        return True
 
     def _turned_current(self) -> bool:
         """Whether the document now shows a set current (its generation, no problem) that the

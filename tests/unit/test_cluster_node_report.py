@@ -121,8 +121,8 @@ async def test_events_need_the_uid_the_first_apply_answers(kube: FakeKube) -> No
 async def test_a_set_turning_current_is_written_at_once_not_at_the_next_interval(
         runtime, store, kube: FakeKube, tmp_path: Path) -> None:  # noqa: F811
     """A paced rollout frees a node's slot when the controller reads the node current: the write
-    that says so does not wait for cluster.status_interval_seconds (a minute here); the writes
-    in between (pull progress) still do."""
+    that says so does not wait for cluster.status_interval_seconds (a minute here), even while
+    the writer waits out the rest of its interval after another change."""
     store.add("reg/a:1")
     gate = store.hold("reg/b:1")  # pulled, held until the gate opens
     sets_dir = tmp_path / "sets"
@@ -147,6 +147,8 @@ async def test_a_set_turning_current_is_written_at_once_not_at_the_next_interval
             await wait_for(lambda: row().get("desiredGeneration") == "1", what="the first write")
             assert "currentGeneration" not in row() and row()["images"]["present"] == 1
             writes = len(kube.writes)
+            src.changed.set()  # something else changed: the writer now waits out the rest of its interval
+            await asyncio.sleep(0.3)
             gate.set()
             await wait_for(lambda: row().get("currentGeneration") == "1", what="current, long before the interval")
             assert [w[0] for w in kube.writes[writes:]] == ["PATCH"]  # that one write
