@@ -12,7 +12,8 @@ it: waiting for the interval would add up to an interval to every wave). A faile
 The object is restored: the shim watches its own object (list + watch, ``fieldSelector
 metadata.name=<node>``) and, at the next interval, writes its document again when the object is
 gone (deleted by hand, or with its Node and then re-created) or holds other content than the API
-server answered to the last write (another writer changed it); so a node at rest is back within
+server answered to the last write (another writer changed it; a watch still showing one of this
+node's own recent writes only lags behind, and is not taken for another writer); so a node at rest is back within
 ``cluster.status_interval_seconds``. A watch that RBAC refuses (403: an older role without
 ``list``/``watch`` on ``nodeimagesetstatuses``) is said once, and the shim writes as before.
 Each write reads the API server's answer, 201 (created) as 200, so the object's uid is known from
@@ -48,7 +49,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -111,6 +112,9 @@ class NodeReport:
         self.error = ""
         self.uid = ""
         self.stored: dict[str, Any] | None = None  # the API server's answer to the last write
+        # resourceVersions of this node's recent writes: a watch that has not yet delivered the
+        # last write shows one of them, which is not another writer's change
+        self._own_versions: deque[str] = deque(maxlen=8)
         self.restores = 0  # writes again because the object was deleted or changed by another writer
         self.own: Informer | None = None  # this node's own status object, watched
         self._event_at: dict[tuple[str, str], float] = {}
@@ -316,6 +320,8 @@ class NodeReport:
         rv = (obj.get("metadata") or {}).get("resourceVersion")
         if rv == (self.stored.get("metadata") or {}).get("resourceVersion") or held(obj) == held(self.stored):
             return ""
+        if rv in self._own_versions:
+            return ""  # an earlier write of ours: the watch lags (writes close together), it catches up
         return "changed by another writer"
 
     async def write(self, custom: CustomObjectsApi) -> bool:
@@ -361,6 +367,9 @@ class NodeReport:
         self.last_written, self.rows_written = doc, self._rows
         self.uid = self.recorder.uid = uid
         self.stored = stored
+        rv = ((stored or {}).get("metadata") or {}).get("resourceVersion")
+        if rv:
+            self._own_versions.append(str(rv))
 
     async def events(self, core: CoreV1Api) -> None:
         """A Warning Event per set and failure reason, at most one every event_interval, through the
