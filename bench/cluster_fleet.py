@@ -21,9 +21,11 @@ served is answered before a handler). The API server's own loopback requests (us
   caught up, and the time until every node's status object shows the new generation.
 
 ``--rollout`` instead: a paced rollout (spec.rollout) over N nodes with the real
-``cri-shim controller`` as a process, the registry simulated in process (bench/fleet_rollout.py):
+``cri-shim controller`` as a process, the nodes spread over ``--procs`` worker processes, each
+simulating its nodes' registry (bench/fleet_rollout.py); per wave, the node-current -> next-grant
+and grant -> first-registry-request latencies:
 
-    python bench/cluster_fleet.py --rollout --nodes 1000 [--images 50] [--max-concurrent 10%]
+    python bench/cluster_fleet.py --rollout --nodes 1000 [--images 50] [--max-concurrent 10%] [--procs 4]
 
 Needs scripts/setup.d/55-apiserver.sh. A benchmark: run it alone (it prints the load average).
 """
@@ -183,6 +185,8 @@ def main() -> None:
                     help="--rollout: the simulated registry's time per image pull")
     ap.add_argument("--status-interval", type=int, default=5,
                     help="--rollout: each node's cluster.status_interval_seconds")
+    ap.add_argument("--procs", type=int, default=4,
+                    help="--rollout: worker processes the simulated nodes are spread over")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     logs.setup("warning")
@@ -201,7 +205,8 @@ def main() -> None:
             install(kubeconfig, ())
             for n in args.nodes:
                 res = asyncio.run(rollout_run(audit, cp, workdir, n, args.images, args.max_concurrent,
-                                              args.pull_seconds, args.rest_seconds, args.status_interval))
+                                              args.pull_seconds, args.rest_seconds, args.status_interval,
+                                              args.procs))
                 res["load_average"] = [round(x, 2) for x in os.getloadavg()]
                 results.append(res)
                 print(json.dumps(res), flush=True)

@@ -3,13 +3,17 @@ by that node's shim with server-side apply (field manager ``cri-shim``).
 
 Writes are coalesced: the document is rebuilt at most every ``cluster.status_interval_seconds``
 and sent only when it differs from the last one written, so a node at rest writes nothing and a
-busy node at most one request per interval. A failed write is retried at the next interval
+busy node at most one request per interval, plus one per set turning current: a set whose
+images turned all present (``ImageSets.completed``) and that the last document written did not
+show current is written at once (a paced rollout frees the node's slot when the controller reads
+it: waiting for the interval would add up to an interval to every wave). A failed write is retried at the next interval
 (the status catches up once the API server is back).
 
 The object is restored: the shim watches its own object (list + watch, ``fieldSelector
 metadata.name=<node>``) and, at the next interval, writes its document again when the object is
 gone (deleted by hand, or with its Node and then re-created) or holds other content than the API
-server answered to the last write (another writer changed it); so a node at rest is back within
+server answered to the last write (another writer changed it; a watch still showing one of this
+node's own recent writes only lags behind, and is not taken for another writer); so a node at rest is back within
 ``cluster.status_interval_seconds``. A watch that RBAC refuses (403: an older role without
 ``list``/``watch`` on ``nodeimagesetstatuses``) is said once, and the shim writes as before.
 Each write reads the API server's answer, 201 (created) as 200, so the object's uid is known from
@@ -47,7 +51,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -112,6 +116,9 @@ class NodeReport:
         self.error = ""
         self.uid = ""
         self.stored: dict[str, Any] | None = None  # the API server's answer to the last write
+        # resourceVersions of this node's recent writes: a watch that has not yet delivered the
+        # last write shows one of them, which is not another writer's change
+        self._own_versions: deque[str] = deque(maxlen=8)
         self.restores = 0  # writes again because the object was deleted or changed by another writer
         self.own: Informer | None = None  # this node's own status object, watched
         self._event_at: dict[tuple[str, str], float] = {}
@@ -324,6 +331,8 @@ class NodeReport:
         rv = (obj.get("metadata") or {}).get("resourceVersion")
         if rv == (self.stored.get("metadata") or {}).get("resourceVersion") or held(obj) == held(self.stored):
             return ""
+        if rv in self._own_versions:
+            return ""  # an earlier write of ours: the watch lags (writes close together), it catches up
         return "changed by another writer"
 
     async def write(self, custom: CustomObjectsApi) -> bool:
@@ -369,6 +378,9 @@ class NodeReport:
         self.last_written, self.rows_written = doc, self._rows
         self.uid = self.recorder.uid = uid
         self.stored = stored
+        rv = ((stored or {}).get("metadata") or {}).get("resourceVersion")
+        if rv:
+            self._own_versions.append(str(rv))
 
     async def events(self, core: CoreV1Api) -> None:
         """A Warning Event per set and failure reason, at most one every event_interval, through the
@@ -419,19 +431,16 @@ class NodeReport:
         custom, core = CustomObjectsApi(self.source.api), CoreV1Api(self.source.api)
         last = -1e18
         while True:
-            changed = False
-            try:
-                async with asyncio.timeout(self.interval):
-                    await self.source.changed.wait()
-                    changed = True
-            except TimeoutError:
-                pass
+            changed, completed = await self._wake()
             self.source.changed.clear()
+            self.sets.completed.clear()
             if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
                 await self._settle()
-            wait = last + self.interval - self._clock()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            # the rest of the interval since the last write; a set turning current meanwhile ends it
+            due = last + self.interval
+            while self._clock() < due and not (completed and self.source.labels is not None
+                                                and self._turned_current()):
+                completed = await self._completed_within(due - self._clock())
             if self.source.labels is None:
                 continue  # nothing to say before this node's labels are known
             try:
@@ -441,6 +450,39 @@ class NodeReport:
             except Exception as e:  # a bug here must not end status reporting for good
                 logs.log(_log, logging.ERROR, "image set status not written", error=describe(e))
                 last = self._clock()
+
+    async def _wake(self) -> tuple[bool, bool]:
+        """Wait, at most ``interval``, for the sets in force to change (``source.changed``) or a
+        set's images to turn all present (``sets.completed``); which of the two happened."""
+        changed, completed = self.source.changed, self.sets.completed
+        if not changed.is_set() and not completed.is_set():
+            waits = [asyncio.ensure_future(changed.wait()), asyncio.ensure_future(completed.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return changed.is_set(), completed.is_set()
+
+    async def _completed_within(self, timeout: float) -> bool:
+        """Whether a set's images turned all present (``sets.completed``) within ``timeout`` s."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.sets.completed.wait()
+        except TimeoutError:
+            return False
+        self.sets.completed.clear()
+        return True
+
+    def _turned_current(self) -> bool:
+        """Whether the document now shows a set current (its generation, no problem) that the
+        last one written did not: written at once, not at the next interval (a paced rollout's
+        controller frees that node's slot when it reads it). At most once per set turning
+        current, which takes a pull or a new version."""
+        before = {r["name"]: r.get("currentGeneration") for r in self.rows_written}
+        self.document()
+        return any(r.get("currentGeneration") == r["desiredGeneration"] and not r.get("reason")
+                   and before.get(r["name"]) != r["currentGeneration"] for r in self._rows)
 
     async def _settle(self, limit: float = 2.0) -> None:
         """Wait (at most ``limit`` s) until the reconciler has finished a pass over the new sets."""

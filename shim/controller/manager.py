@@ -17,9 +17,11 @@ The reconcilers: ``ImageSetReconciler`` (imageset.py: a set's truth, its paced r
 its status) and, when MCO's PinnedImageSets are served, ``PinnedImageSetReconciler`` (pinned.py,
 whose ``PinnedWatch`` queues the pinned sets the Node and NodeImageSetStatus events above concern).
 
-Each queue's loop takes every ready name at once and reconciles them as one batch, then waits
-``batch_interval`` (0.5 s): at most one batch per interval, so one rollout wave of a thousand
-nodes costs a few reconciles per set, not a thousand. After each reconcile, as client-go's
+Each queue's loop takes every ready name at once and reconciles them as one batch; the next
+batch starts ``batch_interval`` (0.5 s) after this one started, or as soon as it is done if it
+took longer: at most one batch per interval, so one rollout wave of a thousand nodes costs a few
+reconciles per set, not a thousand, and a name queued while the queue is idle is reconciled at
+once. After each reconcile, as client-go's
 controllers do: on success the name's backoff is forgotten, and it is queued again after the
 ``requeue_after`` it returned (a node turning stale if nothing changes); on an error (a write
 that failed) it is queued again after its own backoff (``ItemBackoff``: 5 ms doubling per
@@ -214,16 +216,21 @@ class Manager:
 
     async def _work(self, queue: WorkQueue[str], reconciler: Reconciler, synced: Callable[[], bool]) -> None:
         """Forever: every ready name as one batch (once the caches it reads are synced: each
-        informer's list queues every set), then ``batch_interval`` of rest."""
+        informer's list queues every set), batches at least ``batch_interval`` apart (the time
+        the batch took counts: the rest is what remains of the interval)."""
+        loop = asyncio.get_running_loop()
         while True:
             batch = [await queue.get()]
             while (name := queue.get_nowait()) is not None:
                 batch.append(name)
             while not synced():
                 await asyncio.sleep(self.batch_interval)
+            began = loop.time()
             for name in sorted(batch):
                 await process(queue, reconciler, name)
-            await asyncio.sleep(self.batch_interval)
+            rest = began + self.batch_interval - loop.time()
+            if rest > 0:
+                await asyncio.sleep(rest)
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""

@@ -345,6 +345,11 @@ class ImageSets:
         """Runtime reads finished so far (grows by one per pass)."""
         return self.reconciler.passes
 
+    @property
+    def completed(self) -> asyncio.Event:
+        """Set when a set's images turned all present (its listener clears it)."""
+        return self.reconciler.reporter.completed
+
     def in_force(self, name: str) -> bool:
         """Whether a set of this name is applied now."""
         return name in self.reconciler.sets

@@ -7,6 +7,7 @@ line (25, 50, 75, 100 %) are published when its counts changed since the last re
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -46,6 +47,9 @@ class Reporter:
         self._events = events
         self._pins = pins
         self._progress: dict[str, tuple[str, int]] = {}  # set -> (generation, last step logged)
+        # set when a set's counts changed to every declared image present (the status writer
+        # listens: a set turning current is said at once, node_report.py)
+        self.completed = asyncio.Event()
 
     def publish(self) -> None:
         """Gauges and progress lines of the sets whose counts changed since the last report."""
@@ -61,6 +65,8 @@ class Reporter:
             counts = table.counts(name)
             c = Counts.of(len(s.refs), counts.by_state).as_dict()
             self._events.set_counts(name, c)
+            if c["present"] == c["declared"]:
+                self.completed.set()
             if counts.by_state[State.UNKNOWN]:
                 continue  # not listed yet: no progress to speak of
             pct = 100 * c["present"] // c["declared"] if c["declared"] else 100

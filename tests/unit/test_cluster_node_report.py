@@ -116,3 +116,41 @@ async def test_events_need_the_uid_the_first_apply_answers(kube: FakeKube) -> No
         "cri-shim.io", "v1", "nodeimagesetstatuses", "n9", body, field_manager="x", force=True,
         _content_type="application/apply-patch+yaml")
     assert plain is None  # why node_report.py reads the answer itself
+
+
+async def test_a_set_turning_current_is_written_at_once_not_at_the_next_interval(
+        runtime, store, kube: FakeKube, tmp_path: Path) -> None:  # noqa: F811
+    """A paced rollout frees a node's slot when the controller reads the node current: the write
+    that says so does not wait for cluster.status_interval_seconds (a minute here), even while
+    the writer waits out the rest of its interval after another change."""
+    store.add("reg/a:1")
+    gate = store.hold("reg/b:1")  # pulled, held until the gate opens
+    sets_dir = tmp_path / "sets"
+    sets_dir.mkdir()
+    kube.collections[NIS]  # noqa: B018
+    async with image_sets(runtime, sets_dir) as h:
+        src, _ = source(tmp_path, h.sets, h.metrics)
+        src.informers = {"node": informer([node({})]),
+                         "imagesets": informer([versioned(own("web", ["reg/a:1", "reg/b:1"]), 1)])}
+        src.recompute()
+        src.changed.set()  # as its apply loop does after applying
+        src.api = kube.client()
+        src.reach = Reachability(None, probe_interval=1.0, request_timeout=5.0)
+        st = NodeReport(src, h.sets, None, interval=60, event_interval=300, event_namespace="default",
+                        request_timeout=5)
+        st.start()
+        try:
+            def row() -> dict[str, Any]:
+                obj = kube.collections[NIS].get("n1") or {}
+                return next(iter((obj.get("status") or {}).get("sets") or []), {})
+
+            await wait_for(lambda: row().get("desiredGeneration") == "1", what="the first write")
+            assert "currentGeneration" not in row() and row()["images"]["present"] == 1
+            writes = len(kube.writes)
+            src.changed.set()  # something else changed: the writer now waits out the rest of its interval
+            await asyncio.sleep(0.3)
+            gate.set()
+            await wait_for(lambda: row().get("currentGeneration") == "1", what="current, long before the interval")
+            assert [w[0] for w in kube.writes[writes:]] == ["PATCH"]  # that one write
+        finally:
+            await st.stop()
