@@ -101,6 +101,8 @@ class Reconciler:
 
     def configure(self, cfg: ImageSetsConfig) -> None:
         self.cfg = self.runtime.cfg = self.prefetch.cfg = cfg
+        if DiskGuard.wanted(cfg) and not self.disk.knows_filesystems:
+            self.runtime.need_list = True  # a guard turned on by a reload: its filesystems read with a full pass
         self.retries.configure(cfg.retry_per_second)
         self._wake.set()
 
@@ -172,7 +174,7 @@ class Reconciler:
         retry = self.retries.next_at()
         if retry is not None:
             t = min(t, retry)
-        if (self.disk.blocked and self.table.waiting) or self.disk.pressure is not None:
+        if (self.disk.blocked and (self.table.waiting or len(self.gate))) or self.disk.pressure is not None:
             t = min(t, self.disk.checked_at + self._disk_recheck_seconds)
         return t
 
@@ -193,19 +195,19 @@ class Reconciler:
                 if self._still_queued(held):
                     table.queue_up(held, self._clock())
         while len(self._lanes) < self.cfg.max_parallel:
-            if guard and len(gate):
-                top = gate.smallest(self._still_queued)
-                if top is not None:
-                    usage, limit = disk.usage(), self.kubelet.limit(self.cfg)
-                    if usage is None or fits(usage, limit, gate.reserved_bytes, top.estimate):
-                        gate.take(top.item)
-                        self._launch(top.item, top.size, top.estimate)
-                        continue
-                    self._set_pressure(top, usage, limit)
-            img = table.next_waiting()
-            if img is None:
+            has_held = guard and len(gate) > 0
+            if not has_held and not table.waiting:
                 break
+            # both guards before any start, held images included: min_free_bytes, then the usage
+            # the threshold rule needs (unreadable: nothing starts, as for min_free_bytes)
             reason = disk.why_short(self.cfg.min_free_bytes)
+            usage: Usage | None = None
+            limit: Limit | None = None
+            if not reason and guard:
+                usage, limit = disk.usage(), self.kubelet.limit(self.cfg)
+                if usage is None:
+                    reason = (f"cannot read the image filesystem's usage ({disk.usage_error}); "
+                              f"image_sets.gc_threshold_guard is on")
             if reason:
                 if reason != disk.blocked and not disk.blocked:
                     logs.log(_log, logging.WARNING, "image set prefetch paused", reason=reason,
@@ -215,14 +217,23 @@ class Reconciler:
             if disk.blocked:
                 logs.log(_log, logging.INFO, "image set prefetch resumed", free_bytes=disk.free_bytes)
                 self._block("")
-            if guard:
-                usage, limit = disk.usage(), self.kubelet.limit(self.cfg)
-                if usage is not None and not fits(usage, limit, gate.reserved_bytes, 0):
-                    self._set_pressure(Held(img, 0, 0), usage, limit)  # nothing fits: none is even sized
-                    return
+            if has_held and usage is not None and limit is not None:
+                top = gate.smallest(self._still_queued)
+                if top is not None:
+                    if fits(usage, limit, gate.reserved_bytes, top.estimate):
+                        gate.take(top.item)
+                        self._launch(top.item, top.size, top.estimate)
+                        continue
+                    self._set_pressure(top, usage, limit)
+            img = table.next_waiting()
+            if img is None:
+                break
+            if usage is not None and limit is not None and not fits(usage, limit, gate.reserved_bytes, 0):
+                self._set_pressure(Held(img, 0, 0), usage, limit)  # nothing fits: none is even sized
+                return
             table.take_waiting()
             self._launch(img, None, 0)
-        if not table.waiting and disk.blocked:
+        if not table.waiting and not (guard and len(gate)) and disk.blocked:
             self._block("")
         if not len(gate) and disk.pressure is not None:
             self._set_pressure(None)

@@ -4,8 +4,10 @@ whose image filesystem fills as images land."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import random
 from pathlib import Path
@@ -172,7 +174,7 @@ async def test_size_with_a_token_from_the_node_credentials_never_in_an_error(reg
 
 @contextlib.asynccontextmanager
 async def threshold_sets(runtime: FakeRuntime, directory: Path, on_disk: dict[str, int], *, total: int,
-                         **cfg: Any) -> AsyncIterator[SimpleNamespace]:
+                         unreadable: bool = False, **cfg: Any) -> AsyncIterator[SimpleNamespace]:
     """Image sets whose image filesystem holds ``on_disk[ref]`` bytes for each image present."""
     store = FakeImages(runtime).install()
     config = ImageSetsConfig(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
@@ -181,9 +183,11 @@ async def threshold_sets(runtime: FakeRuntime, directory: Path, on_disk: dict[st
     upstream = Upstream(runtime.endpoint, 16 << 20)
     metrics = Metrics()
     scheduler = PullScheduler(4, config.max_parallel, observers=[metrics])
-    extra = {"used": 0}
+    extra = {"used": 0, "unreadable": int(unreadable)}
 
     def statvfs(path: str) -> SimpleNamespace:
+        if path and extra["unreadable"]:
+            raise OSError(errno.EIO, "Input/output error")
         used = extra["used"] + sum(on_disk.get(r, 0) for r in store.images)
         return SimpleNamespace(f_blocks=total // 4096, f_bavail=(total - used) // 4096, f_frsize=4096)
 
@@ -365,3 +369,45 @@ async def test_turning_the_rule_off_lets_the_held_images_go(runtime, registry, t
         await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 3, 10, "all pulled")
         assert "gc_threshold" not in h.sets.status()["disk"] and h.sets.snapshot().disk_pressure is None
         assert h.metrics.registry.get_sample_value("cri_shim_image_set_disk_pressure", {"quantity": "waiting"}) == 0
+
+
+async def test_held_images_wait_for_min_free_bytes_too(runtime, registry, tmp_path) -> None:
+    """Both guards on: an image held below the threshold does not start while free space is under
+    image_sets.min_free_bytes, though it would fit below the threshold; status says why."""
+    total = 1000 * MiB
+    refs = [registry.add(f"both/i{n}", "v1", [100 * MiB]) for n in range(3)]
+    on_disk = {normalize(r): 2 * (100 * MiB + 100) for r in refs}
+    (tmp_path / "s.yaml").write_text(own("s", refs))
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=30,
+                              gc_threshold_margin_percent=0, min_free_bytes=500 * MiB) as h:
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("waiting") == 2
+                       and h.sets.status()["sets"]["s"]["pulling"] == 0, 10, "two held")
+        assert h.sets.status()["sets"]["s"]["present"] == 1
+        # kubelet's own pulls fill the disk to 300 MiB free; the threshold is raised so that a held
+        # image would fit below it: min_free_bytes still holds them
+        h.extra["used"] = 1000 * MiB - 300 * MiB - 2 * (100 * MiB + 100)
+        h.sets.configure(dataclasses.replace(h.sets.cfg, gc_high_threshold_percent=100))
+        await wait_for(lambda: "image_sets.min_free_bytes" in h.sets.status()["disk"]["blocked"], 10, "blocked")
+        await asyncio.sleep(0.3)  # several passes of the loop (debounce 0.05 s, recheck 0.05 s)
+        assert h.sets.status()["sets"]["s"]["present"] == 1 and h.sets.status()["sets"]["s"]["pulling"] == 0
+        h.extra["used"] = 0  # room again: both go
+        await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 3, 10, "all pulled")
+        assert h.sets.status()["disk"]["blocked"] == ""
+
+
+
+async def test_an_unreadable_usage_holds_prefetch_and_says_why(runtime, registry, tmp_path) -> None:
+    """The threshold rule cannot read the image filesystem's usage: nothing starts (as with
+    min_free_bytes), status says why; once it can, the prefetch goes."""
+    ref = registry.add("usage/i", "v1", [MiB])
+    (tmp_path / "s.yaml").write_text(own("s", [ref]))
+    async with threshold_sets(runtime, tmp_path, {}, total=1000 * MiB, gc_high_threshold_percent=80,
+                              unreadable=True) as h:
+        await wait_for(lambda: "cannot read the image filesystem's usage" in h.sets.status()["disk"]["blocked"],
+                       10, "blocked")
+        assert "image_sets.gc_threshold_guard" in h.sets.status()["disk"]["blocked"]
+        await asyncio.sleep(0.3)
+        assert h.sets.status()["sets"]["s"]["present"] == 0 and h.store.pulls == []
+        h.extra["unreadable"] = 0
+        await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 1, 10, "pulled")
+        assert h.sets.status()["disk"]["blocked"] == ""
