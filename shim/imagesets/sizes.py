@@ -11,7 +11,12 @@ Each request waits at most ``REQUEST_TIMEOUT_SECONDS``; a manifest larger than
 ``MAX_MANIFEST_BYTES`` is not read. A size that cannot be read is ``None``: the prefetch is then
 judged by the filesystem's usage alone. HTTPS, except for loopback registries
 (``localhost``, ``127.0.0.0/8``, ``::1``), which may answer plain HTTP as Docker allows.
-Credentials are never logged; errors name the registry and the HTTP status only.
+Credentials are never logged; errors name the registry and the HTTP status only. The proxy of
+the environment (``HTTPS_PROXY``, ``NO_PROXY``) is used as the runtime would. A registry that
+cannot be reached (connection refused, no route, a timeout) is not asked again for
+``UNREACHABLE_SECONDS``: its images are judged by usage alone meanwhile, so a node whose runtime
+reaches registries through mirrors the shim does not know (containerd's ``hosts.toml``, CRI-O's
+``registries.conf``) pays one timeout per registry every ``UNREACHABLE_SECONDS``, not one per image.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import hashlib
 import ipaddress
 import json
 import platform
+import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import aiohttp
 
@@ -32,6 +38,7 @@ from ..reference import parse
 SIZE_CACHE = 4096  # manifest digest -> bytes
 REQUEST_TIMEOUT_SECONDS = 20.0
 MAX_MANIFEST_BYTES = 4 << 20
+UNREACHABLE_SECONDS = 300.0  # a registry that could not be reached is not asked again for this long
 _INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                 "application/vnd.docker.distribution.manifest.list.v2+json")
 _ACCEPT = ", ".join((*_INDEX_TYPES, "application/vnd.oci.image.manifest.v1+json",
@@ -42,6 +49,10 @@ _ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm6
 
 class SizeUnknown(Exception):
     """The manifest could not be read (the message names the registry and why, no secret)."""
+
+
+class Unreachable(SizeUnknown):
+    """The registry could not be reached at all (no connection, or no answer in time)."""
 
 
 def node_arch() -> str:
@@ -101,10 +112,15 @@ def _challenge(header: str) -> dict[str, str]:
 class ImageSizes:
     """Sizes of images by their manifests, cached per digest."""
 
-    def __init__(self, arch: str | None = None, cache_size: int = SIZE_CACHE) -> None:
+    def __init__(self, arch: str | None = None, cache_size: int = SIZE_CACHE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.arch = arch or node_arch()
         self._cache: OrderedDict[str, int] = OrderedDict()
         self._cache_size = cache_size
+        self._clock = clock
+        # registry host -> when it may be asked again (it could not be reached); one entry per
+        # registry the declared sets name, expired ones dropped as others are added
+        self._unreachable: dict[str, float] = {}
         self.requests = 0  # manifest GETs made (token requests not counted)
         self.errors = 0
 
@@ -122,27 +138,46 @@ class ImageSizes:
 
     def status(self) -> dict[str, int]:
         return {"cached": len(self._cache), "cache_size": self._cache_size, "manifest_requests": self.requests,
-                "errors": self.errors}
+                "errors": self.errors, "unreachable_registries": sum(1 for until in self._unreachable.values()
+                                                                     if until > self._clock())}
 
     async def size_of(self, image: str, credentials: Sequence[Credential | None]) -> int:
         """Bytes the manifest of ``image`` lists for this node's platform. Raises SizeUnknown."""
         ref = parse(image).with_default_tag()
         if ref.digest is not None and (known := self.cached(ref.digest)) is not None:
             return known
+        now = self._clock()
+        if self._unreachable.get(ref.domain, 0.0) > now:
+            self.errors += 1
+            raise SizeUnknown(f"{ref.domain}: not reached within the last {UNREACHABLE_SECONDS:g} s")
         last: SizeUnknown | None = None
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, trust_env=True) as session:
             for cred in credentials or [None]:
                 try:
                     return await self._resolve(session, ref.domain, ref.path, ref.digest or ref.tag or "latest",
                                                cred)
+                except Unreachable as e:  # no other credential helps
+                    self._mark_unreachable(ref.domain)
+                    last = e
+                    break
                 except SizeUnknown as e:
                     last = e
-                except (aiohttp.ClientError, ValueError, TimeoutError) as e:  # never the request's text: no secret
+                except (aiohttp.ClientConnectionError, TimeoutError) as e:  # the token service: unreachable too
+                    self._mark_unreachable(ref.domain)
+                    last = SizeUnknown(f"{ref.domain}: {type(e).__name__}")
+                    break
+                except (aiohttp.ClientError, ValueError) as e:  # never the request's text: no secret
                     last = SizeUnknown(f"{ref.domain}: {type(e).__name__}")
         self.errors += 1
         assert last is not None
         raise last
+
+    def _mark_unreachable(self, domain: str) -> None:
+        now = self._clock()
+        for host in [h for h, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[host]
+        self._unreachable[domain] = now + UNREACHABLE_SECONDS
 
     async def _resolve(self, session: aiohttp.ClientSession, domain: str, repo: str, ref: str,
                        cred: Credential | None) -> int:
@@ -205,10 +240,10 @@ class _Registry:
                     self.schemes.remove(scheme)  # this registry speaks the other one
                 continue
             except TimeoutError:
-                raise SizeUnknown(f"{self.host}: no answer within {REQUEST_TIMEOUT_SECONDS:g} s") from None
+                raise Unreachable(f"{self.host}: no answer within {REQUEST_TIMEOUT_SECONDS:g} s") from None
             self.schemes = [scheme]
             return body, digest
-        raise SizeUnknown(last or f"{self.host}: unreachable")
+        raise Unreachable(last or f"{self.host}: unreachable")
 
     async def _get(self, url: str) -> tuple[bytes, str]:
         for attempt in range(2):

@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import json
 import random
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Iterator
@@ -27,7 +28,7 @@ from shim.cri.upstream import Upstream
 from shim.imagesets.gate import Gate
 from shim.imagesets.manager import ImageSets
 from shim.imagesets.reconciler import Environment
-from shim.imagesets.sizes import ImageSizes, SizeUnknown
+from shim.imagesets.sizes import UNREACHABLE_SECONDS, ImageSizes, SizeUnknown
 from shim.imagesets.threshold import KubeletThreshold, Limit, Usage, fits
 from shim.observability.metrics import Metrics
 from shim.process import status_render
@@ -411,3 +412,21 @@ async def test_an_unreadable_usage_holds_prefetch_and_says_why(runtime, registry
         h.extra["unreadable"] = 0
         await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 1, 10, "pulled")
         assert h.sets.status()["disk"]["blocked"] == ""
+
+
+async def test_an_unreachable_registry_is_not_asked_again_for_a_while() -> None:
+    """A registry that refuses connections costs one attempt per UNREACHABLE_SECONDS, not one per image."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: connections are refused
+    now = [1000.0]
+    sizes = ImageSizes(arch="amd64", clock=lambda: now[0])
+    with pytest.raises(SizeUnknown, match="cannot connect"):
+        await sizes.size_of(f"127.0.0.1:{port}/app/a:v1", [None])
+    for name in ("app/a:v1", "app/b:v2"):  # the same registry: not asked, said why
+        with pytest.raises(SizeUnknown, match="not reached within the last 300 s"):
+            await sizes.size_of(f"127.0.0.1:{port}/{name}", [None])
+    assert sizes.status()["unreachable_registries"] == 1 and sizes.status()["errors"] == 3
+    now[0] += UNREACHABLE_SECONDS
+    with pytest.raises(SizeUnknown, match="cannot connect"):  # asked again after the interval
+        await sizes.size_of(f"127.0.0.1:{port}/app/a:v1", [None])
