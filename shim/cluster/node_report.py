@@ -434,6 +434,8 @@ class NodeReport:
             changed, completed = await self._wake()
             self.source.changed.clear()
             self.sets.completed.clear()
+            if completed and not changed and not self.source.applies:
+                continue  # sets of the state file turning present: nothing new to say before the API server answers
             if changed:  # let the reconciler read the runtime once first: one write with the outcome, not two
                 await self._settle()
             # the rest of the interval since the last write; a set turning current meanwhile ends it
@@ -478,7 +480,10 @@ class NodeReport:
         """Whether the document now shows a set current (its generation, no problem) that the
         last one written did not: written at once, not at the next interval (a paced rollout's
         controller frees that node's slot when it reads it). At most once per set turning
-        current, which takes a pull or a new version."""
+        current, which takes a pull or a new version. Not before the sets come from the API server
+        (``source.applies``): a restart's sets from the state file are not what the cluster declares now."""
+        if not self.source.applies:
+            return False
         before = {r["name"]: r.get("currentGeneration") for r in self.rows_written}
         self.document()
         return any(r.get("currentGeneration") == r["desiredGeneration"] and not r.get("reason")

@@ -1,6 +1,7 @@
 """A 2,000-image ImageSet from the API: all present at start (nothing pulled), then +10 appended
 by an API write are requested from the registry and pulled (only those), the status reaches
-generation 2, and status writes stay within cluster.status_interval_seconds.
+generation 2, and status writes stay within cluster.status_interval_seconds (plus one per set
+turning current).
 
 How soon the registry sees them is printed, not asserted: it is a speed figure, and speed
 targets are measured in bench/ (``bench/node_scale.py``: +10 to a large set until the first
@@ -60,8 +61,10 @@ def test_2000_image_set_plus_10_pulled_and_reported(control_plane, admin, fleet,
                              capture_output=True, text=True, timeout=30)
         writes = json.loads(out.stdout)["cluster"]["status_object"]["writes"]
         elapsed = time.monotonic() - started
-        print(f"status writes: {writes} in {elapsed:.1f} s (at most one per {INTERVAL} s)")
-        assert 2 <= writes <= elapsed / INTERVAL + 1
+        # at most one per interval, plus one each time the set turns current (generation 1, then 2:
+        # written at once, docs/image-sets.md)
+        print(f"status writes: {writes} in {elapsed:.1f} s (at most one per {INTERVAL} s, plus 2 turning current)")
+        assert 2 <= writes <= elapsed / INTERVAL + 1 + 2
     finally:
         presence.close()
         delete(admin, *SHIM, "imagesets", "t6-big")
