@@ -20,7 +20,8 @@ its sandbox is kubelet's, its mirror pod's is the API server's). None when the p
 has no ``spec.priority``, or while the watch is not synced or failing (API server unreachable):
 callers then fall back to their rules, for every pod alike. A 403 (a ServiceAccount identity
 without ``list`` on pods, or a kubelet identity of another node) ends the watch: one request, one
-warning, ``refused`` in status, every answer None until the shim restarts or reloads.
+warning, ``refused`` in status, every answer None until the shim restarts or a reload changes a
+``cluster`` key (which starts the cluster source again).
 """
 
 from __future__ import annotations

@@ -398,7 +398,9 @@ class PullScheduler:
                 same_class = top is flight.priority
                 self._queue.remove(flight)
                 flight.priority, flight.uid, flight.rank = top, uid, rank
-                self._queue.push(flight, keep_place=same_class)
+                # a trusted flight whose pod priority changed keeps its place and age; an untrusted one
+                # charged to another uid goes to the end of that uid's lane (the priority rule)
+                self._queue.push(flight, keep_place=same_class and top is Priority.FOREGROUND)
                 self._dispatch()
         else:
             flight.rank = rank if top is Priority.FOREGROUND else flight.rank  # for status: no slot depends on it
