@@ -263,7 +263,7 @@ class Reconciler:
                 self._events.disk_pressure(None)
             return
         p = Pressure(top.item.spelled if top.size else "", top.size, top.estimate, usage, self.gate.reserved_bytes,
-                     limit, len(self.gate) or self.table.totals[State.QUEUED])
+                     limit, self.table.totals[State.QUEUED])  # held (sized) and not yet sized alike
         if disk.pressure is None:
             logs.log(_log, logging.WARNING, "image set prefetch waits: it would cross kubelet's image GC threshold",
                      reason=p.message())

@@ -63,7 +63,7 @@ class Pressure:
     usage: Usage
     reserved: int
     limit: Limit
-    waiting: int  # prefetches held by this rule
+    waiting: int  # prefetches waiting: the held ones and those queued behind them, sized or not
 
     @property
     def threshold_bytes(self) -> int:

@@ -7,6 +7,7 @@ status must still reach the client unchanged, whatever the engine.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -80,13 +81,18 @@ class EarlyAnswerRuntime:
             return
 
     def close(self) -> None:
+        # closing a listening socket does not wake a thread blocked in accept() on Linux; shutdown does
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
+        self._accepting.join(5)
         for c in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             c.close()
+        for t in self._threads:
+            t.join(5)
+        assert not self._accepting.is_alive() and not any(t.is_alive() for t in self._threads), "a thread outlived it"
 
 
 @pytest.fixture

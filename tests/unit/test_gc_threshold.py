@@ -293,6 +293,35 @@ async def test_past_the_limit_nothing_is_sized_and_an_unknown_size_goes_by_usage
         assert not h.sets.status()["disk"]["gc_threshold"]["pressure"]
 
 
+async def test_waiting_counts_held_and_unsized_images_alike(runtime, registry, tmp_path) -> None:
+    """Held images (sized) and images queued behind them that were never sized (nothing fits: the
+    filesystem is past the limit) all wait for room: status and the metric count both."""
+    total = 1000 * MiB
+    big = [registry.add(f"w/big{i}", "v1", [100 * MiB]) for i in range(3)]
+    small = [registry.add(f"w/small{i}", "v1", [MiB]) for i in range(2)]
+    on_disk = {normalize(r): 2 * (100 * MiB + 100) for r in big} | {normalize(r): 2 * (MiB + 100) for r in small}
+    (tmp_path / "a.yaml").write_text(own("a", big))
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=60,
+                              gc_threshold_margin_percent=5, size_factor=2.0) as h:  # limit 550 MiB
+
+        def gc() -> dict[str, Any]:
+            return h.sets.status()["disk"]["gc_threshold"]
+
+        await wait_for(lambda: gc()["pressure"] and gc()["waiting"] == 1
+                       and h.sets.status()["sets"]["a"]["pulling"] == 0, 10, "two pulled, one held")
+        h.extra["used"] = 200 * MiB  # kubelet pulled something: 600 MiB used, past the limit
+        sizes_asked = h.sets.status()["disk"]["gc_threshold"]["sizes"]["manifest_requests"]
+        (tmp_path / "b.yaml").write_text(own("b", small))
+        await wait_for(lambda: h.sets.status()["sets"].get("b", {}).get("queued") == 2 and gc()["waiting"] == 3,
+                       10, "the held image and the two never sized counted alike")
+        assert "no image fits" in gc()["reason"] and "3 prefetch(es) wait for room" in gc()["reason"]
+        assert h.sets.status()["disk"]["gc_threshold"]["sizes"]["manifest_requests"] == sizes_asked
+        assert h.metrics.registry.get_sample_value("cri_shim_image_set_disk_pressure", {"quantity": "waiting"}) == 3
+        h.extra["used"] = 0  # collected: the two small ones fit, the big one does not
+        await wait_for(lambda: h.sets.status()["sets"]["b"]["present"] == 2 and gc()["waiting"] == 1, 10,
+                       "small ones pulled, the big one still held")
+
+
 @pytest.mark.parametrize("seed", range(6))
 async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_waiting(
         runtime, registry, tmp_path, seed: int) -> None:
@@ -347,7 +376,14 @@ async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_wai
             gc = h.sets.status()["disk"]["gc_threshold"]
             return gc["pressure"] == bool(waiting()) and (not waiting() or gc["waiting"] == len(waiting()))
 
-        await wait_for(at_rest, 60, "at rest with nothing that fits waiting")
+        try:
+            await wait_for(at_rest, 60, "at rest with nothing that fits waiting")
+        except AssertionError as e:  # what it stood at, to tell which part did not hold
+            st = h.sets.status()
+            raise AssertionError(f"{e}; used {total - h.used().f_bavail * 4096}, limit {limit}, "
+                                 f"waiting {[(r, on_disk[normalize(r)]) for r in waiting()]}, running {running}, "
+                                 f"set {st['sets'].get('s')}, images {st['images']}, "
+                                 f"disk {json.dumps(st['disk'], default=str)}") from None
         assert crossed == []
         left = waiting()
         print(f"seed {seed}: {len(sizes) - len(left)} pulled, {len(left)} waiting; "
