@@ -17,7 +17,8 @@ client calling containerd directly (``direct``: what the runtime itself answers 
   paused: the shim's CPU with the sets and nothing else asked of it, the first pass still
   running); then ``re-applied every 2 s``: one set applied again (server-side apply) every 2 s
   with one image renamed (a new generation), for ``--edit-seconds``; then, once every image has
-  been tried once (at most ``--rest-timeout``), ``at rest`` and ``at rest, nobody calling``.
+  been tried once (at most ``--rest-timeout``), ``at rest``, ``at rest, nobody calling`` and
+  ``at rest, a minute later`` (called again, the pass's tail behind).
 * ``file``: a shim with ``image_sets.dir`` and the same windows: the anchor with an empty
   directory, then one file per set written, then one file rewritten every 2 s the same way.
 
@@ -160,6 +161,9 @@ def run(sets: int, per_set: int, seconds: float, edit_seconds: float, anchor_sec
                     "failed": done, "waited_seconds": round(time.monotonic() - t0)}
                 out[f"{case}: at rest"] = measure(kubelet, pid, min(seconds, 30))
                 out[f"{case}: at rest, nobody calling"] = idle(kubelet, pid, min(seconds, 30))
+                # once more, a minute after the pass: its tail (the last failures' retries scheduled,
+                # the state and status written) is behind, what is left is the cost of being called
+                out[f"{case}: at rest, a minute later"] = measure(kubelet, pid, min(seconds, 30))
             finally:
                 kubelet.close()
                 shim.stop()

@@ -142,6 +142,8 @@ class Reconciler:
                 timeout = self._next_wake() - self._clock()
                 if timeout > 0 and not self._wake.is_set():
                     await _wait(self._wake, timeout)
+                else:  # due now: go round again, but never without letting every other task run first
+                    await asyncio.sleep(0)
         finally:
             self.halt()
 
@@ -174,7 +176,10 @@ class Reconciler:
         retry = self.retries.next_at()
         if retry is not None:
             t = min(t, retry)
-        if (self.disk.blocked and (self.table.waiting or len(self.gate))) or self.disk.pressure is not None:
+        # the disk is looked at again only when a lane is free to act on it: with every lane busy,
+        # ``_start_pulls`` does not look (``checked_at`` stays put) and a lane ending wakes the loop
+        if ((self.disk.blocked and (self.table.waiting or len(self.gate))) or self.disk.pressure is not None) \
+                and len(self._lanes) < self.cfg.max_parallel:
             t = min(t, self.disk.checked_at + self._disk_recheck_seconds)
         return t
 

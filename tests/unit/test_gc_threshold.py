@@ -293,6 +293,33 @@ async def test_past_the_limit_nothing_is_sized_and_an_unknown_size_goes_by_usage
         assert not h.sets.status()["disk"]["gc_threshold"]["pressure"]
 
 
+@pytest.mark.timeout(60)
+async def test_held_images_with_every_lane_busy_leave_the_loop_free(runtime, registry, tmp_path) -> None:
+    """An image held below the threshold while every lane is busy for longer than the disk
+    recheck: the reconciler waits for a lane instead of looking at the disk again and again
+    without yielding (a livelock that stopped every task of the process: the prefetches it was
+    waiting for, and kubelet's calls)."""
+    total = 1000 * MiB
+    big = registry.add("busy/big", "v1", [300 * MiB])  # ~600 MiB on disk: never fits below 550
+    small = [registry.add(f"busy/small{i}", "v1", [MiB]) for i in range(2)]
+    on_disk = {normalize(big): 2 * (300 * MiB + 100)} | {normalize(r): 2 * (MiB + 100) for r in small}
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=60,
+                              gc_threshold_margin_percent=5, size_factor=2.0) as h:
+        gates = [h.store.hold(normalize(r)) for r in small]
+        (tmp_path / "s.yaml").write_text(own("s", [big, *small]))
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"]["pressure"]
+                       and h.sets.status()["sets"]["s"]["pulling"] == 2, 10, "big held, both lanes pulling")
+        loop = asyncio.get_running_loop()
+        for _ in range(10):  # ten times the disk recheck (0.05 s): the loop keeps turning
+            t0 = loop.time()
+            await asyncio.sleep(0.05)
+            assert loop.time() - t0 < 5, "the event loop was held"
+        for g in gates:
+            g.set()
+        await wait_for(lambda: h.sets.status()["sets"]["s"]["present"] == 2, 10, "both small ones pulled")
+        assert normalize(big) not in h.store.images and h.sets.status()["disk"]["gc_threshold"]["waiting"] == 1
+
+
 async def test_waiting_counts_held_and_unsized_images_alike(runtime, registry, tmp_path) -> None:
     """Held images (sized) and images queued behind them that were never sized (nothing fits: the
     filesystem is past the limit) all wait for room: status and the metric count both."""
@@ -383,7 +410,8 @@ async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_wai
             raise AssertionError(f"{e}; used {total - h.used().f_bavail * 4096}, limit {limit}, "
                                  f"waiting {[(r, on_disk[normalize(r)]) for r in waiting()]}, running {running}, "
                                  f"set {st['sets'].get('s')}, images {st['images']}, "
-                                 f"disk {json.dumps(st['disk'], default=str)}") from None
+                                 f"disk {json.dumps(st['disk'], default=str)}, "
+                                 f"rest {json.dumps({k: v for k, v in st.items() if k not in ('sets', 'disk')}, default=str)}") from None
         assert crossed == []
         left = waiting()
         print(f"seed {seed}: {len(sizes) - len(left)} pulled, {len(left)} waiting; "
