@@ -4,7 +4,8 @@ and none that would take it past kubelet's image GC threshold (threshold.py).
 Before each pull starts, the free space of the runtime's image filesystems (their mountpoints
 from ImageFsInfo, read with each full pass; then ``statvfs``) is checked against
 ``image_sets.min_free_bytes``. When short, nothing new starts, status says why, and the
-guard looks again every ``DISK_RECHECK_SECONDS``. Off (0) by default.
+guard looks again every ``DISK_RECHECK_SECONDS`` while a prefetch lane is free (with every lane
+busy, a lane ending is the next look). Off (0) by default.
 
 ``usage`` gives the threshold rule (``image_sets.gc_threshold_guard``) the fullest of those
 filesystems as kubelet counts it: capacity ``f_blocks``, used ``f_blocks - f_bavail``.

@@ -2,7 +2,7 @@
 running ones are expected to take (threshold.py has the rule).
 
 A held image keeps its place in no queue: when the room below the threshold grows (a pull
-ends, kubelet collects images, the guard looks again every ``DISK_RECHECK_SECONDS``), the
+ends, kubelet collects images, the guard looks again every ``DISK_RECHECK_SECONDS`` with a lane free), the
 smallest held image is the one tried, so a large image never keeps a smaller one that fits
 waiting. Costs log(held) per hold and take; the number held is bounded by the declared images.
 """
