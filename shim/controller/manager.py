@@ -229,8 +229,9 @@ class Manager:
             for name in sorted(batch):
                 await process(queue, reconciler, name)
             rest = began + self.batch_interval - loop.time()
-            if rest > 0:
-                await asyncio.sleep(rest)
+            # always suspend once: a batch that took the whole interval must not run the next one
+            # without letting the informers and the lease renewal in (a get() of a ready name does not)
+            await asyncio.sleep(max(rest, 0.0))
 
     async def lead(self) -> None:
         """The leader's work, cancelled when leadership is lost."""

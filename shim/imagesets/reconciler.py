@@ -56,6 +56,9 @@ class Environment:
     disk_recheck_seconds: float = DISK_RECHECK_SECONDS  # while short of space
 
 
+MIN_TURN_SECONDS = 0.005  # the shortest wait between two turns of the loop when nothing woke it
+
+
 async def _wait(event: asyncio.Event, timeout: float) -> None:
     """Wait for ``event`` at most ``timeout`` seconds. (Not asyncio.wait_for: on 3.11 it can
     swallow a cancellation that arrives as the event is set, and the task would never stop.)"""
@@ -140,10 +143,10 @@ class Reconciler:
                 self._start_pulls()
                 self.reporter.publish()
                 timeout = self._next_wake() - self._clock()
-                if timeout > 0 and not self._wake.is_set():
-                    await _wait(self._wake, timeout)
-                else:  # due now: go round again, but never without letting every other task run first
+                if self._wake.is_set():  # woken meanwhile: go round again, after every other ready task
                     await asyncio.sleep(0)
+                else:  # due now (timeout <= 0): still a short wait, so a wake time stuck in the past
+                    await _wait(self._wake, max(timeout, MIN_TURN_SECONDS))  # costs a turn, not a core
         finally:
             self.halt()
 
