@@ -145,8 +145,8 @@ class Reconciler:
                 timeout = self._next_wake() - self._clock()
                 if self._wake.is_set():  # woken meanwhile: go round again, after every other ready task
                     await asyncio.sleep(0)
-                else:  # due now (timeout <= 0): still a short wait, so a wake time stuck in the past
-                    await _wait(self._wake, max(timeout, MIN_TURN_SECONDS))  # costs a turn, not a core
+                else:  # at least MIN_TURN_SECONDS: a wake time stuck in the past costs a turn, not a core
+                    await _wait(self._wake, max(timeout, MIN_TURN_SECONDS))
         finally:
             self.halt()
 
@@ -182,7 +182,7 @@ class Reconciler:
         # the disk is looked at again only when a lane is free to act on it: with every lane busy,
         # ``_start_pulls`` does not look (``checked_at`` stays put) and a lane ending wakes the loop
         if ((self.disk.blocked and (self.table.waiting or len(self.gate))) or self.disk.pressure is not None) \
-                and len(self._lanes) < self.cfg.max_parallel:
+                and self._lane_free():
             t = min(t, self.disk.checked_at + self._disk_recheck_seconds)
         return t
 
@@ -202,7 +202,7 @@ class Reconciler:
             for held in gate.clear():
                 if self._still_queued(held):
                     table.queue_up(held, self._clock())
-        while len(self._lanes) < self.cfg.max_parallel:
+        while self._lane_free():
             has_held = guard and len(gate) > 0
             if not has_held and not table.waiting:
                 break
@@ -245,6 +245,10 @@ class Reconciler:
             self._block("")
         if not len(gate) and disk.pressure is not None:
             self._set_pressure(None)
+
+    def _lane_free(self) -> bool:
+        """Whether another prefetch may start (``image_sets.max_parallel``): the one test of it."""
+        return len(self._lanes) < self.cfg.max_parallel
 
     def _still_queued(self, img: DeclaredImage) -> bool:
         return img.state is State.QUEUED and self.table.is_current(img)
