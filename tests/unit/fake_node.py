@@ -164,9 +164,10 @@ class FakeHost:
 
     def __post_init__(self) -> None:
         self.kubelet_config_at_start = self._kubelet_config()
-        self.kubelet_argv = self._argv()
+        self.kubelet_argv = self.unit_argv()
 
-    def _argv(self) -> list[str]:
+    def unit_argv(self) -> list[str]:
+        """kubelet's command line were it started now."""
         env = dict(self.environment)
         for f in self.env_files:
             p = self.root / f.lstrip("/")
@@ -238,7 +239,7 @@ class FakeHost:
             if rest[0] == "kubelet.service":
                 self.kubelet_started_at = self.wall()
                 self.kubelet_config_at_start = self._kubelet_config()
-                self.kubelet_argv = self._argv()
+                self.kubelet_argv = self.unit_argv()
             if rest[0] == "cri-shim.service":
                 p = self.root / "etc/cri-shim/config.yaml"
                 self.shim_config = (yaml.load(p.read_text(), Loader=yaml.CSafeLoader) or {}) if p.exists() else {}
