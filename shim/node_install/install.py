@@ -39,11 +39,11 @@ import yaml
 from .. import config as config_mod
 from .. import safeyaml
 from ..config import ConfigError
-from . import kubelet as kubelet_mod
 from . import flagfile, readiness, state, yamledit
+from . import kubelet as kubelet_mod
 from .changes import Changes, Say
-from .host import Host, HostError, Runtime
 from .flagfile import Place
+from .host import Host, HostError, Runtime
 from .kubelet import IMAGE_FLAG, IMAGE_KEY, RUNTIME_FLAG, RUNTIME_KEY, Kubelet, Refused, parse_flags, same_endpoint
 from .state import FileRecord, FlagRecord, KubeletRecord, State
 from .yamledit import EditError

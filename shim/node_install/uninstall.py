@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kubelet as kubelet_mod
 from . import flagfile, readiness, state, yamledit
+from . import kubelet as kubelet_mod
 from .changes import Changes, Say
 from .host import Host, HostError
 from .install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, SHIM_STATE_DIR, SHIM_UNIT, is_active, locked, main_pid

@@ -6,7 +6,6 @@ byte for byte; a flag install cannot edit in one place is refused, naming where 
 from __future__ import annotations
 
 import json
-import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -305,3 +304,28 @@ def _switch_image_value(line: str) -> str:
     flag's, which may name the same socket) at the shim."""
     k = line.index(RUNTIME, line.index(IMAGE_FLAG))
     return line[:k] + SHIM_SOCKET + line[k + len(RUNTIME):]
+
+
+def test_full_mode_switches_both_flags_in_one_file(tmp_path: Path) -> None:
+    flags = f'KUBELET_KUBEADM_ARGS="{RUNTIME_FLAG}={RUNTIME} {PAUSE} {IMAGE_FLAG} {RUNTIME}"\n'
+    root, host = node(tmp_path, flags)
+    before = snapshot(root)
+    rc, out = do_install(root, host, mode="full")
+    assert rc == EXIT_OK, "\n".join(out)
+    assert (root / KUBEADM_FLAGS).read_text() == flags.replace(RUNTIME, SHIM_SOCKET)
+    assert {f: kubelet_flags(host)[f] for f in (RUNTIME_FLAG, IMAGE_FLAG)} == {RUNTIME_FLAG: SHIM_SOCKET,
+                                                                                IMAGE_FLAG: SHIM_SOCKET}
+    assert do_uninstall(root, host)[0] == EXIT_OK
+    assert snapshot(root) == before
+
+
+def test_dry_run_shows_the_flags_files_diff_and_changes_nothing(tmp_path: Path) -> None:
+    root, host = node(tmp_path, f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME} {PAUSE}"\n')
+    before = snapshot(root)
+    rc, out = do_install(root, host, dry_run=True)
+    assert rc == EXIT_OK, out
+    assert snapshot(root) == before and host.mutations() == []
+    assert [line for line in out if line.startswith(("    +", "    -")) and "KUBELET_" in line] == [
+        f'    -KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME} {PAUSE}"',
+        f'    +KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={SHIM_SOCKET} {PAUSE}"']
+    assert f"would write /var/lib/kubelet/kubeadm-flags.env: kubelet's flags: {IMAGE_FLAG}={SHIM_SOCKET}" in out
