@@ -18,8 +18,8 @@ it, checking each step, and switch everything back by itself when a check fails.
    shipped snippet; an endpoint set by a flag is set where the flag is, in its flags file,
    instead; a copy of each file's bytes kept under /var/lib/cri-shim/install; restart kubelet.
 5. kubelet healthy and its Node Ready again (``readiness.py``) within ``--ready-timeout``; else
-   kubelet's config (and flags file) is put back byte for byte, kubelet restarted (and waited for), and the rest
-   undone.
+   kubelet's config (and flags file) is put back byte for byte, kubelet restarted (and waited
+   for), and the rest undone.
 
 Each step changes only what differs, so a second run changes nothing. ``--dry-run`` prints
 every change (files with their diff, systemctl calls) and makes none; the read-only checks of
@@ -293,10 +293,11 @@ def _flags_to_switch(ch: Changes, kubelet: Kubelet, mode: str, before: State | N
                           f"(systemctl show {kubelet_mod.UNIT}: {(exec_start.err or files.err).strip()})")
         record = before.kubelet if before is not None else None
         for flag in flags:
-            ours = next((v[1] for f in record.flag_files if flag in f.flags for v in [f.flags[flag]]), None) \
-                if record is not None else None
-            found.append(flagfile.locate(ch.root, flag, kubelet.argv, flagfile.exec_words(exec_start.out),
-                                         flagfile.env_files(files.out), ours))
+            ours = next((f.flags[flag][1] for f in record.flag_files if flag in f.flags), None) if record else None
+            place = flagfile.locate(ch.root, flag, kubelet.argv, flagfile.exec_words(exec_start.out),
+                                    flagfile.env_files(files.out), ours)
+            ch.say(f"kubelet's {flag} is set in {place}: switched there (a flag beats {kubelet.config_path})")
+            found.append(place)
     for key in (IMAGE_KEY, RUNTIME_KEY) if mode == "full" else (IMAGE_KEY,):
         drop_ins = kubelet.endpoint_overrides(key)
         if drop_ins:
@@ -313,7 +314,10 @@ def _flag_files(ch: Changes, flags: list[Place], listen: str) -> dict[str, tuple
     out: dict[str, tuple[bytes, bytes]] = {}
     for path in dict.fromkeys(p.path for p in flags):
         data = ch.read(path) or b""
-        text = flagfile.replace(flagfile.decode(data), [(p, listen) for p in flags if p.path == path])
+        text = flagfile.decode(data)
+        if any(text[p.start:p.end] != p.value for p in flags if p.path == path):
+            raise Refused(f"{path} changed while install read it: run install again")
+        text = flagfile.replace(text, [(p, listen) for p in flags if p.path == path])
         out[path] = (data, flagfile.encode(text))
     return out
 

@@ -329,3 +329,28 @@ def test_dry_run_shows_the_flags_files_diff_and_changes_nothing(tmp_path: Path) 
         f'    -KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME} {PAUSE}"',
         f'    +KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={SHIM_SOCKET} {PAUSE}"']
     assert f"would write /var/lib/kubelet/kubeadm-flags.env: kubelet's flags: {IMAGE_FLAG}={SHIM_SOCKET}" in out
+
+
+def test_a_flag_in_another_environment_file_or_passed_as_one_argument_is_refused(tmp_path: Path) -> None:
+    root, host = node(tmp_path, f'KUBELET_KUBEADM_ARGS="{PAUSE}"\n')
+    (root / "etc/kubernetes/kubelet.env").write_text(f'KUBELET_ARGS="{IMAGE_FLAG}={RUNTIME}"\n')
+    host.env_files.append("/etc/kubernetes/kubelet.env")
+    host.exec_start.append("$KUBELET_ARGS")
+    host.kubelet_argv = host.unit_argv()
+    before = snapshot(root)
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED, out
+    assert ("set in /etc/kubernetes/kubelet.env (KUBELET_ARGS) (not one of the flags files install edits: "
+            "/var/lib/kubelet/kubeadm-flags.env, /etc/default/kubelet, /etc/sysconfig/kubelet): install does not "
+            "edit that") in out[-1]
+    # ${VAR}: the whole value one argument (kubelet would not parse it as flags anyway): not install's to edit
+    (root / DEFAULT_KUBELET).parent.mkdir(parents=True, exist_ok=True)
+    (root / DEFAULT_KUBELET).write_text(f'KUBELET_EXTRA_ARGS="{IMAGE_FLAG}={RUNTIME}"\n')
+    host.env_files.remove("/etc/kubernetes/kubelet.env")
+    host.exec_start[-1] = "${KUBELET_EXTRA_ARGS}"
+    host.exec_start.remove("$KUBELET_EXTRA_ARGS")
+    rc, out = do_install(root, host)
+    assert rc == EXIT_REFUSED, out
+    assert "/etc/default/kubelet (KUBELET_EXTRA_ARGS) (passed as one argument, not split)" in out[-1]
+    assert host.mutations() == []
+    assert {k: v for k, v in snapshot(root).items() if "default" not in k} == before
