@@ -14,11 +14,13 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
 
 from shim.node_install import install, uninstall
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK
 from shim.node_install.kubelet import parse_flags
 from tests.unit.fake_node import KUBEADM_CONFIG, FakeHost, kubeadm_node, snapshot
+from tests.unit.test_node_install import NodeInstallStates
 
 SHIM_SOCKET = "unix:///run/cri-shim/cri-shim.sock"
 RUNTIME = "unix:///run/containerd/containerd.sock"
@@ -354,3 +356,61 @@ def test_a_flag_in_another_environment_file_or_passed_as_one_argument_is_refused
     assert "/etc/default/kubelet (KUBELET_EXTRA_ARGS) (passed as one argument, not split)" in out[-1]
     assert host.mutations() == []
     assert {k: v for k, v in snapshot(root).items() if "default" not in k} == before
+
+
+# ------------------------------------------------------------------------------ any sequence of runs
+
+class FlagsFileStates(NodeInstallStates):
+    """The state machine of tests/unit/test_node_install.py on a node whose kubelet has both endpoint
+    flags in kubeadm-flags.env among other flags, plus `kubeadm upgrade` rewriting that file (its
+    endpoints as they were before install, another flag changed) and restarting kubelet, then
+    install again. Always, besides the machine's own invariants: while not installed, the flags
+    file is as the operator (or kubeadm) left it, byte for byte; while installed, the running
+    kubelet's endpoint flags of the mode name the shim."""
+
+    FLAGS = f'# kubeadm\nKUBELET_KUBEADM_ARGS="{RUNTIME_FLAG}={RUNTIME} --node-ip=192.0.2.7 {IMAGE_FLAG} {RUNTIME}"\n'
+
+    def __init__(self) -> None:
+        super().__init__()
+        (self.root / KUBEADM_FLAGS).write_text(self.FLAGS)
+        self.host = FakeHost(self.root)
+        self.base = snapshot(self.root)
+
+    @precondition(lambda self: self.mode is None)
+    @rule()
+    def install_on_a_kubelet_that_fails_on_the_shim(self) -> None:
+        self.host.kubelet_ok = lambda config: SHIM_SOCKET not in " ".join(self.host.kubelet_argv)
+        try:
+            rc, out = do_install(self.root, self.host, ready_timeout=15)
+        finally:
+            self.host.kubelet_ok = lambda config: True
+        assert rc == EXIT_ROLLED_BACK, out
+
+    @precondition(lambda self: self.mode is not None)
+    @rule(ip=st.sampled_from(["192.0.2.8", "192.0.2.7"]))
+    def kubeadm_upgrade_rewrites_the_flags_file_then_install(self, ip: str) -> None:
+        rewritten = self.FLAGS.replace("192.0.2.7", ip).encode()
+        (self.root / KUBEADM_FLAGS).write_bytes(rewritten)
+        base = self.base[KUBEADM_FLAGS]
+        assert isinstance(base, tuple)
+        self.base[KUBEADM_FLAGS] = (rewritten, base[1])
+        self.host.run(["systemctl", "restart", "kubelet.service"], 10)  # as kubeadm's upgrade steps say
+        rc, out = do_install(self.root, self.host, mode=self.mode)
+        assert rc == EXIT_OK, out
+
+    @invariant()
+    def installed_or_not(self) -> None:
+        shim = self.host.units.get("cri-shim.service")
+        if self.mode is None:
+            assert snapshot(self.root) == self.base
+            assert shim is None or not (shim.active or shim.enabled)
+            return
+        flags = kubelet_flags(self.host)
+        switched = [IMAGE_FLAG] + ([RUNTIME_FLAG] if self.mode == "full" else [])
+        assert {f: flags[f] for f in switched} == {f: SHIM_SOCKET for f in switched}
+        assert self.mode == "full" or flags[RUNTIME_FLAG] == RUNTIME
+        assert shim is not None and shim.active and shim.enabled
+
+
+TestFlagsFileStates = FlagsFileStates.TestCase
+TestFlagsFileStates.settings = settings(max_examples=25, stateful_step_count=10, deadline=None)
