@@ -95,7 +95,10 @@ def _node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         description="Puts /etc/cri-shim/config.yaml, the cri-shim.service unit and kubelet's drop-in in place, "
                     "starts the shim and checks that Version through its socket names the runtime kubelet uses; "
                     "then sets imageServiceEndpoint (full mode: containerRuntimeEndpoint) in kubelet's own config "
-                    "file (a copy kept under /var/lib/cri-shim/install), restarts kubelet and waits until kubelet's "
+                    "file, or where kubelet has it as a flag, the flag in the one flags file that sets it "
+                    "(kubeadm-flags.env, /etc/default/kubelet, /etc/sysconfig/kubelet; refused elsewhere), "
+                    "a copy of each file kept under /var/lib/cri-shim/install; restarts kubelet and waits until "
+                    "kubelet's "
                     "/healthz answers, its Lease is renewed and its Node is still Ready one status update period "
                     "later (read with kubelet's own kubeconfig). When a check fails, everything is switched back. "
                     "--dry-run prints every change and makes none. Exit 0: done, or nothing to "
@@ -118,8 +121,9 @@ def _node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                                                             "calls) and make none")
     un = actions.add_parser(
         "uninstall", help="switch kubelet back, then stop the shim and remove what install added",
-        description="Puts kubelet's config back byte for byte (only the keys install set, if the file changed "
-                    "since), restarts kubelet and waits for it; then stops the shim (its pins are given up only "
+        description="Puts kubelet's config, and a flags file install set an endpoint flag in, back byte for "
+                    "byte (only the keys or flags install set, if the file changed since), restarts kubelet and "
+                    "waits for it; then stops the shim (its pins are given up only "
                     "then, and the images they kept are named) and removes or puts back every file install wrote. "
                     "Exit 0: done, or nothing to undo; 1: kubelet is not back, or a step failed (run it again); "
                     "2: refused.")

@@ -1,8 +1,9 @@
 """``cri-shim node install``: put cri-shim in front of this node's runtime and switch kubelet to
 it, checking each step, and switch everything back by itself when a check fails.
 
-1. Read how kubelet runs (``kubelet.py``); refuse what editing its config file cannot switch
-   (an endpoint flag, a ``--config-dir`` drop-in) and a node that is not healthy and Ready now.
+1. Read how kubelet runs (``kubelet.py``); refuse what install cannot switch (an endpoint flag
+   set anywhere but in one place of one of kubelet's flags files, ``flagfile.py``; a
+   ``--config-dir`` drop-in) and a node that is not healthy and Ready now.
    The runtime kubelet uses answers ``Version``: that endpoint becomes the shim's ``upstream``.
 2. Files: ``/etc/cri-shim/config.yaml`` (``--config``; else the one in place; else the shipped
    config.example.yaml with ``upstream`` set), ``/etc/systemd/system/cri-shim.service`` and the
@@ -14,10 +15,11 @@ it, checking each step, and switch everything back by itself when a check fails.
    ``--shim-timeout``; else everything above is undone.
 4. kubelet's config file: ``imageServiceEndpoint`` (or ``containerRuntimeEndpoint`` in full
    mode) set to the shim's socket, with ``serializeImagePulls``/``registryPullQPS`` from the
-   shipped snippet; a copy of its bytes kept under /var/lib/cri-shim/install; restart kubelet.
+   shipped snippet; an endpoint set by a flag is set where the flag is, in its flags file,
+   instead; a copy of each file's bytes kept under /var/lib/cri-shim/install; restart kubelet.
 5. kubelet healthy and its Node Ready again (``readiness.py``) within ``--ready-timeout``; else
-   kubelet's config is put back byte for byte, kubelet restarted (and waited for), and the rest
-   undone.
+   kubelet's config (and flags file) is put back byte for byte, kubelet restarted (and waited
+   for), and the rest undone.
 
 Each step changes only what differs, so a second run changes nothing. ``--dry-run`` prints
 every change (files with their diff, systemctl calls) and makes none; the read-only checks of
@@ -27,7 +29,7 @@ step 1 still run.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -37,12 +39,13 @@ import yaml
 from .. import config as config_mod
 from .. import safeyaml
 from ..config import ConfigError
+from . import flagfile, readiness, state, yamledit
 from . import kubelet as kubelet_mod
-from . import readiness, state, yamledit
 from .changes import Changes, Say
+from .flagfile import Place
 from .host import Host, HostError, Runtime
-from .kubelet import IMAGE_FLAG, IMAGE_KEY, RUNTIME_FLAG, RUNTIME_KEY, Kubelet, Refused, same_endpoint
-from .state import FileRecord, KubeletRecord, State
+from .kubelet import IMAGE_FLAG, IMAGE_KEY, RUNTIME_FLAG, RUNTIME_KEY, Kubelet, Refused, parse_flags, same_endpoint
+from .state import FileRecord, FlagRecord, KubeletRecord, State
 from .yamledit import EditError
 
 SHIM_UNIT = "cri-shim.service"
@@ -144,6 +147,10 @@ class Plan:
     #: kubelet's config: key -> value as it will be written (only the keys that change)
     kubelet_keys: dict[str, str]
     kubelet_config: bytes  #: kubelet's config file as it will be
+    #: the endpoint flags set in kubelet's flags files, each where it is (they beat the config file)
+    flags: list[Place]
+    #: each flags file with a flag in ``flags``: path -> (its bytes now, its bytes as they will be)
+    flag_files: dict[str, tuple[bytes, bytes]]
 
 
 @dataclass
@@ -159,6 +166,7 @@ class _Progress:
     enabled: bool = False
     started: bool = False  #: the shim was started or restarted
     kubelet_written: bool = False
+    flag_files_written: list[str] = field(default_factory=list)
     kubelet_restarted: bool = False
 
 
@@ -219,7 +227,7 @@ def _plan(opts: Options, ch: Changes, host: Host, say: Say) -> Plan:
     say(f"cri-shim node install, {opts.mode} mode{' (dry run: nothing is changed)' if opts.dry_run else ''}")
     say(f"kubelet: pid {kubelet.pid}, config {kubelet.config_path}, "
         f"kubeconfig {kubelet.kubeconfig or '(none: its /healthz only)'}")
-    _refuse_what_the_file_cannot_switch(ch, kubelet, opts.mode)
+    flags = _flags_to_switch(ch, kubelet, opts.mode, before)
     probe = readiness.Probe(kubelet.healthz, kubelet.kubeconfig, opts.node_name, kubelet.status_update_seconds)
     if probe.healthz is None and probe.kubeconfig is None:
         raise Refused("kubelet's healthz is off and it has no kubeconfig: nothing tells whether kubelet comes "
@@ -257,7 +265,8 @@ def _plan(opts: Options, ch: Changes, host: Host, say: Say) -> Plan:
     new = yamledit.edit(text, keys, kubelet.config_path).encode() if keys else kubelet.config_data
     return Plan(opts, before, kubelet, probe, upstream, runtime, config, config_source, cfg.listen,
                 (unit, None if unit_packaged else _desired_unit(opts, ch)),
-                (drop_in, None if drop_in_packaged else shipped(DROP_IN)), runtime_drop_in(runtime), keys, new)
+                (drop_in, None if drop_in_packaged else shipped(DROP_IN)), runtime_drop_in(runtime), keys, new,
+                flags, _flag_files(ch, flags, cfg.listen))
 
 
 def runtime_drop_in(runtime: Runtime) -> tuple[str, bytes] | None:
@@ -271,21 +280,46 @@ def runtime_drop_in(runtime: Runtime) -> tuple[str, bytes] | None:
     return f"{UNIT_DIR}/{RUNTIME_DROP_IN}", text.encode()
 
 
-def _refuse_what_the_file_cannot_switch(ch: Changes, kubelet: Kubelet, mode: str) -> None:
-    for flag in [IMAGE_FLAG] + ([RUNTIME_FLAG] if mode == "full" else []):
-        if flag in kubelet.flags:
-            where = kubelet_mod.flag_sources(ch.root, flag)
-            key = IMAGE_KEY if flag == IMAGE_FLAG else RUNTIME_KEY
-            raise Refused(
-                f"kubelet runs with {flag}={kubelet.flags[flag]}"
-                f"{' (set in ' + ', '.join(where) + ')' if where else ''}: a flag beats the config file, so "
-                f"editing {kubelet.config_path} would not switch kubelet. Move it into {kubelet.config_path} "
-                f"({key}: {kubelet.flags[flag]}), restart kubelet and run install again")
+def _flags_to_switch(ch: Changes, kubelet: Kubelet, mode: str, before: State | None) -> list[Place]:
+    """The endpoint flags of the mode kubelet runs with, each where it is set: one place in one of
+    kubelet's flags files, or Refused. A ``--config-dir`` drop-in setting an endpoint key: Refused."""
+    flags = [f for f in ([IMAGE_FLAG] + ([RUNTIME_FLAG] if mode == "full" else [])) if f in kubelet.flags]
+    found = []
+    if flags:
+        exec_start = ch.query("show", kubelet_mod.UNIT, "-p", "ExecStart", "--value")
+        files = ch.query("show", kubelet_mod.UNIT, "-p", "EnvironmentFiles", "--value")
+        if exec_start.rc != 0 or files.rc != 0:
+            raise Refused(f"kubelet runs with {', '.join(flags)}, and systemd does not say where from "
+                          f"(systemctl show {kubelet_mod.UNIT}: {(exec_start.err or files.err).strip()})")
+        record = before.kubelet if before is not None else None
+        for flag in flags:
+            ours = next((f.flags[flag][1] for f in record.flag_files if flag in f.flags), None) if record else None
+            place = flagfile.locate(ch.root, flag, kubelet.argv, flagfile.exec_words(exec_start.out),
+                                    flagfile.env_files(files.out), ours)
+            ch.say(f"kubelet's {flag} is set in {place}: switched there (a flag beats {kubelet.config_path})")
+            found.append(place)
     for key in (IMAGE_KEY, RUNTIME_KEY) if mode == "full" else (IMAGE_KEY,):
         drop_ins = kubelet.endpoint_overrides(key)
         if drop_ins:
             raise Refused(f"{', '.join(drop_ins)} (kubelet's --config-dir) sets {key}, which beats "
                           f"{kubelet.config_path}: remove it there, restart kubelet and run install again")
+    return found
+
+
+def _flag_files(ch: Changes, flags: list[Place], listen: str) -> dict[str, tuple[bytes, bytes]]:
+    """Each flags file with its endpoint flags set to ``listen``: path -> (bytes now, bytes then)."""
+    if flags and not flagfile.writable(listen):
+        raise Refused(f"the shim's listen {listen!r} cannot be written into {flags[0].path} as it is "
+                      f"(quotes, spaces, $ or escapes)")
+    out: dict[str, tuple[bytes, bytes]] = {}
+    for path in dict.fromkeys(p.path for p in flags):
+        data = ch.read(path) or b""
+        text = flagfile.decode(data)
+        if any(text[p.start:p.end] != p.value for p in flags if p.path == path):
+            raise Refused(f"{path} changed while install read it: run install again")
+        text = flagfile.replace(text, [(p, listen) for p in flags if p.path == path])
+        out[path] = (data, flagfile.encode(text))
+    return out
 
 
 def _desired_config(opts: Options, ch: Changes, upstream: str) -> tuple[bytes, str]:
@@ -342,6 +376,8 @@ def _kubelet_keys(opts: Options, kubelet: Kubelet, listen: str) -> dict[str, str
             continue  # kubelet's runtime endpoint stays as it is
         if key == IMAGE_KEY and opts.mode == "full" and not kubelet.settings.get(IMAGE_KEY):
             continue  # absent or empty already means "the runtime endpoint": the shim
+        if {IMAGE_KEY: IMAGE_FLAG, RUNTIME_KEY: RUNTIME_FLAG}.get(key) in kubelet.flags:
+            continue  # set by its flag, in the flags file, instead: the key would change nothing
         if key == (IMAGE_KEY if opts.mode == "image-only" else RUNTIME_KEY):
             value = listen
         if kubelet.settings.get(key, object()) != value:
@@ -453,31 +489,31 @@ def _check_shim(plan: Plan, host: Host, say: Say) -> None:
 def _switch_kubelet(plan: Plan, progress: _Progress, ch: Changes, host: Host, say: Say) -> None:
     k = plan.kubelet
     record = progress.state.kubelet
-    if plan.kubelet_config == k.config_data and record is not None and record.confirmed:
+    config_changes = plan.kubelet_config != k.config_data
+    flag_changes = {path: (old, new) for path, (old, new) in plan.flag_files.items() if old != new}
+    if not config_changes and not flag_changes and record is not None and record.confirmed:
         return  # switched and confirmed by an earlier run
-    if plan.kubelet_config != k.config_data:
-        found = yamledit.entries(yamledit.decode(k.config_data, k.config_path), k.config_path)
+    if config_changes or flag_changes:
         if record is None:
             record = KubeletRecord(k.config_path, state.backup_path(k.config_path), state.sha256(k.config_data),
                                    "", {})
             ch.write(record.backup, k.config_data, f"copy of {k.config_path} as it is, for uninstall", mode=0o600,
                      show=False)
             progress.state.kubelet = record
-        elif state.sha256(k.config_data) != record.sha256_after:
-            # changed since install wrote it (kubeadm upgrade node rewrites it): the copy is no longer
-            # the file this edit is made on, so uninstall puts back the keys, not the copy
-            record.exact = False
-        for key, value in plan.kubelet_keys.items():
-            now = found[key].raw if key in found else None
-            if key not in record.keys or now != record.keys[key][1]:
-                record.keys[key] = [now, value]  # its value before is the one it has now
-            record.keys[key][1] = value
-        record.sha256_after = state.sha256(plan.kubelet_config)
+        if config_changes:
+            _record_keys(plan, record)
+        for path, (old, new) in flag_changes.items():
+            _record_flags(plan, record, path, old, new, ch)
         record.confirmed = False
-        _save(progress, ch)  # before kubelet's file: a run cut short is undone by uninstall
-        ch.write(k.config_path, plan.kubelet_config,
-                 "kubelet's config: " + ", ".join(f"{key}: {v}" for key, v in plan.kubelet_keys.items()))
-        progress.kubelet_written = True
+        _save(progress, ch)  # before kubelet's files: a run cut short is undone by uninstall
+        if config_changes:
+            ch.write(k.config_path, plan.kubelet_config,
+                     "kubelet's config: " + ", ".join(f"{key}: {v}" for key, v in plan.kubelet_keys.items()))
+            progress.kubelet_written = True
+        for path, (_, new) in flag_changes.items():
+            ch.write(path, new, "kubelet's flags: " + ", ".join(f"{p.flag}={plan.listen}" for p in plan.flags
+                                                               if p.path == path))
+            progress.flag_files_written.append(path)
     # else: written by a run cut short before kubelet was back: restart and check again
     since = host.wall()
     ch.systemctl("restart", kubelet_mod.UNIT)
@@ -485,12 +521,59 @@ def _switch_kubelet(plan: Plan, progress: _Progress, ch: Changes, host: Host, sa
     if ch.dry_run:
         say(f"would wait up to {plan.opts.ready_timeout:g} s for {plan.probe.describe()}")
         return
+    _check_flags(plan, ch, host)
     why, took = readiness.wait(host, plan.probe, since, plan.opts.ready_timeout)
     if why:
         raise HostError(f"kubelet not back within {plan.opts.ready_timeout:g} s of the switch: {why}")
     say(f"checked: kubelet back after {took:.1f} s: {plan.probe.describe()}")
     assert record is not None
     record.confirmed = True
+
+
+def _record_keys(plan: Plan, record: KubeletRecord) -> None:
+    k = plan.kubelet
+    found = yamledit.entries(yamledit.decode(k.config_data, k.config_path), k.config_path)
+    if state.sha256(k.config_data) != (record.sha256_after or record.sha256_before):
+        # changed since install wrote it (kubeadm upgrade node rewrites it): the copy is no longer
+        # the file this edit is made on, so uninstall puts back the keys, not the copy
+        record.exact = False
+    for key, value in plan.kubelet_keys.items():
+        now = found[key].raw if key in found else None
+        if key not in record.keys or now != record.keys[key][1]:
+            record.keys[key] = [now, value]  # its value before is the one it has now
+        record.keys[key][1] = value
+    record.sha256_after = state.sha256(plan.kubelet_config)
+
+
+def _record_flags(plan: Plan, record: KubeletRecord, path: str, old: bytes, new: bytes, ch: Changes) -> None:
+    """What install sets in the flags file ``path`` (``old`` -> ``new``), its copy kept the first time."""
+    rec = record.flag_file(path)
+    if rec is None:
+        rec = FlagRecord(path, state.backup_path(path), state.sha256(old), "", {})
+        ch.write(rec.backup, old, f"copy of {path} as it is, for uninstall", mode=0o600, show=False)
+        record.flag_files.append(rec)
+    elif state.sha256(old) != rec.sha256_after:
+        rec.exact = False  # rewritten since install wrote it (kubeadm upgrade node): as for the config
+    for p in plan.flags:
+        if p.path != path:
+            continue
+        if p.flag not in rec.flags or p.value != rec.flags[p.flag][1]:
+            rec.flags[p.flag] = [p.value, plan.listen]
+        rec.flags[p.flag][1] = plan.listen
+    rec.sha256_after = state.sha256(new)
+
+
+def _check_flags(plan: Plan, ch: Changes, host: Host) -> None:
+    """The restarted kubelet runs with the endpoint flags install set (its unit reads the flags file)."""
+    if not plan.flags:
+        return
+    pid = main_pid(ch, kubelet_mod.UNIT)
+    argv = host.command_line(pid) if pid > 0 else None
+    now = parse_flags(argv or [])
+    for p in plan.flags:
+        if not same_endpoint(now.get(p.flag, ""), plan.listen):
+            raise HostError(f"kubelet restarted with {p.flag}={now.get(p.flag, '(none)')}, not {plan.listen} as "
+                            f"set in {p.path}: its unit did not read that file as install expected")
 
 
 # ---------------------------------------------------------------------------------- the way back
@@ -501,6 +584,8 @@ def _roll_back(plan: Plan, progress: _Progress, ch: Changes, host: Host, say: Sa
     try:
         if progress.kubelet_written:
             ch.put_back(k.config_path)
+        for path in progress.flag_files_written:
+            ch.put_back(path)
         if progress.kubelet_restarted:
             since = host.wall()
             ch.systemctl("restart", kubelet_mod.UNIT)
@@ -526,4 +611,7 @@ def _roll_back(plan: Plan, progress: _Progress, ch: Changes, host: Host, say: Sa
         return
     data = ch.read(k.config_path)
     said = "as it was, byte for byte" if data == k.config_data else "CHANGED (see above)"
+    for path, (old, _) in plan.flag_files.items():
+        say(f"switched back: kubelet's flags file {path} is "
+            f"{'as it was, byte for byte' if ch.read(path) == old else 'CHANGED (see above)'}")
     say(f"switched back: kubelet's config {k.config_path} is {said}")

@@ -4,8 +4,8 @@ The running kubelet's command line (``systemctl show kubelet.service -p MainPID`
 ``/proc/<pid>/cmdline``) names its config file (``--config``), its kubeconfig, a drop-in
 directory (``--config-dir``) and any endpoint flag. A flag beats the config file, and a
 drop-in beats the file too, so an endpoint set there is refused: editing the file would not
-switch kubelet. Where such a flag comes from is looked up in the files kubeadm and the
-distributions' packages keep kubelet's flags in.
+switch kubelet. An endpoint flag is switched where it is set, when that is one of the files
+kubeadm and the distributions' packages keep kubelet's flags in (``flagfile.py``).
 """
 
 from __future__ import annotations
@@ -83,19 +83,6 @@ def go_duration(value: Any) -> float | None:
     return sum(float(n) * _GO_UNIT[u] for n, u in _GO_DURATION.findall(value))
 
 
-def flag_sources(root: Path, flag: str) -> list[str]:
-    """The flag files that mention ``flag``."""
-    found = []
-    for f in FLAG_FILES:
-        try:
-            text = (root / f.lstrip("/")).read_text(errors="replace")
-        except OSError:
-            continue
-        if flag in text:
-            found.append(f)
-    return found
-
-
 @dataclass(frozen=True)
 class Kubelet:
     """kubelet as it runs now."""
@@ -107,6 +94,7 @@ class Kubelet:
     settings: dict[str, Any]  #: the file as kubelet reads it
     drop_ins: dict[str, dict[str, Any]]  #: --config-dir's *.conf files, as read
     kubeconfig: str | None  #: kubelet's kubeconfig, None when it has none here (standalone)
+    argv: tuple[str, ...]  #: its command line
 
     @property
     def runtime_endpoint(self) -> str:
@@ -182,7 +170,7 @@ def find(root: Path, main_pid: int, argv: list[str] | None, config_path: str | N
     if kubeconfig is None:
         kubeconfig = flags.get("--kubeconfig") or next(
             (k for k in KUBECONFIGS if (root / k.lstrip("/")).is_file()), None)
-    return Kubelet(main_pid, flags, path, data, settings, drop_ins, kubeconfig or None)
+    return Kubelet(main_pid, flags, path, data, settings, drop_ins, kubeconfig or None, tuple(argv))
 
 
 def _absolute(path: str) -> str:

@@ -5,8 +5,9 @@ undoes exactly that, and only that, however often it runs.
 install wrote, each with a copy of what was there before (``backup/``) or none when it added
 the file, the directories it made, whether it enabled the unit, and kubelet's switch: its
 config file, the copy of its bytes before (restored byte for byte), the keys changed (each
-key's value as written before and after, for a file someone edited since) and whether
-kubelet came back Ready on the new settings. It is written before each change it covers,
+key's value as written before and after, for a file someone edited since), the endpoint flags
+set in a flags file (the same: a copy, the value before and after) and whether kubelet came
+back Ready on the new settings. It is written before each change it covers,
 so a run cut short is finished or undone by the next.
 """
 
@@ -42,6 +43,20 @@ class FileRecord:
 
 
 @dataclass
+class FlagRecord:
+    """One of kubelet's flags files (kubelet.FLAG_FILES) install set an endpoint flag in."""
+
+    path: str  #: the flags file
+    backup: str  #: its bytes before install
+    sha256_before: str
+    sha256_after: str
+    #: flag -> [its value before, its value as install wrote it (the shim's socket)]
+    flags: dict[str, list[str]]
+    #: as KubeletRecord.exact: the copy is the file install's edit was made on
+    exact: bool = True
+
+
+@dataclass
 class KubeletRecord:
     config: str  #: kubelet's config file
     backup: str  #: its bytes before install
@@ -53,6 +68,11 @@ class KubeletRecord:
     #: the copy is the file install's keys were set in (false once the file changed under install
     #: and install set its keys again): uninstall may put the copy back
     exact: bool = True
+    #: kubelet's flags files install set an endpoint flag in (a flag beats the config file)
+    flag_files: list[FlagRecord] = field(default_factory=list)
+
+    def flag_file(self, path: str) -> FlagRecord | None:
+        return next((f for f in self.flag_files if f.path == path), None)
 
 
 @dataclass
@@ -78,9 +98,14 @@ class State:
             return cls(mode=str(doc["mode"]), listen=str(doc["listen"]), upstream=str(doc["upstream"]),
                        files=[FileRecord(**f) for f in doc.get("files", [])],
                        dirs=[str(d) for d in doc.get("dirs", [])], enabled=bool(doc.get("enabled")),
-                       kubelet=KubeletRecord(**kubelet) if isinstance(kubelet, dict) else None)
+                       kubelet=_kubelet(kubelet) if isinstance(kubelet, dict) else None)
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a {WHAT}: {e}") from None
+
+
+def _kubelet(doc: dict[str, Any]) -> KubeletRecord:
+    flag_files = [FlagRecord(**f) for f in doc.get("flag_files", [])]
+    return KubeletRecord(**{**doc, "flag_files": flag_files})
 
 
 def load(path: str) -> State | None:

@@ -3,8 +3,9 @@ in the order that never points kubelet at a socket that is going away.
 
 1. kubelet's config file back: its bytes from before install, byte for byte, when it is as
    install left it; when someone changed it since, only the keys install set go back to their
-   values before (the rest of their change stays, and that is said). kubelet restarted and
-   waited for (healthy, Node Ready) when it runs.
+   values before (the rest of their change stays, and that is said). The same for each flags
+   file install set an endpoint flag in (only the flag's value goes back, when it changed since).
+   kubelet restarted and waited for (healthy, Node Ready) when it runs.
 2. Then, and only then, the shim stops (and is disabled if install enabled it): its pins are
    given up from this moment, and the images it kept pinned that the runtime does not are named.
 3. Every file install wrote: put back as it was, or removed when install added it;
@@ -21,13 +22,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import flagfile, readiness, state, yamledit
 from . import kubelet as kubelet_mod
-from . import readiness, state, yamledit
 from .changes import Changes, Say
 from .host import Host, HostError
 from .install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, SHIM_STATE_DIR, SHIM_UNIT, is_active, locked, main_pid
 from .kubelet import Refused
-from .state import KubeletRecord, State
+from .state import FlagRecord, KubeletRecord, State
 from .yamledit import EditError
 
 #: how many of the images whose pin is given up are named
@@ -87,13 +88,18 @@ def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, sa
     current = ch.read(rec.config)
     original = ch.read(rec.backup)
     digest = state.sha256(current) if current is not None else None
+    changed = False
     if digest == rec.sha256_before:
         say(f"kubelet's config {rec.config} is as it was before install")
-        return True
-    if original is not None and rec.exact and digest in (rec.sha256_after, None):
-        ch.write(rec.config, original, "kubelet's config, as it was before install, byte for byte")
+    elif original is not None and rec.exact and digest in (rec.sha256_after, None):
+        changed = ch.write(rec.config, original, "kubelet's config, as it was before install, byte for byte")
     else:
         _keys_back(rec, current, ch, say)
+        changed = True
+    for f in rec.flag_files:
+        changed = _flags_back(f, ch, say) or changed
+    if not changed:
+        return True
     if not is_active(ch, kubelet_mod.UNIT):
         say(f"{kubelet_mod.UNIT} is not running: it reads its config as it is now when it starts")
         return True
@@ -128,6 +134,31 @@ def _keys_back(rec: KubeletRecord, current: bytes | None, ch: Changes, say: Say)
     new = yamledit.edit(text, changes, rec.config).encode()
     ch.write(rec.config, new, "kubelet's config changed since install: the keys install set, back as they were "
                               "(not byte for byte)")
+
+
+def _flags_back(rec: FlagRecord, ch: Changes, say: Say) -> bool:
+    """A flags file as it was before install: its bytes when it is as install left it, else each flag
+    install set back to its value before, where it still has the value install wrote. True: written."""
+    current = ch.read(rec.path)
+    digest = state.sha256(current) if current is not None else None
+    if digest == rec.sha256_before:
+        say(f"kubelet's flags file {rec.path} is as it was before install")
+        return False
+    original = ch.read(rec.backup)
+    if original is not None and rec.exact and digest in (rec.sha256_after, None):
+        return ch.write(rec.path, original, "kubelet's flags, as they were before install, byte for byte")
+    if current is None:
+        raise HostError(f"{rec.path} is gone and so is the copy of it at {rec.backup}: put it back by hand")
+    text = flagfile.decode(current)
+    edits = []
+    for flag, (before, after) in rec.flags.items():
+        mine = [p for p in flagfile.every_place(rec.path, text, flag) if p.value == after]
+        if not mine:
+            say(f"left {flag} in {rec.path} as it is: not what install wrote ({after})")
+        edits += [(p, before) for p in mine]
+    return ch.write(rec.path, flagfile.encode(flagfile.replace(text, edits)),
+                    "kubelet's flags changed since install: the flags install set, back as they were "
+                    "(not byte for byte)")
 
 
 def _probe(opts: Options, rec: KubeletRecord, ch: Changes, host: Host) -> readiness.Probe:

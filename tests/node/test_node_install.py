@@ -457,3 +457,51 @@ def test_a_kubelet_not_back_in_time_is_switched_back(kube_node: KubeNode) -> Non
     assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
     node.wait_ready(after=t0)
     assert node.running()[f"steady-{NODE}"]["id"] == steady["id"]
+
+
+def test_a_runtime_flag_in_kubeadm_flags_env_is_switched_there_and_put_back(kube_node: KubeNode) -> None:
+    """kubelet as kubeadm before 1.27 set it up: `--container-runtime-endpoint` in kubeadm-flags.env,
+    which kubeadm's drop-in reads (EnvironmentFile=) and passes on ($KUBELET_KUBEADM_ARGS). Full mode
+    sets the flag's value to the shim's socket in that file, changing nothing else of it, and the
+    restarted kubelet runs with it; a second install changes nothing; uninstall puts the file back
+    byte for byte and kubelet runs with the runtime's socket again. The running pod is not touched."""
+    node = kube_node
+    flags_file = "/var/lib/kubelet/kubeadm-flags.env"
+    kubeadm = node.m.path(flags_file).read_bytes()
+    runtime = "unix:///run/containerd/containerd.sock"
+    with_flag = kubeadm.replace(b'KUBELET_KUBEADM_ARGS="', f'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint='
+                                                          f'{runtime} '.encode())
+    steady = node.running()[f"steady-{NODE}"]
+
+    def cmdline() -> list[str]:
+        return node.m.run("cat", f"/proc/{node.pid('kubelet')}/cmdline").stdout.split("\0")
+
+    try:
+        node.m.path(flags_file).write_bytes(with_flag)
+        t0 = time.time()
+        node.m.systemctl("restart", "kubelet.service")
+        node.wait_ready(after=t0)
+        assert f"--container-runtime-endpoint={runtime}" in cmdline()
+        r = node.cri_shim("node", "install", "--mode", "full")
+        print(f"\n{r.stdout}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert node.m.path(flags_file).read_bytes() == with_flag.replace(runtime.encode(), SHIM_SOCKET.encode())
+        assert f"--container-runtime-endpoint={SHIM_SOCKET}" in cmdline()
+        assert b"containerRuntimeEndpoint: \"\"" in node.kubelet_config()  # the flag, not the config key
+        pid = node.pid("kubelet")
+        r = node.cri_shim("node", "install", "--mode", "full")
+        assert r.returncode == 0 and "nothing to change" in r.stdout, r.stdout + r.stderr
+        assert node.pid("kubelet") == pid
+        r = node.cri_shim("node", "uninstall")
+        print(r.stdout)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert node.m.path(flags_file).read_bytes() == with_flag
+        assert node.kubelet_config() == node.original
+        assert f"--container-runtime-endpoint={runtime}" in cmdline()
+        assert not any(node.present(p) for p in SHIM_PATHS), [p for p in SHIM_PATHS if node.present(p)]
+        assert node.running()[f"steady-{NODE}"]["id"] == steady["id"]
+    finally:
+        node.m.path(flags_file).write_bytes(kubeadm)
+        t0 = time.time()
+        node.m.systemctl("restart", "kubelet.service")
+        node.wait_ready(after=t0)

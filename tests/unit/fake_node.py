@@ -8,6 +8,12 @@ The fake follows what the real ones do where install depends on it:
   its config file as it is at that moment; it is healthy and its Node Ready (a heartbeat two
   seconds after its start) when ``kubelet_ok(config)`` says so, else ``/healthz`` fails. The
   Node keeps its last heartbeat and Ready condition until then, as on a real cluster.
+* kubelet's command line is its unit's ``ExecStart=`` (kubeadm's: ``/usr/bin/kubelet
+  $KUBELET_KUBECONFIG_ARGS $KUBELET_CONFIG_ARGS $KUBELET_KUBEADM_ARGS $KUBELET_EXTRA_ARGS``)
+  with each ``$VAR`` split at whitespace, the variables from its drop-in's ``Environment=``
+  and then its ``EnvironmentFile=`` files (kubeadm-flags.env, /etc/default/kubelet) as they are
+  when kubelet starts (read with ``shlex``, as a shell would); ``systemctl show -p ExecStart`` /
+  ``-p EnvironmentFiles`` answer as systemd does.
 * ``systemctl start cri-shim.service`` needs the unit file and a daemon-reload; the shim reads
   /etc/cri-shim/config.yaml when it starts and answers on its ``listen`` for the runtime at
   its ``upstream`` (UNAVAILABLE when nothing listens there, as the real shim).
@@ -17,6 +23,7 @@ The fake follows what the real ones do where install depends on it:
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -82,9 +89,14 @@ volumeStatsAggPeriod: 0s
 """
 
 KUBEADM_FLAGS = 'KUBELET_KUBEADM_ARGS="--pod-infra-container-image=registry.k8s.io/pause:3.10"\n'
-KUBELET_ARGV = ["/usr/bin/kubelet", "--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf",
-                "--kubeconfig=/etc/kubernetes/kubelet.conf", "--config=/var/lib/kubelet/config.yaml",
-                "--pod-infra-container-image=registry.k8s.io/pause:3.10"]
+
+#: kubeadm's kubelet.service with its 10-kubeadm.conf drop-in
+KUBEADM_EXEC_START = ["/usr/bin/kubelet", "$KUBELET_KUBECONFIG_ARGS", "$KUBELET_CONFIG_ARGS", "$KUBELET_KUBEADM_ARGS",
+                      "$KUBELET_EXTRA_ARGS"]
+KUBEADM_ENVIRONMENT = {"KUBELET_KUBECONFIG_ARGS": "--bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf "
+                                                  "--kubeconfig=/etc/kubernetes/kubelet.conf",
+                       "KUBELET_CONFIG_ARGS": "--config=/var/lib/kubelet/config.yaml"}
+KUBEADM_ENV_FILES = ["/var/lib/kubelet/kubeadm-flags.env", "/etc/default/kubelet"]
 
 
 def kubeadm_node(root: Path, config: str = KUBEADM_CONFIG, flags: str = KUBEADM_FLAGS) -> Path:
@@ -145,9 +157,28 @@ class FakeHost:
     kubelet_config_at_start: str = ""
     shim_config: dict[str, object] = field(default_factory=dict)  #: what the running shim read at start
     next_pid: int = 200
+    exec_start: list[str] = field(default_factory=lambda: list(KUBEADM_EXEC_START))
+    environment: dict[str, str] = field(default_factory=lambda: dict(KUBEADM_ENVIRONMENT))
+    env_files: list[str] = field(default_factory=lambda: list(KUBEADM_ENV_FILES))
+    kubelet_argv: list[str] = field(default_factory=list)  #: the running kubelet's command line
 
     def __post_init__(self) -> None:
         self.kubelet_config_at_start = self._kubelet_config()
+        self.kubelet_argv = self.unit_argv()
+
+    def unit_argv(self) -> list[str]:
+        """kubelet's command line were it started now."""
+        env = dict(self.environment)
+        for f in self.env_files:
+            p = self.root / f.lstrip("/")
+            for line in p.read_text().splitlines() if p.exists() else []:
+                if line.strip() and not line.strip().startswith(("#", ";")) and "=" in line:
+                    name, _, value = line.partition("=")
+                    env[name.strip()] = " ".join(shlex.split(value))
+        argv: list[str] = []
+        for word in self.exec_start:
+            argv += env.get(word[1:], "").split() if word.startswith("$") else [word]
+        return argv
 
     # -- what tests look at -----------------------------------------------------------
 
@@ -178,6 +209,11 @@ class FakeHost:
                                         for d in ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system"))}
             return Done(0, "", "")
         unit = self.units.setdefault(rest[0], Unit())
+        if verb == "show" and "ExecStart" in argv:
+            return Done(0, f"{{ path={self.exec_start[0]} ; argv[]={' '.join(self.exec_start)} ; ignore_errors=no ; "
+                           f"start_time=[n/a] ; stop_time=[n/a] ; pid=0 ; code=(null) ; status=0/0 }}\n", "")
+        if verb == "show" and "EnvironmentFiles" in argv:
+            return Done(0, "".join(f"{f} (ignore_errors=yes)\n" for f in self.env_files), "")
         if verb == "show" and "InvocationID" in argv:
             return Done(0, f"{unit.pid:032x}\n", "")
         if verb == "show":
@@ -203,6 +239,7 @@ class FakeHost:
             if rest[0] == "kubelet.service":
                 self.kubelet_started_at = self.wall()
                 self.kubelet_config_at_start = self._kubelet_config()
+                self.kubelet_argv = self.unit_argv()
             if rest[0] == "cri-shim.service":
                 p = self.root / "etc/cri-shim/config.yaml"
                 self.shim_config = (yaml.load(p.read_text(), Loader=yaml.CSafeLoader) or {}) if p.exists() else {}
@@ -211,7 +248,7 @@ class FakeHost:
 
     def command_line(self, pid: int) -> list[str] | None:
         kubelet = self.units["kubelet.service"]
-        return list(KUBELET_ARGV) if kubelet.active and pid == kubelet.pid else None
+        return list(self.kubelet_argv) if kubelet.active and pid == kubelet.pid else None
 
     def _shim_listen(self) -> str:
         return str(self.shim_config.get("listen", "unix:///run/cri-shim/cri-shim.sock"))
