@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -65,7 +66,6 @@ RECHECK = 0.05  # Environment.disk_recheck_seconds
 RESYNC = 0.2  # Environment.resync_seconds
 PULL_TIMEOUT = 0.6  # image_sets.pull_timeout_seconds: a pull left hanging fails after this
 HELD_SECONDS = 2.0  # the event loop not running its heartbeat this long: held
-RECENT = 0.5  # a pull reaching the runtime may have been decided this long ago (disk and config then)
 SETTLE_SECONDS = 4.0
 
 T = TypeVar("T")
@@ -86,7 +86,7 @@ class Pull:
 @dataclass
 class Regime:
     """What the guard judged by at some moment: usage, limit, whether the rule was on."""
-    at: float
+    run: int  # ReconcilerMachine.runs when it began
     used: int
     limit: int
     guard: bool
@@ -106,7 +106,8 @@ class FakeRuntime:
 
     async def unary(self, method: str, request: bytes, *, metadata: Any = (),
                     deadline: Deadline = NO_DEADLINE) -> bytes:
-        await asyncio.sleep(0)
+        if method != PULL_IMAGE:
+            await asyncio.sleep(0)
         if method == IMAGE_FS_INFO:
             fs = api_pb2.FilesystemUsage(fs_id=api_pb2.FilesystemIdentifier(mountpoint=MOUNT))
             return api_pb2.ImageFsInfoResponse(image_filesystems=[fs]).SerializeToString()
@@ -177,6 +178,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.rec: Reconciler | None = None
         self.task: asyncio.Task[None] | None = None
         self.restarts = 0
+        self.runs = 0  # calls of run(): a pull reaching the runtime was decided in this one or the one before
         # the watchdog: the loop beats every 10 ms while a step runs it; a thread interrupts a held loop
         self.beat = time.monotonic()
         self.in_loop = False
@@ -206,6 +208,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def run(self, coro: Awaitable[T]) -> T:
         self.beat = time.monotonic()
         self.in_loop = True
+        self.runs += 1
         try:
             return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
         except LoopHeld as e:
@@ -262,7 +265,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         return _Statvfs(TOTAL // 4096, (TOTAL - self.used()) // 4096, 4096)
 
     def _regime(self) -> None:
-        self.regimes.append(Regime(time.monotonic(), self.used(), self.limit(), self.cfg.gc_threshold_guard))
+        self.regimes.append(Regime(self.runs, self.used(), self.limit(), self.cfg.gc_threshold_guard))
 
     def pull_started(self, ref: str, running: list[str]) -> None:
         """A prefetch reached the runtime: checked against what was declared and the rule."""
@@ -275,9 +278,10 @@ class ReconcilerMachine(RuleBasedStateMachine):
         if self.sizes[ref] is None:
             return  # size unknown: judged by the usage alone
         self._regime()
-        now = time.monotonic()
-        # the decision may be a few loop turns old: the most lenient disk and limit of the last moments
-        recent = [g for g in self.regimes if g.at >= now - RECENT] or [self.regimes[-1]]
+        # the decision may be a few loop turns old (a lane's task, the scheduler's flight): the most
+        # lenient disk and limit since the run before this one began
+        recent = [g for g in self.regimes if g.run >= self.runs - 1]
+        recent += [g for g in self.regimes if g.run < self.runs - 1][-1:]
         if not all(g.guard for g in recent):
             return
         sized = sum(self.on_disk(r) for r in running if self.sizes[r] is not None)
@@ -292,7 +296,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ steps
 
-    @initialize(sizes=st.lists(st.sampled_from([1, 20, 60, 150, 300, None]), min_size=len(POOL),
+    # the simplest sizes (150 MiB: 300 on disk) are those of which two cross the default limit (550 MiB)
+    @initialize(sizes=st.lists(st.sampled_from([150, 1, 50, 100, 200, 300, None]), min_size=len(POOL),
                                max_size=len(POOL)),
                 max_parallel=st.integers(1, 3), guard=st.booleans(), base=st.sampled_from([0, 100, 300, 500]))
     def start(self, sizes: list[int | None], max_parallel: int, guard: bool, base: int) -> None:
@@ -326,7 +331,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.generation += 1
         self._reconciler().set_sets(self._image_sets())
 
-    @rule(name=st.sampled_from(SETS), refs=st.lists(st.sampled_from(POOL), unique=True, max_size=5))
+    @rule(name=st.sampled_from(SETS), refs=st.lists(st.sampled_from(POOL), unique=True, max_size=6))
     def declare(self, name: str, refs: list[str]) -> None:
         """A set added, or a new version of it: images added, removed and renamed at once."""
         self.declared[name] = tuple(refs)
@@ -518,6 +523,6 @@ class _Statvfs:
     f_frsize: int
 
 
-ReconcilerMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,
+ReconcilerMachine.TestCase.settings = settings(max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "30")), stateful_step_count=40, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
 test_reconciler_machine = ReconcilerMachine.TestCase
