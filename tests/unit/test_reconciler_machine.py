@@ -527,6 +527,6 @@ class _Statvfs:
     f_frsize: int
 
 
-ReconcilerMachine.TestCase.settings = settings(max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "30")), stateful_step_count=40, deadline=None,
+ReconcilerMachine.TestCase.settings = settings(max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "20")), stateful_step_count=35, deadline=None,
                                                suppress_health_check=[HealthCheck.too_slow])
 test_reconciler_machine = ReconcilerMachine.TestCase
