@@ -74,5 +74,8 @@ class Gate(Generic[_T]):
         self._reserved[item] = estimate
         self.reserved_bytes += estimate
 
+    def is_reserved(self, item: _T) -> bool:
+        return item in self._reserved
+
     def release(self, item: _T) -> None:
         self.reserved_bytes -= self._reserved.pop(item, 0)

@@ -86,6 +86,9 @@ class Reconciler:
         self.runtime.resync_seconds = env.resync_seconds
         self.reporter = Reporter(self.table, events, pins)
         self._lanes: dict[asyncio.Task[None], DeclaredImage] = {}
+        # prefetches that were running when a reload turned the threshold rule on, being sized
+        self._sizing: set[asyncio.Task[None]] = set()
+        self._size_lanes = False  # a reload turned the rule on: size the running prefetches first
         self.sizes = ImageSizes()  # manifest sizes, cached per digest (image_sets.gc_threshold_guard)
         self.kubelet = KubeletThreshold()
         self.gate: Gate[DeclaredImage] = Gate()  # prefetches held below kubelet's GC threshold
@@ -103,7 +106,10 @@ class Reconciler:
     # ------------------------------------------------------------------ inputs
 
     def configure(self, cfg: ImageSetsConfig) -> None:
+        turned_on = cfg.gc_threshold_guard and not self.cfg.gc_threshold_guard
         self.cfg = self.runtime.cfg = self.prefetch.cfg = cfg
+        if turned_on:
+            self._size_lanes = True  # on the loop, before the next start (run)
         if DiskGuard.wanted(cfg) and not self.disk.knows_filesystems:
             self.runtime.need_list = True  # a guard turned on by a reload: its filesystems read with a full pass
         self.retries.configure(cfg.retry_per_second)
@@ -140,6 +146,9 @@ class Reconciler:
                 if self.table.sets:
                     await self.runtime.observe()
                 self.retries.release(self._clock())
+                if self._size_lanes:
+                    self._size_lanes = False
+                    self._size_running_lanes()
                 self._start_pulls()
                 self.reporter.publish()
                 timeout = self._next_wake() - self._clock()
@@ -152,7 +161,7 @@ class Reconciler:
 
     async def drain(self) -> None:
         """Wait for cancelled prefetches to finish unwinding."""
-        tasks = [*self._lanes, *self.runtime.tasks()]
+        tasks = [*self._lanes, *self._sizing, *self.runtime.tasks()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self.runtime.forget_pass()
@@ -161,6 +170,8 @@ class Reconciler:
         """Stop every prefetch of ours (shutdown, or image sets turned off)."""
         now = self._clock()
         self.runtime.halt()
+        for sizing in list(self._sizing):
+            sizing.cancel()
         for task, img in list(self._lanes.items()):
             task.cancel()
             if img.state is State.PULLING and self.table.is_current(img):
@@ -182,7 +193,7 @@ class Reconciler:
         # the disk is looked at again only when a lane is free to act on it: with every lane busy,
         # ``_start_pulls`` does not look (``checked_at`` stays put) and a lane ending wakes the loop
         if ((self.disk.blocked and (self.table.waiting or len(self.gate))) or self.disk.pressure is not None) \
-                and self._lane_free():
+                and self._lane_free() and not self._sizing:
             t = min(t, self.disk.checked_at + self._disk_recheck_seconds)
         return t
 
@@ -202,7 +213,9 @@ class Reconciler:
             for held in gate.clear():
                 if self._still_queued(held):
                     table.queue_up(held, self._clock())
-        while self._lane_free():
+        # while a prefetch that ran before the rule was turned on is being sized, none starts: it is
+        # not reserved yet (its sizing ending wakes the loop)
+        while self._lane_free() and not (guard and self._sizing):
             has_held = guard and len(gate) > 0
             if not has_held and not table.waiting:
                 break
@@ -257,7 +270,10 @@ class Reconciler:
         self.table.set_state(img, State.PULLING, self._clock())
         if size is not None:
             self.gate.reserve(img, estimate)
-        task = asyncio.get_running_loop().create_task(self._run_lane(img, size), name=f"prefetch {img.ref}")
+        # whether this prefetch is sized before it pulls is decided now: one launched with the rule off
+        # and reloaded on before its task ran is sized beside its pull (``_size_running_lanes``)
+        guarded = self.cfg.gc_threshold_guard and size is None
+        task = asyncio.get_running_loop().create_task(self._run_lane(img, guarded), name=f"prefetch {img.ref}")
         img.task = task
         self._lanes[task] = img
         task.add_done_callback(self._lane_done)
@@ -291,8 +307,8 @@ class Reconciler:
         self._lanes.pop(task, None)
         self._wake.set()
 
-    async def _run_lane(self, img: DeclaredImage, size: int | None) -> None:
-        if self.cfg.gc_threshold_guard and size is None and not await self._admit(img):
+    async def _run_lane(self, img: DeclaredImage, guarded: bool) -> None:
+        if guarded and self.cfg.gc_threshold_guard and not await self._admit(img):
             return  # held until it fits
         try:
             self._settle(img, await self.prefetch.pull(img))
@@ -300,6 +316,35 @@ class Reconciler:
             self.gate.release(img)
         if self.cfg.cooldown_seconds > 0:
             await asyncio.sleep(self.cfg.cooldown_seconds)
+
+    def _size_running_lanes(self) -> None:
+        """A reload turned the threshold rule on: the prefetches already running were never sized,
+        so each is sized now and its estimate reserved while it still runs. No prefetch starts until
+        they are (``_start_pulls``); one whose size cannot be read counts by the usage alone, as an
+        image of unknown size does."""
+        for lane, img in self._lanes.items():
+            if img.task is lane and not self.gate.is_reserved(img):  # still pulling, not sized
+                task = asyncio.get_running_loop().create_task(self._size_running(lane, img),
+                                                              name=f"size running prefetch {img.ref}")
+                self._sizing.add(task)
+                task.add_done_callback(self._sized)
+
+    def _sized(self, task: asyncio.Task[None]) -> None:
+        self._sizing.discard(task)
+        self._wake.set()
+
+    async def _size_running(self, lane: asyncio.Task[None], img: DeclaredImage) -> None:
+        try:
+            creds = await self.prefetch.credentials.for_image(img.spelled, frozenset(img.sets))
+            size = await self.sizes.size_of(img.spelled, creds)
+        except Exception as e:  # SizeUnknown, or a bug: the running prefetch goes on by usage alone
+            why = str(e) if isinstance(e, SizeUnknown) else f"unexpected {type(e).__name__}"
+            logs.log(_log, logging.INFO, "size of a running prefetch unknown; judged by the filesystem's usage alone",
+                     image=img.ref, error=why)
+            return
+        # still pulling (``_settle`` has not run: the lane's ``finally`` releases what is reserved here)
+        if img.task is lane and not lane.done() and self.cfg.gc_threshold_guard and not self.gate.is_reserved(img):
+            self.gate.reserve(img, int(size * self.cfg.size_factor))
 
     async def _admit(self, img: DeclaredImage) -> bool:
         """Size ``img`` from its manifest; True when it fits below kubelet's GC threshold now (its

@@ -179,8 +179,8 @@ async def threshold_sets(runtime: FakeRuntime, directory: Path, on_disk: dict[st
     """Image sets whose image filesystem holds ``on_disk[ref]`` bytes for each image present."""
     store = FakeImages(runtime).install()
     config = ImageSetsConfig(dir=str(directory), max_parallel=2, debounce_seconds=0.05, retry_initial_seconds=0.05,
-                             retry_max_seconds=0.2, docker_config=(), state_file="", gc_threshold_guard=True,
-                             kubelet_config_file="", **cfg)
+                             retry_max_seconds=0.2, docker_config=(), state_file="", kubelet_config_file="",
+                             **({"gc_threshold_guard": True} | cfg))
     upstream = Upstream(runtime.endpoint, 16 << 20)
     metrics = Metrics()
     scheduler = PullScheduler(4, config.max_parallel, observers=[metrics])
@@ -418,6 +418,38 @@ async def test_random_sets_never_cross_the_limit_and_leave_nothing_that_fits_wai
               f"used {(total - h.used().f_bavail * 4096) >> 20} MiB, limit {limit >> 20} MiB")
         if left:
             assert h.sets.status()["disk"]["gc_threshold"]["thresholdBytes"] == limit
+
+
+async def test_a_prefetch_running_when_the_rule_is_turned_on_counts_once_sized(runtime, registry, tmp_path) -> None:
+    """The rule turned on by a reload while a prefetch runs: that prefetch is sized beside its pull
+    and reserved, so the next one waits for it instead of taking the filesystem past the limit."""
+    total = 1000 * MiB
+    first = registry.add("on/first", "v1", [200 * MiB])  # ~400 MiB on disk each; the limit is 550 MiB
+    second = registry.add("on/second", "v1", [200 * MiB])
+    on_disk = {normalize(r): 2 * (200 * MiB + 100) for r in (first, second)}
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_threshold_guard=False,
+                              gc_high_threshold_percent=60, gc_threshold_margin_percent=5, size_factor=2.0) as h:
+        gate = h.store.hold(normalize(first))
+        (tmp_path / "a.yaml").write_text(own("a", [first]))
+        await wait_for(lambda: h.sets.status()["sets"].get("a", {}).get("pulling") == 1, 10, "first pulling")
+        assert sum(registry.gets.values()) == 0  # the rule off: nothing sized
+
+        h.sets.configure(dataclasses.replace(h.sets.cfg, gc_threshold_guard=True))
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("reserved_bytes") == 2 * (200 * MiB + 100),
+                       10, "the running prefetch sized and reserved")
+        (tmp_path / "b.yaml").write_text(own("b", [second]))
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("waiting") == 1, 10, "second held")
+        p = h.sets.status()["disk"]["gc_threshold"]
+        assert p["pressure"] and p["sizeBytes"] == 200 * MiB + 100 and normalize(second) not in h.store.pulls
+        assert h.sets.status()["sets"]["b"]["pulling"] == 0
+
+        gate.set()  # the first lands: 400 MiB used, the second still does not fit, and nothing is reserved
+        await wait_for(lambda: h.sets.status()["sets"]["a"]["present"] == 1, 10, "first present")
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("reserved_bytes") == 0, 10, "released")
+        assert normalize(second) not in h.store.images and h.sets.status()["disk"]["gc_threshold"]["waiting"] == 1
+
+        h.extra["used"] -= 400 * MiB  # kubelet collects other images: room for the second
+        await wait_for(lambda: h.sets.status()["sets"]["b"]["present"] == 1, 10, "second present")
 
 
 async def test_turning_the_rule_off_lets_the_held_images_go(runtime, registry, tmp_path) -> None:
