@@ -333,14 +333,21 @@ class Reconciler:
         self._sizing.discard(task)
         self._wake.set()
 
-    async def _size_running(self, lane: asyncio.Task[None], img: DeclaredImage) -> None:
+    async def _manifest_size(self, img: DeclaredImage) -> int | None:
+        """``img``'s size from its manifest, read with its credentials; None (logged) when it cannot
+        be read: the prefetch is then judged by the filesystem's usage alone."""
         try:
             creds = await self.prefetch.credentials.for_image(img.spelled, frozenset(img.sets))
-            size = await self.sizes.size_of(img.spelled, creds)
-        except Exception as e:  # SizeUnknown, or a bug: the running prefetch goes on by usage alone
+            return await self.sizes.size_of(img.spelled, creds)
+        except Exception as e:  # SizeUnknown, or a bug: never leave the image stuck in a lane
             why = str(e) if isinstance(e, SizeUnknown) else f"unexpected {type(e).__name__}"
-            logs.log(_log, logging.INFO, "size of a running prefetch unknown; judged by the filesystem's usage alone",
+            logs.log(_log, logging.INFO, "image size unknown; prefetch judged by the filesystem's usage alone",
                      image=img.ref, error=why)
+            return None
+
+    async def _size_running(self, lane: asyncio.Task[None], img: DeclaredImage) -> None:
+        size = await self._manifest_size(img)
+        if size is None:
             return
         # still pulling (``_settle`` has not run: the lane's ``finally`` releases what is reserved here)
         if img.task is lane and not lane.done() and self.cfg.gc_threshold_guard and not self.gate.is_reserved(img):
@@ -350,13 +357,8 @@ class Reconciler:
         """Size ``img`` from its manifest; True when it fits below kubelet's GC threshold now (its
         estimate is then reserved), False when it is held. A size that cannot be read: judged
         by the filesystem's usage alone (checked before the lane started)."""
-        try:
-            creds = await self.prefetch.credentials.for_image(img.spelled, frozenset(img.sets))
-            size = await self.sizes.size_of(img.spelled, creds)
-        except Exception as e:  # SizeUnknown, or a bug: never leave the image stuck in a lane
-            why = str(e) if isinstance(e, SizeUnknown) else f"unexpected {type(e).__name__}"
-            logs.log(_log, logging.INFO, "image size unknown; prefetch judged by the filesystem's usage alone",
-                     image=img.ref, error=why)
+        size = await self._manifest_size(img)
+        if size is None:
             return True
         if not self.table.is_current(img) or img.state is not State.PULLING:
             return False  # dropped (or halted) meanwhile

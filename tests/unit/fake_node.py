@@ -26,10 +26,11 @@ import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
+from shim.node_install import install, uninstall
 from shim.node_install.host import Done, HostError, NodeView, Runtime
 from shim.node_install.kubelet import same_endpoint
 
@@ -298,3 +299,15 @@ class FakeHost:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+
+def do_install(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
+    out: list[str] = []
+    rc = install.install(install.Options(**kw), root, host, out.append)
+    return rc, out
+
+
+def do_uninstall(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
+    out: list[str] = []
+    rc = uninstall.uninstall(uninstall.Options(**kw), root, host, out.append)
+    return rc, out

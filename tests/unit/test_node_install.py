@@ -9,7 +9,6 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -17,25 +16,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shim.node_install import install, uninstall
 from shim.node_install.host import NodeView, Runtime
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK, shipped
-from tests.unit.fake_node import KUBEADM_CONFIG, RUNTIME_SOCKET, FakeHost, kubeadm_node, snapshot
+from tests.unit.fake_node import KUBEADM_CONFIG, RUNTIME_SOCKET, FakeHost, kubeadm_node, snapshot, do_install, do_uninstall
 
 SHIM_SOCKET = "unix:///run/cri-shim/cri-shim.sock"
 KUBELET_CONFIG = "var/lib/kubelet/config.yaml"
 
-
-def do_install(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
-    out: list[str] = []
-    rc = install.install(install.Options(**kw), root, host, out.append)
-    return rc, out
-
-
-def do_uninstall(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
-    out: list[str] = []
-    rc = uninstall.uninstall(uninstall.Options(**kw), root, host, out.append)
-    return rc, out
 
 
 @pytest.fixture

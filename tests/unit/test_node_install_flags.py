@@ -16,10 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from shim.node_install import install, uninstall
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK
 from shim.node_install.kubelet import parse_flags
-from tests.unit.fake_node import KUBEADM_CONFIG, FakeHost, kubeadm_node, snapshot
+from tests.unit.fake_node import KUBEADM_CONFIG, FakeHost, kubeadm_node, snapshot, do_install, do_uninstall
 from tests.unit.test_node_install import NodeInstallStates
 
 SHIM_SOCKET = "unix:///run/cri-shim/cri-shim.sock"
@@ -31,17 +30,6 @@ IMAGE_FLAG = "--image-service-endpoint"
 RUNTIME_FLAG = "--container-runtime-endpoint"
 PAUSE = "--pod-infra-container-image=registry.k8s.io/pause:3.10"
 
-
-def do_install(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
-    out: list[str] = []
-    rc = install.install(install.Options(**kw), root, host, out.append)
-    return rc, out
-
-
-def do_uninstall(root: Path, host: FakeHost, **kw: Any) -> tuple[int, list[str]]:
-    out: list[str] = []
-    rc = uninstall.uninstall(uninstall.Options(**kw), root, host, out.append)
-    return rc, out
 
 
 def node(tmp_path: Path, kubeadm_flags: str, default_kubelet: str | None = None) -> tuple[Path, FakeHost]:
