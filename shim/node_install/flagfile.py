@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .kubelet import FLAG_FILES, UNIT, Refused
+from .kubelet import FLAG_FILES, UNIT, Refused, parse_flags
 
 _ASSIGNMENT = re.compile(r"[ \t]*([A-Za-z_][A-Za-z0-9_]*)[ \t]*=[ \t]*")
 _VAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)|\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -181,7 +181,7 @@ def locate(root: Path, flag: str, argv: Sequence[str], exec_start: Sequence[str]
         joined, _ = places(f, text, [n for n in joined_vars if last.get(n) == f], flag)
         where += [f"{p} (passed as one argument, not split)" for p in joined]
     where += [str(p) for p in found if p.path in FLAG_FILES]
-    value = _argv_value(argv, flag)
+    value = parse_flags(argv).get(flag, "")  # an endpoint flag is one of kubelet.VALUE_FLAGS
     shown = f"kubelet runs with {flag}={value}"
     if not where:
         raise Refused(f"{shown}, and it is not in a flags file install can edit ({', '.join(files) or 'none'} "
@@ -200,16 +200,6 @@ def locate(root: Path, flag: str, argv: Sequence[str], exec_start: Sequence[str]
         raise Refused(f"{shown}, but {place} says {flag}={place.value}: the file changed since kubelet started. "
                       f"Restart kubelet (or put the file back) and run install again")
     return place
-
-
-def _argv_value(argv: Sequence[str], flag: str) -> str:
-    value = ""
-    for i, a in enumerate(argv[1:], 1):
-        if a.startswith(flag + "="):
-            value = a[len(flag) + 1:]
-        elif a == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
 
 
 def writable(value: str) -> bool:

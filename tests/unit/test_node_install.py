@@ -429,10 +429,14 @@ class NodeInstallStates(RuleBasedStateMachine):
             assert snapshot(self.root) == self.base
             assert shim is None or not (shim.active or shim.enabled)
             return
+        self.kubelet_switched()
+        assert shim is not None and shim.active and shim.enabled
+
+    def kubelet_switched(self) -> None:
+        """Installed: kubelet runs with the mode's endpoint at the shim (here: its config file's key)."""
         doc = yaml.safe_load((self.root / KUBELET_CONFIG).read_text())
         key = "imageServiceEndpoint" if self.mode == "image-only" else "containerRuntimeEndpoint"
         assert doc[key] == SHIM_SOCKET and "cri-shim" in self.host.kubelet_config_at_start
-        assert shim is not None and shim.active and shim.enabled
 
 
 TestNodeInstallStates = NodeInstallStates.TestCase
