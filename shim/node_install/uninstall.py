@@ -4,8 +4,9 @@ in the order that never points kubelet at a socket that is going away.
 1. kubelet's config file back: its bytes from before install, byte for byte, when it is as
    install left it; when someone changed it since, only the keys install set go back to their
    values before (the rest of their change stays, and that is said). The same for each flags
-   file install set an endpoint flag in (only the flag's value goes back, when it changed since).
-   kubelet restarted and waited for (healthy, Node Ready) when it runs.
+   file install set an endpoint flag in (only the flag's value goes back, when it changed since):
+   ``edited.put_back``. kubelet restarted and waited for (healthy, Node Ready) when it runs and
+   one of those files is not as it was before install.
 2. Then, and only then, the shim stops (and is disabled if install enabled it): its pins are
    given up from this moment, and the images it kept pinned that the runtime does not are named.
 3. Every file install wrote: put back as it was, or removed when install added it;
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from . import flagfile, readiness, state, yamledit
+from . import edited, flagfile, readiness, state, yamledit
 from . import kubelet as kubelet_mod
 from .changes import Changes, Say
 from .host import Host, HostError
@@ -33,6 +35,9 @@ from .yamledit import EditError
 
 #: how many of the images whose pin is given up are named
 NAMED_PINS = 10
+#: how what uninstall says names the files of kubelet's that install edited
+CONFIG = edited.Kind("kubelet's config", "kubelet's config", "it was", "keys")
+FLAGS = edited.Kind("kubelet's flags file", "kubelet's flags", "they were", "flags")
 
 
 @dataclass(frozen=True)
@@ -84,20 +89,11 @@ def _save(st: State, ch: Changes) -> None:
 
 
 def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, say: Say) -> bool:
-    """kubelet's config as it was, kubelet restarted: whether it came back (True when not restarted)."""
-    current = ch.read(rec.config)
-    original = ch.read(rec.backup)
-    digest = state.sha256(current) if current is not None else None
-    changed = False
-    if digest == rec.sha256_before:
-        say(f"kubelet's config {rec.config} is as it was before install")
-    elif original is not None and rec.exact and digest in (rec.sha256_after, None):
-        changed = ch.write(rec.config, original, "kubelet's config, as it was before install, byte for byte")
-    else:
-        _keys_back(rec, current, ch, say)
-        changed = True
+    """kubelet's config (and flags files) as it was, kubelet restarted: whether it came back (True when
+    not restarted)."""
+    changed = edited.put_back(ch, rec.config, rec, CONFIG, partial(_keys_back, rec, say=say))
     for f in rec.flag_files:
-        changed = _flags_back(f, ch, say) or changed
+        changed = edited.put_back(ch, f.path, f, FLAGS, partial(_flags_back, f, say=say)) or changed
     if not changed:
         return True
     if not is_active(ch, kubelet_mod.UNIT):
@@ -117,11 +113,9 @@ def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, sa
     return True
 
 
-def _keys_back(rec: KubeletRecord, current: bytes | None, ch: Changes, say: Say) -> None:
-    """The file changed since install (or its copy is gone): each key install set goes back, if it still
-    has the value install wrote."""
-    if current is None:
-        raise HostError(f"{rec.config} is gone and so is the copy of it at {rec.backup}: put it back by hand")
+def _keys_back(rec: KubeletRecord, current: bytes, say: Say) -> bytes:
+    """kubelet's config changed since install: each key install set back to its value before, if it
+    still has the value install wrote."""
     text = yamledit.decode(current, rec.config)
     found = yamledit.entries(text, rec.config)
     changes: dict[str, str | None] = {}
@@ -131,24 +125,12 @@ def _keys_back(rec: KubeletRecord, current: bytes | None, ch: Changes, say: Say)
             changes[key] = before if before is not None else yamledit.REMOVE
         else:
             say(f"left {key} in {rec.config} as it is ({now.raw if now else 'absent'}): not what install wrote")
-    new = yamledit.edit(text, changes, rec.config).encode()
-    ch.write(rec.config, new, "kubelet's config changed since install: the keys install set, back as they were "
-                              "(not byte for byte)")
+    return yamledit.edit(text, changes, rec.config).encode()
 
 
-def _flags_back(rec: FlagRecord, ch: Changes, say: Say) -> bool:
-    """A flags file as it was before install: its bytes when it is as install left it, else each flag
-    install set back to its value before, where it still has the value install wrote. True: written."""
-    current = ch.read(rec.path)
-    digest = state.sha256(current) if current is not None else None
-    if digest == rec.sha256_before:
-        say(f"kubelet's flags file {rec.path} is as it was before install")
-        return False
-    original = ch.read(rec.backup)
-    if original is not None and rec.exact and digest in (rec.sha256_after, None):
-        return ch.write(rec.path, original, "kubelet's flags, as they were before install, byte for byte")
-    if current is None:
-        raise HostError(f"{rec.path} is gone and so is the copy of it at {rec.backup}: put it back by hand")
+def _flags_back(rec: FlagRecord, current: bytes, say: Say) -> bytes:
+    """A flags file changed since install: each flag install set back to its value before, where it
+    still has the value install wrote."""
     text = flagfile.decode(current)
     edits = []
     for flag, (before, after) in rec.flags.items():
@@ -156,9 +138,7 @@ def _flags_back(rec: FlagRecord, ch: Changes, say: Say) -> bool:
         if not mine:
             say(f"left {flag} in {rec.path} as it is: not what install wrote ({after})")
         edits += [(p, before) for p in mine]
-    return ch.write(rec.path, flagfile.encode(flagfile.replace(text, edits)),
-                    "kubelet's flags changed since install: the flags install set, back as they were "
-                    "(not byte for byte)")
+    return flagfile.encode(flagfile.replace(text, edits))
 
 
 def _probe(opts: Options, rec: KubeletRecord, ch: Changes, host: Host) -> readiness.Probe:

@@ -239,6 +239,30 @@ def test_a_flags_file_rewritten_since_install_gets_only_the_flag_back(tmp_path: 
     assert kubelet_flags(host)[IMAGE_FLAG] == RUNTIME
 
 
+def test_a_flags_file_rewritten_without_the_shim_before_kubelet_restarted_gets_kubelet_restarted(
+        tmp_path: Path) -> None:
+    """`kubeadm upgrade node` rewrote kubeadm-flags.env (its endpoint flag back at the runtime) and
+    kubelet was not restarted yet: it still runs on the shim. Uninstall has no value of its own left
+    to put back in the file, and restarts kubelet all the same before it stops the shim, as it does
+    for kubelet's config file: kubelet is never left on a socket that is going away. (Before the
+    config and flags files shared edited.put_back, a flags file restarted kubelet only when written.)"""
+    root, host = node(tmp_path, f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME}"\n')
+    config = (root / KUBELET_CONFIG).read_bytes()
+    assert do_install(root, host, pull_settings=False)[0] == EXIT_OK
+    assert (root / KUBELET_CONFIG).read_bytes() == config  # only the flags file was switched
+    assert kubelet_flags(host)[IMAGE_FLAG] == SHIM_SOCKET
+    upgraded = f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME} --node-ip=192.0.2.9"\n'
+    (root / KUBEADM_FLAGS).write_text(upgraded)
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert (root / KUBEADM_FLAGS).read_text() == upgraded
+    assert f"left {IMAGE_FLAG} in /var/lib/kubelet/kubeadm-flags.env as it is: not what install wrote " \
+           f"({SHIM_SOCKET})" in out
+    assert kubelet_flags(host)[IMAGE_FLAG] == RUNTIME, "kubelet left running on the shim's socket"
+    assert "--node-ip=192.0.2.9" in (host.command_line(host.kubelet_pid()) or [])  # the upgrade's file
+    assert not host.units["cri-shim.service"].active
+
+
 # ------------------------------------------------------------------------------ any flags file
 
 _OTHER_FLAGS = ["--v=2", "--node-ip=192.0.2.7", PAUSE, "--max-pods", "110", f"{RUNTIME_FLAG}={RUNTIME}",
@@ -377,14 +401,18 @@ class FlagsFileStates(NodeInstallStates):
     @precondition(lambda self: self.mode is not None)
     @rule(ip=st.sampled_from(["192.0.2.8", "192.0.2.7"]))
     def kubeadm_upgrade_rewrites_the_flags_file_then_install(self, ip: str) -> None:
+        self.kubeadm_rewrites_the_flags_file(ip)
+        self.host.run(["systemctl", "restart", "kubelet.service"], 10)  # as kubeadm's upgrade steps say
+        rc, out = do_install(self.root, self.host, mode=self.mode)
+        assert rc == EXIT_OK, out
+
+    def kubeadm_rewrites_the_flags_file(self, ip: str) -> None:
+        """The flags file as kubeadm writes it (its endpoints as before install), with this node IP."""
         rewritten = self.FLAGS.replace("192.0.2.7", ip).encode()
         (self.root / KUBEADM_FLAGS).write_bytes(rewritten)
         base = self.base[KUBEADM_FLAGS]
         assert isinstance(base, tuple)
         self.base[KUBEADM_FLAGS] = (rewritten, base[1])
-        self.host.run(["systemctl", "restart", "kubelet.service"], 10)  # as kubeadm's upgrade steps say
-        rc, out = do_install(self.root, self.host, mode=self.mode)
-        assert rc == EXIT_OK, out
 
     def kubelet_switched(self) -> None:
         """Installed: the running kubelet's endpoint flags of the mode name the shim (the base
