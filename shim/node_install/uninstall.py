@@ -6,7 +6,8 @@ in the order that never points kubelet at a socket that is going away.
    values before (the rest of their change stays, and that is said). The same for each flags
    file install set an endpoint flag in (only the flag's value goes back, when it changed since):
    ``edited.put_back``. kubelet restarted and waited for (healthy, Node Ready) when it runs and
-   one of those files is not as it was before install.
+   one of those files is not as it was before install, or its command line names the shim's
+   socket (a flags file put back by someone else since kubelet started).
 2. Then, and only then, the shim stops (and is disabled if install enabled it): its pins are
    given up from this moment, and the images it kept pinned that the runtime does not are named.
 3. Every file install wrote: put back as it was, or removed when install added it;
@@ -66,7 +67,7 @@ def _uninstall(opts: Options, ch: Changes, host: Host, say: Say) -> int:
     status = EXIT_OK
     try:
         if st.kubelet is not None:
-            if not _kubelet_back(opts, st.kubelet, ch, host, say):
+            if not _kubelet_back(opts, st.kubelet, st.listen, ch, host, say):
                 status = EXIT_ROLLED_BACK
             st.kubelet = None
             _save(st, ch)
@@ -88,14 +89,19 @@ def _save(st: State, ch: Changes) -> None:
         ch.write(state.STATE_FILE, data, "what is left to undo", mode=0o600, bookkeeping=True)
 
 
-def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, say: Say) -> bool:
+def _kubelet_back(opts: Options, rec: KubeletRecord, listen: str, ch: Changes, host: Host, say: Say) -> bool:
     """kubelet's config (and flags files) as it was, kubelet restarted: whether it came back (True when
-    not restarted)."""
+    not restarted). Restarted when a file is not as it was before install, or when the running kubelet
+    has an endpoint flag naming the shim's socket (``listen``): its flags file was put back by someone
+    else (``kubeadm upgrade node``) and kubelet not restarted since."""
     changed = edited.put_back(ch, rec.config, rec, CONFIG, partial(_keys_back, rec, say=say))
     for f in rec.flag_files:
         changed = edited.put_back(ch, f.path, f, FLAGS, partial(_flags_back, f, say=say)) or changed
-    if not changed:
+    if not changed and not _runs_on(listen, ch, host):
         return True
+    if not changed:
+        say(f"kubelet runs with an endpoint flag naming {listen}, from its flags file as it was when kubelet "
+            f"started: kubelet is restarted on its flags as they are now")
     if not is_active(ch, kubelet_mod.UNIT):
         say(f"{kubelet_mod.UNIT} is not running: it reads its config as it is now when it starts")
         return True
@@ -111,6 +117,14 @@ def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, sa
         return False
     say(f"checked: kubelet back on its own config after {took:.1f} s: {probe.describe()}")
     return True
+
+
+def _runs_on(listen: str, ch: Changes, host: Host) -> bool:
+    """The running kubelet has an endpoint flag naming ``listen`` on its command line."""
+    pid = main_pid(ch, kubelet_mod.UNIT)
+    flags = kubelet_mod.parse_flags((host.command_line(pid) if pid > 0 else None) or [])
+    return any(f in flags and kubelet_mod.same_endpoint(flags[f], listen)
+               for f in (kubelet_mod.IMAGE_FLAG, kubelet_mod.RUNTIME_FLAG))
 
 
 def _keys_back(rec: KubeletRecord, current: bytes, say: Say) -> bytes:
