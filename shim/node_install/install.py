@@ -39,7 +39,7 @@ import yaml
 from .. import config as config_mod
 from .. import safeyaml
 from ..config import ConfigError
-from . import flagfile, readiness, state, yamledit
+from . import edited, flagfile, readiness, state, yamledit
 from . import kubelet as kubelet_mod
 from .changes import Changes, Say
 from .flagfile import Place
@@ -495,10 +495,8 @@ def _switch_kubelet(plan: Plan, progress: _Progress, ch: Changes, host: Host, sa
         return  # switched and confirmed by an earlier run
     if config_changes or flag_changes:
         if record is None:
-            record = KubeletRecord(k.config_path, state.backup_path(k.config_path), state.sha256(k.config_data),
-                                   "", {})
-            ch.write(record.backup, k.config_data, f"copy of {k.config_path} as it is, for uninstall", mode=0o600,
-                     show=False)
+            record = KubeletRecord(k.config_path, edited.keep_copy(ch, k.config_path, k.config_data),
+                                   state.sha256(k.config_data), "", {})
             progress.state.kubelet = record
         if config_changes:
             _record_keys(plan, record)
@@ -531,36 +529,21 @@ def _switch_kubelet(plan: Plan, progress: _Progress, ch: Changes, host: Host, sa
 
 
 def _record_keys(plan: Plan, record: KubeletRecord) -> None:
+    """What install sets in kubelet's config file."""
     k = plan.kubelet
     found = yamledit.entries(yamledit.decode(k.config_data, k.config_path), k.config_path)
-    if state.sha256(k.config_data) != (record.sha256_after or record.sha256_before):
-        # changed since install wrote it (kubeadm upgrade node rewrites it): the copy is no longer
-        # the file this edit is made on, so uninstall puts back the keys, not the copy
-        record.exact = False
-    for key, value in plan.kubelet_keys.items():
-        now = found[key].raw if key in found else None
-        if key not in record.keys or now != record.keys[key][1]:
-            record.keys[key] = [now, value]  # its value before is the one it has now
-        record.keys[key][1] = value
-    record.sha256_after = state.sha256(plan.kubelet_config)
+    sets = {key: (found[key].raw if key in found else None, value) for key, value in plan.kubelet_keys.items()}
+    edited.record(record, record.keys, k.config_data, plan.kubelet_config, sets)
 
 
 def _record_flags(plan: Plan, record: KubeletRecord, path: str, old: bytes, new: bytes, ch: Changes) -> None:
     """What install sets in the flags file ``path`` (``old`` -> ``new``), its copy kept the first time."""
     rec = record.flag_file(path)
     if rec is None:
-        rec = FlagRecord(path, state.backup_path(path), state.sha256(old), "", {})
-        ch.write(rec.backup, old, f"copy of {path} as it is, for uninstall", mode=0o600, show=False)
+        rec = FlagRecord(path, edited.keep_copy(ch, path, old), state.sha256(old), "", {})
         record.flag_files.append(rec)
-    elif state.sha256(old) != rec.sha256_after:
-        rec.exact = False  # rewritten since install wrote it (kubeadm upgrade node): as for the config
-    for p in plan.flags:
-        if p.path != path:
-            continue
-        if p.flag not in rec.flags or p.value != rec.flags[p.flag][1]:
-            rec.flags[p.flag] = [p.value, plan.listen]
-        rec.flags[p.flag][1] = plan.listen
-    rec.sha256_after = state.sha256(new)
+    sets = {p.flag: (p.value, plan.listen) for p in plan.flags if p.path == path}
+    edited.record(rec, rec.flags, old, new, sets)
 
 
 def _check_flags(plan: Plan, ch: Changes, host: Host) -> None:

@@ -4,8 +4,10 @@ in the order that never points kubelet at a socket that is going away.
 1. kubelet's config file back: its bytes from before install, byte for byte, when it is as
    install left it; when someone changed it since, only the keys install set go back to their
    values before (the rest of their change stays, and that is said). The same for each flags
-   file install set an endpoint flag in (only the flag's value goes back, when it changed since).
-   kubelet restarted and waited for (healthy, Node Ready) when it runs.
+   file install set an endpoint flag in (only the flag's value goes back, when it changed since):
+   ``edited.put_back``. kubelet restarted and waited for (healthy, Node Ready) when it runs and
+   one of those files is not as it was before install, or its command line names the shim's
+   socket (a flags file put back by someone else since kubelet started).
 2. Then, and only then, the shim stops (and is disabled if install enabled it): its pins are
    given up from this moment, and the images it kept pinned that the runtime does not are named.
 3. Every file install wrote: put back as it was, or removed when install added it;
@@ -20,9 +22,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from . import flagfile, readiness, state, yamledit
+from . import edited, flagfile, readiness, state, yamledit
 from . import kubelet as kubelet_mod
 from .changes import Changes, Say
 from .host import Host, HostError
@@ -33,6 +36,9 @@ from .yamledit import EditError
 
 #: how many of the images whose pin is given up are named
 NAMED_PINS = 10
+#: how what uninstall says names the files of kubelet's that install edited
+CONFIG = edited.Kind("kubelet's config", "kubelet's config", "it was", "keys")
+FLAGS = edited.Kind("kubelet's flags file", "kubelet's flags", "they were", "flags")
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,7 @@ def _uninstall(opts: Options, ch: Changes, host: Host, say: Say) -> int:
     status = EXIT_OK
     try:
         if st.kubelet is not None:
-            if not _kubelet_back(opts, st.kubelet, ch, host, say):
+            if not _kubelet_back(opts, st.kubelet, st.listen, ch, host, say):
                 status = EXIT_ROLLED_BACK
             st.kubelet = None
             _save(st, ch)
@@ -83,23 +89,19 @@ def _save(st: State, ch: Changes) -> None:
         ch.write(state.STATE_FILE, data, "what is left to undo", mode=0o600, bookkeeping=True)
 
 
-def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, say: Say) -> bool:
-    """kubelet's config as it was, kubelet restarted: whether it came back (True when not restarted)."""
-    current = ch.read(rec.config)
-    original = ch.read(rec.backup)
-    digest = state.sha256(current) if current is not None else None
-    changed = False
-    if digest == rec.sha256_before:
-        say(f"kubelet's config {rec.config} is as it was before install")
-    elif original is not None and rec.exact and digest in (rec.sha256_after, None):
-        changed = ch.write(rec.config, original, "kubelet's config, as it was before install, byte for byte")
-    else:
-        _keys_back(rec, current, ch, say)
-        changed = True
+def _kubelet_back(opts: Options, rec: KubeletRecord, listen: str, ch: Changes, host: Host, say: Say) -> bool:
+    """kubelet's config (and flags files) as it was, kubelet restarted: whether it came back (True when
+    not restarted). Restarted when a file is not as it was before install, or when the running kubelet
+    has an endpoint flag naming the shim's socket (``listen``): its flags file was put back by someone
+    else (``kubeadm upgrade node``) and kubelet not restarted since."""
+    changed = edited.put_back(ch, rec.config, rec, CONFIG, partial(_keys_back, rec, say=say))
     for f in rec.flag_files:
-        changed = _flags_back(f, ch, say) or changed
-    if not changed:
+        changed = edited.put_back(ch, f.path, f, FLAGS, partial(_flags_back, f, say=say)) or changed
+    if not changed and not _runs_on(listen, ch, host):
         return True
+    if not changed:
+        say(f"kubelet runs with an endpoint flag naming {listen}, from its flags file as it was when kubelet "
+            f"started: kubelet is restarted on its flags as they are now")
     if not is_active(ch, kubelet_mod.UNIT):
         say(f"{kubelet_mod.UNIT} is not running: it reads its config as it is now when it starts")
         return True
@@ -117,11 +119,17 @@ def _kubelet_back(opts: Options, rec: KubeletRecord, ch: Changes, host: Host, sa
     return True
 
 
-def _keys_back(rec: KubeletRecord, current: bytes | None, ch: Changes, say: Say) -> None:
-    """The file changed since install (or its copy is gone): each key install set goes back, if it still
-    has the value install wrote."""
-    if current is None:
-        raise HostError(f"{rec.config} is gone and so is the copy of it at {rec.backup}: put it back by hand")
+def _runs_on(listen: str, ch: Changes, host: Host) -> bool:
+    """The running kubelet has an endpoint flag naming ``listen`` on its command line."""
+    pid = main_pid(ch, kubelet_mod.UNIT)
+    flags = kubelet_mod.parse_flags((host.command_line(pid) if pid > 0 else None) or [])
+    return any(f in flags and kubelet_mod.same_endpoint(flags[f], listen)
+               for f in (kubelet_mod.IMAGE_FLAG, kubelet_mod.RUNTIME_FLAG))
+
+
+def _keys_back(rec: KubeletRecord, current: bytes, say: Say) -> bytes:
+    """kubelet's config changed since install: each key install set back to its value before, if it
+    still has the value install wrote."""
     text = yamledit.decode(current, rec.config)
     found = yamledit.entries(text, rec.config)
     changes: dict[str, str | None] = {}
@@ -131,24 +139,12 @@ def _keys_back(rec: KubeletRecord, current: bytes | None, ch: Changes, say: Say)
             changes[key] = before if before is not None else yamledit.REMOVE
         else:
             say(f"left {key} in {rec.config} as it is ({now.raw if now else 'absent'}): not what install wrote")
-    new = yamledit.edit(text, changes, rec.config).encode()
-    ch.write(rec.config, new, "kubelet's config changed since install: the keys install set, back as they were "
-                              "(not byte for byte)")
+    return yamledit.edit(text, changes, rec.config).encode()
 
 
-def _flags_back(rec: FlagRecord, ch: Changes, say: Say) -> bool:
-    """A flags file as it was before install: its bytes when it is as install left it, else each flag
-    install set back to its value before, where it still has the value install wrote. True: written."""
-    current = ch.read(rec.path)
-    digest = state.sha256(current) if current is not None else None
-    if digest == rec.sha256_before:
-        say(f"kubelet's flags file {rec.path} is as it was before install")
-        return False
-    original = ch.read(rec.backup)
-    if original is not None and rec.exact and digest in (rec.sha256_after, None):
-        return ch.write(rec.path, original, "kubelet's flags, as they were before install, byte for byte")
-    if current is None:
-        raise HostError(f"{rec.path} is gone and so is the copy of it at {rec.backup}: put it back by hand")
+def _flags_back(rec: FlagRecord, current: bytes, say: Say) -> bytes:
+    """A flags file changed since install: each flag install set back to its value before, where it
+    still has the value install wrote."""
     text = flagfile.decode(current)
     edits = []
     for flag, (before, after) in rec.flags.items():
@@ -156,9 +152,7 @@ def _flags_back(rec: FlagRecord, ch: Changes, say: Say) -> bool:
         if not mine:
             say(f"left {flag} in {rec.path} as it is: not what install wrote ({after})")
         edits += [(p, before) for p in mine]
-    return ch.write(rec.path, flagfile.encode(flagfile.replace(text, edits)),
-                    "kubelet's flags changed since install: the flags install set, back as they were "
-                    "(not byte for byte)")
+    return flagfile.encode(flagfile.replace(text, edits))
 
 
 def _probe(opts: Options, rec: KubeletRecord, ch: Changes, host: Host) -> readiness.Probe:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
 from shim.node_install.install import EXIT_OK, EXIT_REFUSED, EXIT_ROLLED_BACK
 from shim.node_install.kubelet import parse_flags
@@ -239,6 +239,50 @@ def test_a_flags_file_rewritten_since_install_gets_only_the_flag_back(tmp_path: 
     assert kubelet_flags(host)[IMAGE_FLAG] == RUNTIME
 
 
+def test_a_flags_file_rewritten_without_the_shim_before_kubelet_restarted_gets_kubelet_restarted(
+        tmp_path: Path) -> None:
+    """`kubeadm upgrade node` rewrote kubeadm-flags.env (its endpoint flag back at the runtime) and
+    kubelet was not restarted yet: it still runs on the shim. Uninstall has no value of its own left
+    to put back in the file, and restarts kubelet all the same before it stops the shim, as it does
+    for kubelet's config file: kubelet is never left on a socket that is going away. (Before the
+    config and flags files shared edited.put_back, a flags file restarted kubelet only when written.)"""
+    root, host = node(tmp_path, f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME}"\n')
+    config = (root / KUBELET_CONFIG).read_bytes()
+    assert do_install(root, host, pull_settings=False)[0] == EXIT_OK
+    assert (root / KUBELET_CONFIG).read_bytes() == config  # only the flags file was switched
+    assert kubelet_flags(host)[IMAGE_FLAG] == SHIM_SOCKET
+    upgraded = f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME} --node-ip=192.0.2.9"\n'
+    (root / KUBEADM_FLAGS).write_text(upgraded)
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert (root / KUBEADM_FLAGS).read_text() == upgraded
+    assert f"left {IMAGE_FLAG} in /var/lib/kubelet/kubeadm-flags.env as it is: not what install wrote " \
+           f"({SHIM_SOCKET})" in out
+    assert kubelet_flags(host)[IMAGE_FLAG] == RUNTIME, "kubelet left running on the shim's socket"
+    assert "--node-ip=192.0.2.9" in (host.command_line(host.kubelet_pid()) or [])  # the upgrade's file
+    assert not host.units["cri-shim.service"].active
+
+
+def test_a_flags_file_put_back_by_kubeadm_before_kubelet_restarted_gets_kubelet_restarted(tmp_path: Path) -> None:
+    """`kubeadm upgrade node` wrote kubeadm-flags.env exactly as it was before install and kubelet was
+    not restarted yet: the file needs nothing, but the running kubelet names the shim. Uninstall
+    restarts kubelet (it reads the running command line) before it stops the shim."""
+    flags = f'KUBELET_KUBEADM_ARGS="{IMAGE_FLAG}={RUNTIME}"\n'
+    root, host = node(tmp_path, flags)
+    assert do_install(root, host, pull_settings=False)[0] == EXIT_OK
+    (root / KUBEADM_FLAGS).write_text(flags)
+    assert kubelet_flags(host)[IMAGE_FLAG] == SHIM_SOCKET
+    rc, out = do_uninstall(root, host)
+    assert rc == EXIT_OK, out
+    assert (root / KUBEADM_FLAGS).read_text() == flags
+    assert "kubelet's flags file /var/lib/kubelet/kubeadm-flags.env is as it was before install" in out
+    assert f"kubelet runs with an endpoint flag naming {SHIM_SOCKET}, from its flags file as it was when kubelet " \
+           f"started: kubelet is restarted on its flags as they are now" in out
+    order = [c for c in host.mutations() if c[1:] in (["restart", "kubelet.service"], ["stop", "cri-shim.service"])]
+    assert order[-2:] == [["systemctl", "restart", "kubelet.service"], ["systemctl", "stop", "cri-shim.service"]]
+    assert kubelet_flags(host)[IMAGE_FLAG] == RUNTIME
+
+
 # ------------------------------------------------------------------------------ any flags file
 
 _OTHER_FLAGS = ["--v=2", "--node-ip=192.0.2.7", PAUSE, "--max-pods", "110", f"{RUNTIME_FLAG}={RUNTIME}",
@@ -377,14 +421,38 @@ class FlagsFileStates(NodeInstallStates):
     @precondition(lambda self: self.mode is not None)
     @rule(ip=st.sampled_from(["192.0.2.8", "192.0.2.7"]))
     def kubeadm_upgrade_rewrites_the_flags_file_then_install(self, ip: str) -> None:
+        self.kubeadm_rewrites_the_flags_file(ip)
+        self.host.run(["systemctl", "restart", "kubelet.service"], 10)  # as kubeadm's upgrade steps say
+        rc, out = do_install(self.root, self.host, mode=self.mode)
+        assert rc == EXIT_OK, out
+
+    @precondition(lambda self: self.mode is not None)
+    @rule(ip=st.sampled_from(["192.0.2.8", "192.0.2.7"]))
+    def kubeadm_upgrade_rewrites_kubelets_files_then_uninstall_before_kubelet_restarts(self, ip: str) -> None:
+        """`kubeadm upgrade node` writes kubelet's config and flags file anew (install's values gone),
+        and uninstall runs before kubelet is restarted: the running kubelet is still on the shim."""
+        base = self.base[KUBELET_CONFIG]
+        assert isinstance(base, tuple)
+        (self.root / KUBELET_CONFIG).write_bytes(base[0])
+        self.kubeadm_rewrites_the_flags_file(ip)
+        rc, out = do_uninstall(self.root, self.host)
+        assert rc == EXIT_OK, out
+        self.mode = None
+
+    def kubeadm_rewrites_the_flags_file(self, ip: str) -> None:
+        """The flags file as kubeadm writes it (its endpoints as before install), with this node IP."""
         rewritten = self.FLAGS.replace("192.0.2.7", ip).encode()
         (self.root / KUBEADM_FLAGS).write_bytes(rewritten)
         base = self.base[KUBEADM_FLAGS]
         assert isinstance(base, tuple)
         self.base[KUBEADM_FLAGS] = (rewritten, base[1])
-        self.host.run(["systemctl", "restart", "kubelet.service"], 10)  # as kubeadm's upgrade steps say
-        rc, out = do_install(self.root, self.host, mode=self.mode)
-        assert rc == EXIT_OK, out
+
+    @invariant()
+    def kubelet_off_the_shim_when_not_installed(self) -> None:
+        """Not installed: the running kubelet names the shim in no flag (uninstall restarted it
+        before it stopped the shim)."""
+        if self.mode is None:
+            assert SHIM_SOCKET not in kubelet_flags(self.host).values()
 
     def kubelet_switched(self) -> None:
         """Installed: the running kubelet's endpoint flags of the mode name the shim (the base
