@@ -376,6 +376,8 @@ class RelayCore:
             self.to_runtime.append(raw)
             if self.patching.streams:
                 self.patching.client_reset(sid)
+                if self.window.held:  # what was held for it goes no more: what follows may go
+                    self._release()
 
     def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
         """A new stream over the streams allowed at once: refused (the client retries it)."""
@@ -446,6 +448,8 @@ class RelayCore:
         self.to_runtime.append(http2.rst_stream(sid, http2.CANCEL))
         self.patching.discard(s)
         self.streams.relayed_event(sid, On.SHIM_RESET)
+        if self.window.held:
+            self._release()
         self._send_in_order(http2.rst_stream(sid, code))
 
     def _client_settings(self, flags: int, raw: bytes, length: int, relay: bool) -> None:
@@ -672,6 +676,8 @@ class RelayCore:
                 if ftype == RST_STREAM:
                     if self.patching.runtime_reset(sid):
                         continue  # the client had it ended already
+                    if held:  # what was held for it goes no more: the reset may go at once
+                        self._release()
                 elif ftype == HEADERS and flags & END_STREAM:
                     self.patching.runtime_trailers(sid, out, self.settings.client_max_frame)
             if ftype == SETTINGS:
@@ -711,6 +717,8 @@ class RelayCore:
                                   responding)
         if over is not None:  # over server.max_message_bytes: the runtime got RST_STREAM CANCEL
             self.streams.relayed_event(sid, On.SHIM_RESET)
+            if self.window.held:
+                self._release()
             self._send_in_order(http2.headers_frames(sid, over, True, self.settings.client_max_frame))
         elif flags & END_STREAM:
             self.streams.relayed_event(sid, _RUNTIME_END)

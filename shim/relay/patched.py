@@ -8,7 +8,11 @@ its DATA differs:
 
 - the shim consumes it: the runtime gets its window back at once, connection and stream
   level (the client never sees those bytes, so it would never refund them; a message
-  larger than the client's windows would otherwise never complete);
+  larger than the client's windows would otherwise never complete). The client's
+  WINDOW_UPDATEs on the stream are the shim's (absorbed), so the runtime's stream window
+  stays what the client's SETTINGS give it, raised to at least ``RUNTIME_WINDOW_FLOOR``
+  (a client whose initial window is 0 opens its streams by WINDOW_UPDATE: the runtime
+  never sees those, and would wait forever);
 - the gRPC messages (5-byte prefix) are collected from the DATA, whatever the frame
   split; each whole message is rewritten (``Patch.rewrite``; a compressed one passes as
   it is) and sent as the shim's own DATA on that stream (``Out``): within the client's
@@ -37,19 +41,23 @@ from . import grpcwire, http2
 from .flow import ClientWindow
 from .http2 import DATA, END_STREAM, PADDED, H2Error
 
+RUNTIME_WINDOW_FLOOR = http2.DEFAULT_WINDOW  # the least stream window the runtime has on a patched stream
 DISCARDED_MEMORY = 1024  # ended patched streams remembered, to consume the runtime's late DATA
 LIMIT_KEY = "server.max_message_bytes"
 _PREFIX = 5
 
 
 class PatchedStream:
-    __slots__ = ("buf", "discard", "ended", "pending", "rewrite", "send_window", "sid")
+    __slots__ = ("buf", "discard", "ended", "pending", "received", "rewrite", "runtime_window", "send_window",
+                 "sid")
 
     def __init__(self, sid: int, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
         self.sid = sid
         self.rewrite = rewrite
         self.buf = bytearray()  # the runtime's DATA not yet a whole message
+        self.received = 0  # bytes of the runtime's messages on this stream (bounded: a unary answer)
         self.send_window = send_window  # what the shim may still send the client on this stream
+        self.runtime_window = send_window  # what the runtime may still send on it, as it knows it
         self.pending = 0  # ``Out`` items of this stream not yet sent
         self.ended = False  # the runtime ended the stream (END_STREAM or RST_STREAM)
         self.discard = False  # ended by the shim or the client: the runtime's DATA is consumed
@@ -112,7 +120,14 @@ class Patching:
         self.marked = 0  # messages the shim rewrote (changed) on this connection
 
     def open(self, sid: int, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
-        self.streams[sid] = PatchedStream(sid, rewrite, send_window)
+        """A new patched stream (its request HEADERS already queued for the runtime)."""
+        s = self.streams[sid] = PatchedStream(sid, rewrite, send_window)
+        self._floor(s)
+
+    def _floor(self, s: PatchedStream) -> None:
+        if s.runtime_window < RUNTIME_WINDOW_FLOOR:
+            self.to_runtime.append(http2.window_update(s.sid, RUNTIME_WINDOW_FLOOR - s.runtime_window))
+            s.runtime_window = RUNTIME_WINDOW_FLOOR
 
     def forget(self, sid: int) -> None:
         self.streams.pop(sid, None)
@@ -137,6 +152,9 @@ class Patching:
         payload = raw[9:]
         if flags & PADDED and payload:
             payload = payload[1:len(payload) - payload[0]]
+        s.received += len(payload)
+        if s.received > self.limit + _PREFIX:  # one message and its prefix at most: a unary answer
+            return self._over(s, s.received - _PREFIX, responding)
         buf = s.buf
         buf += payload
         chunks: list[bytes] = []
@@ -219,10 +237,14 @@ class Patching:
         return inc != 0 and s.send_window <= http2.MAX_WINDOW
 
     def initial_window_changed(self, delta: int) -> None:
+        """The client's SETTINGS_INITIAL_WINDOW_SIZE changed by ``delta`` (the runtime has it too)."""
         for s in self.streams.values():
             s.send_window += delta
             if s.send_window > http2.MAX_WINDOW:
                 raise H2Error("a stream window above 2^31-1", http2.FLOW_CONTROL_ERROR)
+            if not s.discard and not s.ended:
+                s.runtime_window += delta
+                self._floor(s)
 
     def discard(self, s: PatchedStream) -> None:
         """The shim or the client ended ``s``: consume what the runtime still sends on it."""
