@@ -109,7 +109,7 @@ class Out:
 class Patching:
     """The patched streams of one connection (see the module docstring)."""
 
-    __slots__ = ("_discarded", "limit", "marked", "streams", "to_runtime", "window")
+    __slots__ = ("_discarded", "limit", "streams", "to_runtime", "window")
 
     def __init__(self, window: ClientWindow, to_runtime: list[bytes], limit: int) -> None:
         self.window = window
@@ -117,7 +117,6 @@ class Patching:
         self.limit = limit  # server.max_message_bytes
         self.streams: dict[int, PatchedStream] = {}
         self._discarded: dict[int, None] = {}  # oldest first
-        self.marked = 0  # messages the shim rewrote (changed) on this connection
 
     def open(self, sid: int, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
         """A new patched stream (its request HEADERS already queued for the runtime)."""
@@ -167,10 +166,7 @@ class Patching:
                 break
             body = bytes(buf[pos + _PREFIX:pos + _PREFIX + size])
             if not buf[pos]:  # not compressed
-                new = s.rewrite(body)
-                if new is not body:
-                    self.marked += 1
-                    body = new
+                body = s.rewrite(body)
             chunks.append(bytes(buf[pos:pos + 1]) + len(body).to_bytes(4, "big") + body)
             pos += _PREFIX + size
         del buf[:pos]
