@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -195,9 +196,14 @@ async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -
 
 async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtime: FakeRuntime) -> None:
     """server.stream_stall_seconds: a PullImage whose body never completes gets DEADLINE_EXCEEDED;
-    a ListImages answer held by the client's zero window is reset (CANCEL). The connection goes
-    on, and the process-wide counts of calls and request bytes are back at zero."""
-    runtime.unary["/runtime.v1.ImageService/ListImages"] = b"\x0a\x05\x0a\x03img"
+    a StreamImages answer held by the client's zero window is reset (CANCEL). The connection goes
+    on, and the process-wide counts of calls and request bytes are back at zero. (ListImages is
+    relayed with pins, its answer patched: the runtime holds it as for any relayed call.)"""
+
+    async def images(request: bytes, context: object) -> AsyncIterator[bytes]:
+        yield b"\x0a\x05\x0a\x03img"
+
+    runtime.streams["/runtime.v1.ImageService/StreamImages"] = images
     settings = {"server": {"stream_stall_seconds": 0.5}, "pins": {"images": ["example.invalid/p:1"]}}
     async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
         limits = shim.server.relay.limits
@@ -217,7 +223,7 @@ async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtim
         assert time.monotonic() - t0 >= 0.4
         status = dict(Decoder().decode(frames[-1][2], full=True)[1])
         assert status[b"grpc-status"] == b"4" and b"server.stream_stall_seconds" in status[b"grpc-message"]
-        writer.write(request(3, "/runtime.v1.ImageService/ListImages") + http2.frame(http2.DATA, http2.END_STREAM, 3,
+        writer.write(request(3, "/runtime.v1.ImageService/StreamImages") + http2.frame(http2.DATA, http2.END_STREAM, 3,
                                                                                    b"\0\0\0\0\0"))
         frames = await _frames_until(reader, 3, 10)
         assert frames[-1][0] == http2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == http2.CANCEL
