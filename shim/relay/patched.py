@@ -197,7 +197,8 @@ class Patching:
     def runtime_trailers(self, sid: int, out: list[bytes], max_frame: int) -> None:
         """The runtime's trailers (HEADERS with END_STREAM) on a patched stream, before they pass."""
         s = self.streams[sid]
-        if s.discard:
+        if s.discard:  # the runtime's last frame on it: nothing more to consume
+            self.forget(sid)
             return
         s.ended = True
         if s.buf:  # an incomplete message: the runtime's bytes, as they are
