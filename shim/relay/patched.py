@@ -12,7 +12,10 @@ its DATA differs:
   WINDOW_UPDATEs on the stream are the shim's (absorbed), so the runtime's stream window
   stays what the client's SETTINGS give it, raised to at least ``RUNTIME_WINDOW_FLOOR``
   (a client whose initial window is 0 opens its streams by WINDOW_UPDATE: the runtime
-  never sees those, and would wait forever);
+  never sees those, and would wait forever). A top-up cannot be taken back: a client that
+  raises its initial window later gives the runtime that much on top (at most 64 KiB more
+  than the client's SETTINGS say; a client going from below 64 KiB to within 64 KiB of
+  2^31-1 would overflow the runtime's window, FLOW_CONTROL_ERROR from the runtime);
 - the gRPC messages (5-byte prefix) are collected from the DATA, whatever the frame
   split; each whole message is rewritten (``Patch.rewrite``; a compressed one passes as
   it is) and sent as the shim's own DATA on that stream (``Out``): within the client's

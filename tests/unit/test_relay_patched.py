@@ -254,7 +254,8 @@ class PatchedMachine(RuleBasedStateMachine):
     """Random answers, splits, client windows and refunds; a plain relayed stream beside them.
 
     The runtime is conforming (sends DATA within the windows it knows); the client refunds what
-    it got, at random times and in random amounts, sometimes more (window growth)."""
+    it got, at random times and in random amounts, sometimes more (window growth), changes its
+    initial stream window, and resets a patched call now and then."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,6 +279,7 @@ class PatchedMachine(RuleBasedStateMachine):
         self.unrefunded_conn = 0
         self.unrefunded: dict[int, int] = {}
         self.ended: set[int] = set()
+        self.reset: set[int] = set()
         self.patched: set[int] = set()
         self.seen: dict[int, list[tuple[int, int]]] = {}
         sid = 1
@@ -313,6 +315,7 @@ class PatchedMachine(RuleBasedStateMachine):
                 assert n <= self.client_conn, "over the client's connection window"
                 assert n <= self.client_stream[s], "over the client's stream window"
                 assert s not in self.ended, "DATA after the trailers"
+                assert s not in self.reset, "DATA after the client's reset"
                 self.client_conn -= n
                 self.client_stream[s] -= n
                 self.unrefunded_conn += n
@@ -321,7 +324,7 @@ class PatchedMachine(RuleBasedStateMachine):
                     self.owed += n
             if t == http2.HEADERS and f & http2.END_STREAM:
                 self.ended.add(s)
-            assert t != http2.RST_STREAM and t != http2.GOAWAY
+            assert t != http2.GOAWAY and (t != http2.RST_STREAM or s in self.reset)
         for t, _, s, p in runtime:
             if t == http2.WINDOW_UPDATE:
                 inc = int.from_bytes(p, "big")
@@ -363,7 +366,7 @@ class PatchedMachine(RuleBasedStateMachine):
             self.client_conn += conn
             self.owed -= min(conn, self.owed)
         for sid in sorted(self.unrefunded):
-            if sid in self.ended:
+            if sid in self.ended or sid in self.reset:
                 continue
             inc = data.draw(st.integers(0, self.unrefunded[sid] + 500))
             if inc:
@@ -371,6 +374,39 @@ class PatchedMachine(RuleBasedStateMachine):
                 self.unrefunded[sid] = max(0, self.unrefunded[sid] - inc)
                 self.client_stream[sid] += inc
         self.w.core.receive_client(out)
+        self._deliver()
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.w is not None)
+    def client_resets(self, data: st.DataObject) -> None:
+        assert self.w is not None
+        open_ = sorted(s for s in self.patched if s not in self.ended and s not in self.reset)
+        if not open_:
+            return
+        sid = data.draw(st.sampled_from(open_))
+        self.w.core.receive_client(http2.rst_stream(sid, http2.CANCEL))
+        self.reset.add(sid)
+        self._deliver()
+        assert rst(self.w.runtime, sid) == http2.CANCEL  # relayed to the runtime
+        late = self.pending[sid][:data.draw(st.integers(0, min(len(self.pending[sid]), self.runtime_conn,
+                                                              self.runtime_stream[sid], self.max_frame)))]
+        self.pending[sid] = b""  # the runtime stops, after what it had sent already
+        if late:
+            self.runtime_conn -= len(late)
+            self.w.core.receive_runtime(http2.frame(http2.DATA, 0, sid, late))
+            self._deliver()
+
+    @rule(new=st.integers(0, 100_000))
+    @precondition(lambda self: self.w is not None)
+    def client_changes_its_initial_window(self, new: int) -> None:
+        assert self.w is not None
+        delta = new - self.initial
+        self.initial = new
+        self.w.core.receive_client(http2.settings_frame({http2.SETTINGS_INITIAL_WINDOW_SIZE: new}))
+        for sid in self.client_stream:  # both peers apply it to every stream (RFC 9113 6.9.2)
+            self.client_stream[sid] += delta
+            self.runtime_stream[sid] += delta
+        self.w.core.receive_runtime(http2.frame(http2.SETTINGS, http2.ACK, 0))  # the runtime acknowledges it
         self._deliver()
 
     @invariant()
@@ -383,8 +419,9 @@ class PatchedMachine(RuleBasedStateMachine):
         for sid, view in self.runtime_stream.items():
             if sid not in self.patched:
                 assert view <= self.client_stream[sid]
-            else:  # the shim's: what the client's SETTINGS give, at least 64 KiB, never more
-                assert view <= max(self.initial, http2.DEFAULT_WINDOW)
+            elif sid not in self.ended and sid not in self.reset:
+                # the shim's: what the client's SETTINGS give, raised to at least 64 KiB once
+                assert view <= self.initial + http2.DEFAULT_WINDOW
 
     def teardown(self) -> None:
         """Every stream finishes: the client refunds all it gets, the runtime sends all it has."""
@@ -392,7 +429,7 @@ class PatchedMachine(RuleBasedStateMachine):
         if w is None:
             return
         for _ in range(10_000):
-            if all(s in self.ended for s in self.expected):
+            if all(s in self.ended or s in self.reset for s in self.expected):
                 break
             for sid, rest in self.pending.items():
                 room = min(self.runtime_conn, self.runtime_stream[sid], self.max_frame, len(rest))
@@ -408,14 +445,17 @@ class PatchedMachine(RuleBasedStateMachine):
             self.owed -= min(self.unrefunded_conn + 1, self.owed)
             self.unrefunded_conn = 0
             for sid in self.unrefunded:
-                if sid not in self.ended:
+                if sid not in self.ended and sid not in self.reset:
                     out += http2.window_update(sid, self.unrefunded[sid] + 1)
                     self.client_stream[sid] += self.unrefunded[sid] + 1
                     self.unrefunded[sid] = 0
             w.core.receive_client(out)
             self._deliver()
-        assert all(s in self.ended for s in self.expected), "a stream never finished"
+        assert all(s in self.ended or s in self.reset for s in self.expected), "a stream never finished"
         for sid, want in self.expected.items():
+            if sid in self.reset:  # what it got before its reset: the start of the answer
+                assert want.startswith(body_of(w.client, sid))
+                continue
             assert body_of(w.client, sid) == want
             kinds = self.seen[sid]
             assert kinds[0][0] == http2.HEADERS and kinds[-1][0] == http2.HEADERS and kinds[-1][1] & http2.END_STREAM
