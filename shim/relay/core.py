@@ -435,6 +435,21 @@ class RelayCore:
             else:
                 out.append(held)
 
+    def expire_patched(self, stall: float) -> tuple[str, float | None]:
+        """A patched answer waiting for the client's windows for ``stall`` seconds ends: RST_STREAM
+        CANCEL both ways. Returns the method it ended ("" if none) and when to look again."""
+        s, when = self.patching.stalled(self._clock(), stall)
+        if s is None:
+            return "", when
+        if not s.ended:
+            self.to_runtime.append(http2.rst_stream(s.sid, http2.CANCEL))
+        self.patching.discard(s)
+        self.streams.relayed_event(s.sid, On.SHIM_RESET)
+        self._release()
+        self._send_in_order(http2.rst_stream(s.sid, http2.CANCEL))
+        _, when = self.patching.stalled(self._clock(), stall)
+        return s.method, when
+
     def _send_in_order(self, frames: bytes) -> None:
         """Frames of the shim's own that must follow the runtime's frames held so far."""
         if self.window.held:
@@ -519,7 +534,7 @@ class RelayCore:
         if route is None or type(route) is Patch:
             streams.relay(sid)
             if route is not None:  # relayed; its response messages rewritten (patched.py)
-                self.patching.open(sid, route.rewrite, self.settings.client_initial_window)
+                self.patching.open(sid, route.method, route.rewrite, self.settings.client_initial_window)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
                 logs.log(_log, logging.DEBUG, "relayed", method=path or "")
             self.to_runtime.extend(frames)

@@ -51,11 +51,12 @@ _PREFIX = 5
 
 
 class PatchedStream:
-    __slots__ = ("buf", "discard", "ended", "pending", "received", "rewrite", "runtime_window", "send_window",
-                 "sid")
+    __slots__ = ("buf", "discard", "ended", "method", "pending", "received", "rewrite", "runtime_window",
+                 "send_window", "sid")
 
-    def __init__(self, sid: int, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
+    def __init__(self, sid: int, method: str, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
         self.sid = sid
+        self.method = method
         self.rewrite = rewrite
         self.buf = bytearray()  # the runtime's DATA not yet a whole message
         self.received = 0  # bytes of the runtime's messages on this stream (bounded: a unary answer)
@@ -69,7 +70,7 @@ class PatchedStream:
 class Out:
     """Rewritten DATA of one stream, sent as the windows allow (flow.OwnData)."""
 
-    __slots__ = ("data", "end_stream", "owner", "pos", "size", "stream")
+    __slots__ = ("blocked_since", "data", "end_stream", "owner", "pos", "size", "stream")
 
     def __init__(self, owner: Patching, stream: PatchedStream, data: bytes, end_stream: bool) -> None:
         self.owner = owner
@@ -78,6 +79,7 @@ class Out:
         self.pos = 0
         self.size = len(data)
         self.end_stream = end_stream
+        self.blocked_since: float | None = None  # waiting for the client's windows since (the core's clock)
         stream.pending += 1
 
     def send(self, window: ClientWindow, max_frame: int, out: list[bytes]) -> bool:
@@ -89,6 +91,8 @@ class Out:
         while pos < n:
             room = min(window.window, s.send_window, max_frame, n - pos)
             if room <= 0:
+                if pos != self.pos:
+                    self.blocked_since = None  # it moved: the stall counts from now on
                 self.pos = pos
                 return False
             chunk = data[pos:pos + room]
@@ -121,9 +125,9 @@ class Patching:
         self.streams: dict[int, PatchedStream] = {}
         self._discarded: dict[int, None] = {}  # oldest first
 
-    def open(self, sid: int, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
+    def open(self, sid: int, method: str, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
         """A new patched stream (its request HEADERS already queued for the runtime)."""
-        s = self.streams[sid] = PatchedStream(sid, rewrite, send_window)
+        s = self.streams[sid] = PatchedStream(sid, method, rewrite, send_window)
         self._floor(s)
 
     def _floor(self, s: PatchedStream) -> None:
@@ -245,6 +249,22 @@ class Patching:
             if not s.discard and not s.ended:
                 s.runtime_window += delta
                 self._floor(s)
+
+    def stalled(self, now: float, stall: float) -> tuple[PatchedStream | None, float | None]:
+        """The stream whose rewritten answer has waited for the client's windows for ``stall``
+        seconds at the head of the held frames (``server.stream_stall_seconds``), and when to
+        look again (None: nothing of the shim's is waiting)."""
+        held = self.window.held
+        if not held or isinstance(held[0], bytes):
+            return None, None
+        head = held[0]
+        if not isinstance(head, Out):
+            return None, None
+        if head.blocked_since is None:
+            head.blocked_since = now
+        if now - head.blocked_since < stall:
+            return None, head.blocked_since + stall
+        return head.stream, None
 
     def discard(self, s: PatchedStream) -> None:
         """The shim or the client ended ``s``: consume what the runtime still sends on it."""

@@ -39,7 +39,8 @@ class Wire:
     """A RelayCore between a client and a runtime, past both prefaces."""
 
     def __init__(self, client_settings: dict[int, int] | None = None, **server: object) -> None:
-        self.core = RelayCore(limits(**server), ROUTE)
+        self.now = 0.0
+        self.core = RelayCore(limits(**server), ROUTE, clock=lambda: self.now)
         self.core.receive_client(http2.PREFACE + http2.settings_frame(client_settings or {}))
         assert self.core.take_events() == [PrefaceReceived()]
         self.core.start_relay()
@@ -234,6 +235,27 @@ def test_a_message_over_the_bound_ends_the_call_resource_exhausted() -> None:
     w.core.receive_runtime(data(1, b"y" * 1000) + http2.rst_stream(1, http2.CANCEL))
     client, runtime = w.take()
     assert client == [] and updates(runtime, 0) == 1000
+
+
+def test_an_answer_the_clients_windows_hold_for_the_stall_time_ends_both_ways() -> None:
+    """server.stream_stall_seconds, as for an intercepted answer: the client opens no window for
+    it; the call ends with RST_STREAM CANCEL to both, and what waited behind it goes on."""
+    w = Wire({http2.SETTINGS_INITIAL_WINDOW_SIZE: 0})
+    w.call(1, LIST_IMAGES)
+    w.call(3, VERSION)
+    w.take()
+    w.core.receive_runtime(w.answer_headers(1) + data(1, message(b"x" * 50)) + w.trailers(1) + w.answer_headers(3))
+    assert [t for t, _, _, _ in w.take()[0]] == [http2.HEADERS]
+    assert w.core.expire_patched(30.0) == ("", 30.0)  # waiting since now
+    w.now = 29.0
+    assert w.core.expire_patched(30.0) == ("", 30.0)
+    w.now = 30.0
+    method, when = w.core.expire_patched(30.0)
+    assert method == LIST_IMAGES and when is None
+    client, runtime = w.take()
+    assert body_of(client, 1) == b"" and rst(client, 1) == http2.CANCEL
+    assert [(t, s) for t, _, s, _ in client] == [(http2.HEADERS, 1), (http2.HEADERS, 3), (http2.RST_STREAM, 1)]
+    assert rst(runtime, 1) is None  # the runtime had ended it (its trailers): nothing to cancel there
 
 
 def test_the_runtime_lost_answers_a_patched_call_unavailable() -> None:
