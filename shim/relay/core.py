@@ -533,11 +533,11 @@ class RelayCore:
         route = self.route(path) if path is not None else None  # the one routing decision of the call
         if route is None or type(route) is Patch:
             streams.relay(sid)
-            if route is not None:  # relayed; its response messages rewritten (patched.py)
-                self.patching.open(sid, route.method, route.rewrite, self.settings.client_initial_window)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
                 logs.log(_log, logging.DEBUG, "relayed", method=path or "")
             self.to_runtime.extend(frames)
+            if route is not None:  # relayed; its response messages rewritten (patched.py), after its HEADERS
+                self.patching.open(sid, route.method, route.rewrite, self.settings.client_initial_window)
             return
         if before is not None:
             decoder.restore(before)  # decode again, this time every header

@@ -134,7 +134,9 @@ def test_a_message_larger_than_the_clients_windows_completes_within_them() -> No
     stream = message(body)
     runtime_window, sent = http2.DEFAULT_WINDOW, 0
     w.core.receive_runtime(w.answer_headers(1))
-    # the runtime's view of stream 1: the client's 1,000, raised by the shim to 64 KiB
+    # the runtime's view of stream 1: the client's 1,000, raised by the shim to 64 KiB, after its HEADERS
+    kinds = [t for t, _, s, _ in runtime if s == 1]
+    assert kinds[0] == http2.HEADERS and http2.WINDOW_UPDATE in kinds[1:]
     stream_window = 1000 + updates(runtime, 1)
     assert stream_window == http2.DEFAULT_WINDOW
     window = {"conn": http2.DEFAULT_WINDOW, "stream": 1000}
