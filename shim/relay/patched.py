@@ -40,11 +40,13 @@ from collections.abc import Callable
 
 import grpc
 
+from ..observability import logs
 from . import grpcwire, http2
 from .flow import ClientWindow
 from .http2 import DATA, END_STREAM, PADDED, H2Error
 
 RUNTIME_WINDOW_FLOOR = http2.DEFAULT_WINDOW  # the least stream window the runtime has on a patched stream
+_log = logs.get("relay")
 DISCARDED_MEMORY = 1024  # ended patched streams remembered, to consume the runtime's late DATA
 LIMIT_KEY = "server.max_message_bytes"
 _PREFIX = 5
@@ -173,7 +175,7 @@ class Patching:
                 break
             body = bytes(buf[pos + _PREFIX:pos + _PREFIX + size])
             if not buf[pos]:  # not compressed
-                body = s.rewrite(body)
+                body = self._rewrite(s, body)
             chunks.append(bytes(buf[pos:pos + 1]) + len(body).to_bytes(4, "big") + body)
             pos += _PREFIX + size
         del buf[:pos]
@@ -187,6 +189,15 @@ class Patching:
         if end and not s.pending:
             self.forget(sid)
         return None
+
+    @staticmethod
+    def _rewrite(s: PatchedStream, body: bytes) -> bytes:
+        try:
+            return s.rewrite(body)
+        except Exception:  # noqa: BLE001  (a bug in a rewrite: this answer passes as the runtime sent it)
+            _log.error("rewriting a response failed; passed on as it is", extra={"fields": {"method": s.method}},
+                       exc_info=True)
+            return body
 
     def _send(self, item: Out, out: list[bytes], max_frame: int) -> None:
         window = self.window

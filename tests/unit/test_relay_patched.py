@@ -260,6 +260,24 @@ def test_an_answer_the_clients_windows_hold_for_the_stall_time_ends_both_ways() 
     assert rst(runtime, 1) is None  # the runtime had ended it (its trailers): nothing to cancel there
 
 
+def test_a_rewrite_that_fails_passes_the_answer_as_the_runtime_sent_it() -> None:
+    def broken(body: bytes) -> bytes:
+        raise ValueError("a bug")
+
+    core = RelayCore(limits(), Router({IMAGE_STATUS: Patch(IMAGE_STATUS, "handler", broken)}).route)
+    core.receive_client(http2.PREFACE + http2.settings_frame({}))
+    core.start_relay()
+    core.receive_runtime(http2.settings_frame({}))
+    core.receive_client(headers(1, IMAGE_STATUS) + data(1, message(b"req"), end_stream=True))
+    core.take_client()
+    core.receive_runtime(http2.headers_frames(1, RESPONSE_HEADERS, False, http2.DEFAULT_MAX_FRAME)
+                         + data(1, message(b"\x0a\x03img"))
+                         + http2.headers_frames(1, TRAILERS, True, http2.DEFAULT_MAX_FRAME))
+    client = parse(core.take_client())
+    assert body_of(client, 1) == message(b"\x0a\x03img")
+    assert client[-1][0] == http2.HEADERS and client[-1][1] & http2.END_STREAM
+
+
 def test_the_runtime_lost_answers_a_patched_call_unavailable() -> None:
     w = Wire()
     w.call(1)
