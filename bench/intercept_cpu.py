@@ -151,6 +151,12 @@ async def run(target: str, pid: int, rate: float, seconds: float, rounds: int, o
         mcs = {name: ch.unary_unary(method) for name, (method, _, _) in cs.items()}
         for name, (_, req, expect) in cs.items():  # warm up, and check every case answers as expected
             await paced(mcs[name], req, expect, rate, 1.0)
+        if pins:  # the answers are marked, whichever way the shim does it (intercepted or patched)
+            status = api_pb2.ImageStatusResponse.FromString(
+                await ch.unary_unary(IS + "ImageStatus")(cases()["ImageStatus"][1], timeout=10))
+            listed = api_pb2.ListImagesResponse.FromString(await ch.unary_unary(IS + "ListImages")(b"", timeout=10))
+            if not status.image.pinned or sum(i.pinned for i in listed.images) != IMAGES // PINNED_EVERY:
+                raise SystemExit("the shim's answers are not marked pinned")
         rng = random.Random(1)
         for _ in range(rounds):
             order = list(cs)

@@ -3,7 +3,9 @@
 Every ``:path`` is first put in the form the runtime routes it by (``methods.canonical``),
 then:
 
-- a method in the interception table is answered by its handler;
+- a method in the interception table is answered by its handler, or, for an entry that is a
+  ``Patch``, relayed with the runtime's response messages rewritten (the relay engine;
+  the grpc engine answers it by the entry's handler);
 - ``runtime.v1alpha2`` is refused with UNIMPLEMENTED, as containerd 2.x answers it (the
   shim does not check pins or the pull cap on it, so it must not reach containerd 1.6/1.7);
 - CRI (``runtime.v1.*``, any method) and ``grpc.health.v1.Health`` are relayed;
@@ -14,7 +16,7 @@ then:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Iterable, Mapping, TypeVar
+from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 import grpc
 
@@ -49,6 +51,17 @@ class Intercept(Generic[H]):
     handler: H
 
 
+@dataclass(frozen=True)
+class Patch(Generic[H]):
+    """Relay the call; rewrite each response message with ``rewrite`` (gRPC message bytes
+    without the 5-byte prefix -> the bytes the client gets). ``handler`` answers it on an
+    engine that cannot rewrite frames (the grpc engine), as an ``Intercept`` would."""
+
+    method: str
+    handler: H
+    rewrite: Callable[[bytes], bytes]
+
+
 def _quote(path: str) -> str:
     return repr(path[:_QUOTE_MAX] + ("..." if len(path) > _QUOTE_MAX else ""))
 
@@ -73,15 +86,15 @@ def check_allowed_services(entries: Iterable[str]) -> tuple[str, ...]:
 
 
 class Router(Generic[H]):
-    """The routing decision for a ``:path``: Intercept, Refusal, or None (relay it as it is)."""
+    """The routing decision for a ``:path``: Intercept, Patch, Refusal, or None (relay it as it is)."""
 
-    def __init__(self, table: Mapping[str, H] | None = None, allowed_services: Iterable[str] = ()) -> None:
-        self.table: Mapping[str, H] = dict(table or {})
+    def __init__(self, table: Mapping[str, H | Patch[H]] | None = None, allowed_services: Iterable[str] = ()) -> None:
+        self.table: Mapping[str, H | Patch[H]] = dict(table or {})
         self.generation = 0  # bumped on every change: an engine caching decisions drops them
-        self._memo: dict[str, Intercept[H] | Refusal | None] = {}  # path -> decision, for this generation
+        self._memo: dict[str, Intercept[H] | Patch[H] | Refusal | None] = {}  # path -> decision, for this generation
         self.set_allowed_services(allowed_services)
 
-    def set_table(self, table: Mapping[str, H]) -> None:
+    def set_table(self, table: Mapping[str, H | Patch[H]]) -> None:
         self.table = dict(table)
         self.generation += 1
         self._memo = {}
@@ -97,7 +110,7 @@ class Router(Generic[H]):
         return (_in_package(service, CRI_PACKAGE) or service == HEALTH_SERVICE or service in self._exact
                 or service.startswith(self._prefixes))
 
-    def route(self, path: str) -> Intercept[H] | Refusal | None:
+    def route(self, path: str) -> Intercept[H] | Patch[H] | Refusal | None:
         memo = self._memo
         try:
             return memo[path]
@@ -114,11 +127,13 @@ class Router(Generic[H]):
         """The paths whose decision is kept (at most MEMO_ENTRIES, each at most MEMO_PATH_MAX long)."""
         return list(self._memo)
 
-    def _decide(self, path: str) -> Intercept[H] | Refusal | None:
+    def _decide(self, path: str) -> Intercept[H] | Patch[H] | Refusal | None:
         method = canonical(path)
         if method is None:  # grpc-go's own answer
             return Refusal(grpc.StatusCode.UNIMPLEMENTED, f"malformed method name: {_quote(path)}")
         handler = self.table.get(method)
+        if isinstance(handler, Patch):
+            return handler
         if handler is not None:
             return Intercept(method, handler)
         service = service_of(method)

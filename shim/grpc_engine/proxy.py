@@ -34,7 +34,7 @@ from ..cri.call import (
 from ..cri.deadline import Deadline
 from ..cri.methods import Cardinality, cardinality
 from ..cri.peer import UNIDENTIFIED
-from ..cri.routing import Intercept, Refusal, Router
+from ..cri.routing import Intercept, Patch, Refusal, Router
 from ..cri.upstream import Upstream
 from ..errors import Metadata, RpcError
 from ..observability import logs
@@ -154,7 +154,7 @@ class Proxy(grpc.GenericRpcHandler):
         if isinstance(route, Refusal):
             return grpc.stream_stream_rpc_method_handler(_refuse(route))
         card = cardinality(method)
-        if isinstance(route, Intercept):
+        if isinstance(route, (Intercept, Patch)):  # this engine cannot rewrite frames: a Patch is intercepted
             sent_as = "" if route.method == method else method
             if card is Cardinality.UNARY:
                 return grpc.unary_unary_rpc_method_handler(

@@ -5,6 +5,12 @@ is refused with INVALID_ARGUMENT, like on every intercepted method), except for 
 runtime handler that a ``runtime_handlers`` rule adds to its ImageSpec
 (shim/runtime_handlers/inject.py). A missing image is an empty response (no ``image``), not an error,
 and passes through as it is.
+
+Without a ``runtime_handlers`` rule for images the relay engine does not run this handler:
+the call is relayed and only the response message is rewritten (``mark``, a ``Patch`` in
+shim/process/app.py; shim/relay/patched.py). The runtime then judges a malformed request
+itself (containerd answers an empty image name with its own error, not the shim's
+INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -23,4 +29,9 @@ async def image_status(svc: ImageService, request: bytes, call: Call) -> bytes:
     request = inject_image_handler(svc.handlers, svc.events, request, req)
     with counting_upstream_errors(svc, "ImageStatus"):
         response = await call.forward(request)
+    return mark_status(svc.pins, response)
+
+
+def mark(svc: ImageService, response: bytes) -> bytes:
+    """A relayed ImageStatusResponse message, marked with the pins in force now."""
     return mark_status(svc.pins, response)

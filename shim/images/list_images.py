@@ -2,7 +2,9 @@
 
 The request goes to the runtime unchanged (once it is known to parse: a malformed one
 is refused with INVALID_ARGUMENT, like on every intercepted method). Without pins the
-response bytes pass through without being decoded.
+response bytes pass through without being decoded. With pins, the relay engine relays
+ListImages and rewrites only its response message (``mark_list``, a ``Patch`` in
+shim/process/app.py), unless a ``runtime_handlers`` rule applies to images.
 """
 
 from __future__ import annotations
@@ -27,3 +29,8 @@ async def stream_images(svc: ImageService, request: bytes, call: Call) -> AsyncI
     with counting_upstream_errors(svc, "StreamImages"):
         async for response in call.forward_stream(request):
             yield mark_images(svc.pins, response, api_pb2.StreamImagesResponse)
+
+
+def mark_list(svc: ImageService, response: bytes) -> bytes:
+    """A relayed ListImagesResponse message, marked with the pins in force now."""
+    return mark_images(svc.pins, response, api_pb2.ListImagesResponse)

@@ -21,7 +21,7 @@ from ..cri.methods import (
     STREAM_IMAGES,
     canonical,
 )
-from ..cri.routing import Router
+from ..cri.routing import Patch, Router
 from ..cri.upstream import Upstream
 from ..images import image_status, list_images, pull_image, remove_image
 from ..images.service import ImageService
@@ -124,22 +124,29 @@ class App:
         self.images.set_declared_pins(declared)
         self.router.set_table(self.table())
 
-    def table(self) -> dict[str, Handler]:
-        """Interception table: full method name -> handler. Everything else passes through."""
+    def table(self) -> dict[str, Handler | Patch[Handler]]:
+        """Interception table: full method name -> handler, or a Patch (relayed, the response
+        rewritten: the relay engine marks pins in ImageStatus/ListImages answers that way).
+        Everything else passes through."""
         svc = self.images
-        table: dict[str, Handler] = {
+        table: dict[str, Handler | Patch[Handler]] = {
             PULL_IMAGE: partial(pull_image.pull_image, svc),
         }
         if svc.pins:  # without pins these calls are relayed untouched
             table |= {
-                LIST_IMAGES: partial(list_images.list_images, svc),
+                LIST_IMAGES: Patch(LIST_IMAGES, partial(list_images.list_images, svc),
+                                   partial(list_images.mark_list, svc)),
                 STREAM_IMAGES: partial(list_images.stream_images, svc),
             }
         # pins, image sets (which may pin, from their first scan on), or a rule may add a runtime handler
-        if svc.pins or self.cfg.image_sets.dir or self.handlers.applies_to_images:
+        # a runtime_handlers rule that applies to images rewrites ImageStatus's *request*: intercepted then
+        rewrites_requests = self.handlers.applies_to_images
+        if svc.pins or self.cfg.image_sets.dir or rewrites_requests:
+            status_handler: Handler = partial(image_status.image_status, svc)
             table |= {
                 REMOVE_IMAGE: partial(remove_image.remove_image, svc),
-                IMAGE_STATUS: partial(image_status.image_status, svc),
+                IMAGE_STATUS: (status_handler if rewrites_requests
+                               else Patch(IMAGE_STATUS, status_handler, partial(image_status.mark, svc))),
             }
         if self.handlers.learn:
             table[RUN_POD_SANDBOX] = partial(run_pod_sandbox, self.handlers)

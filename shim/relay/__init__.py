@@ -13,6 +13,7 @@ The files, in an order where each imports only files above it:
 - ``memory.py``, ``limits.py``: the process-wide pools; ``server.*`` as the relay reads it.
 - ``events.py``: what the core tells its adapter.
 - ``intercepted.py``: the streams the shim answers itself.
+- ``patched.py``: relayed streams whose response messages the shim rewrites.
 - ``core.py``: the sans-IO core, ``RelayCore``, coordinating all of the above.
 - ``admission.py``: who makes room at the connection cap.
 - ``host.py``: what a connection needs from its listener (a Protocol).

@@ -20,7 +20,8 @@ client can make the shim hold bounded:
 - Intercepted calls: a request whose body is not complete, or an answer that waits for
   the client's flow-control window, for ``stream_stall_seconds`` is ended; what a
   request holds in the process-wide pools (memory.py) is given back when its handler
-  task is done, however it ends.
+  task is done, however it ends. A patched answer (patched.py) that waits for the
+  client's windows that long is ended too (RST_STREAM CANCEL both ways).
 - The peer (SO_PEERCRED, admission.py) is read at accept: its uid decides its share of
   the pools and how the listener makes room for it.
 """
@@ -98,6 +99,7 @@ class ClientConnection(asyncio.Protocol):
         self._stall: asyncio.TimerHandle | None = None
         self._preface_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._patch_timer: asyncio.TimerHandle | None = None  # a patched answer waiting for the client's windows
         self.peer = Peer()
         self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
         self._linger_bytes = -1  # >= 0 while lingering after the GOAWAY of a closed connection
@@ -130,7 +132,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.host.forget(self)
-        for t in (self._stall, self._preface_timer, self._body_timer):
+        for t in (self._stall, self._preface_timer, self._body_timer, self._patch_timer):
             if t is not None:
                 t.cancel()
         if self.upstream is not None:
@@ -276,6 +278,8 @@ class ClientConnection(asyncio.Protocol):
         if core.window.held_bytes or output.deferred_bytes or paused["upstream"] or paused["client"]:
             self._held_backpressure()
         local = core.streams.local
+        if core.window.held and self._patch_timer is None and core.patching.streams:
+            self._expire_patched()
         if local and self._body_timer is None and core.calls.incomplete:
             self._body_timer = self.loop.call_later(self.config.stream_stall_seconds, self._expire_bodies)
         if self.orphaned and not local and not self.tasks and self.client is not None:
@@ -305,6 +309,20 @@ class ClientConnection(asyncio.Protocol):
                 if self.upstream is not None:
                     self.upstream.close()
                 self._linger()
+
+    def _expire_patched(self) -> None:
+        """A patched answer (relay/patched.py) the client's windows held for server.stream_stall_seconds ends."""
+        self._patch_timer = None
+        if self._closed:
+            return
+        stall = self.config.stream_stall_seconds
+        method, when = self.core.expire_patched(stall)
+        if method:
+            self.host.stream_stalled(method=method, seconds=stall, key="server.stream_stall_seconds")
+        if when is not None:
+            self._patch_timer = self.loop.call_later(max(0.0, when - time.monotonic()), self._expire_patched)
+        if method:
+            self._pump()
 
     def _expire_bodies(self) -> None:
         """Intercepted requests whose body did not arrive within server.stream_stall_seconds end."""

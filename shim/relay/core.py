@@ -13,6 +13,7 @@ sockets (tests/unit/test_relay_core*.py). The core coordinates one object per co
 - settings.py: both peers' SETTINGS, checked and rewritten;
 - flow.py: the client's connection window and the shim's refunds;
 - streams.py: every stream's state (an explicit transition table);
+- patched.py: relayed streams whose response messages the shim rewrites (``Patch``);
 - pings.py: which PINGs the shim answers itself, and how many;
 - memory.py / limits.py: what intercepted requests may hold (``server.*``).
 
@@ -36,7 +37,7 @@ from collections.abc import Callable
 import grpc
 
 from ..cri.call import Handler
-from ..cri.routing import Intercept, Refusal
+from ..cri.routing import Intercept, Patch, Refusal
 from ..observability import logs
 from . import frames as frames_mod
 from . import grpcwire, http2, memory
@@ -72,6 +73,7 @@ from .http2 import (  # frame types and flags by name: one global lookup each on
 from .intercepted import Intercepted
 from .limits import Limits
 from .output import ClientOutput
+from .patched import Patching
 from .pings import PingPolicy
 from .settings import PeerSettings
 from .streams import TRANSITIONS, LocalStream, State, StreamTable
@@ -85,7 +87,7 @@ _log = logs.get("relay")
 REFUSED_STREAMS_BURST = 1000
 REFUSED_STREAMS_PER_SECOND = 100.0
 
-Route = Callable[[str], Intercept[Handler] | Refusal | None]  # shim/cri/routing.py Router.route
+Route = Callable[[str], Intercept[Handler] | Patch[Handler] | Refusal | None]  # shim/cri/routing.py Router.route
 
 
 class Phase(enum.Enum):
@@ -127,6 +129,7 @@ class RelayCore:
         self.settings = PeerSettings(server.max_concurrent_streams, server.max_header_list_bytes)
         self.window = ClientWindow()  # flow control toward the client (connection level)
         self.refunds = Refunds()
+        self.patching = Patching(self.window, self.to_runtime, server.max_message_bytes)
         self.pings = PingPolicy(clock)
         self.budget = memory.Budget(limits.request_buffer, limits.calls)
         # the streams the shim answers; the adapter answers them through it (intercepted.py)
@@ -152,8 +155,10 @@ class RelayCore:
         return self.output.take()
 
     def take_runtime(self) -> bytes:
-        out, self.to_runtime = self.to_runtime, []
-        return b"".join(out) if len(out) != 1 else out[0]
+        out = self.to_runtime  # emptied in place: patching.py appends to it too
+        data = b"".join(out) if len(out) != 1 else out[0]
+        out.clear()
+        return data
 
     def take_events(self) -> list[Event]:
         out = self.events[:]
@@ -216,6 +221,7 @@ class RelayCore:
         self.phase = Phase.LOCAL
         self.message = "cri-shim: the runtime closed the connection"
         self.begin_shutdown(b"cri-shim: runtime connection closed")
+        self.patching.lost()
         for sid in sorted(streams.relayed):
             trailers_only = streams.relayed[sid] is State.RELAYED  # no response headers went out
             streams.relayed_event(sid, On.RUNTIME_LOST)
@@ -368,6 +374,10 @@ class RelayCore:
         elif relay:
             streams.relayed_event(sid, On.CLIENT_RESET)
             self.to_runtime.append(raw)
+            if self.patching.streams:
+                self.patching.client_reset(sid)
+                if self.window.held:  # what was held for it goes no more: what follows may go
+                    self._release()
 
     def _over_the_limit(self, sid: int, frames: list[bytes], inserted: bool) -> None:
         """A new stream over the streams allowed at once: refused (the client retries it)."""
@@ -390,12 +400,7 @@ class RelayCore:
             if relay and runtimes:
                 self.to_runtime.append(raw if runtimes == inc else http2.window_update(0, runtimes))
             if window.held:
-                out = self.output.frames
-                for held in window.release():
-                    if held[3] == HEADERS or held[3] == CONTINUATION:
-                        self._runtime_block(held[4], held)
-                    else:
-                        out.append(held)
+                self._release()
             if local:
                 self.events.append(WindowOpened())
             return
@@ -411,10 +416,56 @@ class RelayCore:
             self.events.append(WindowOpened())
         elif sid in self.streams.closed:
             pass
+        elif sid in self.patching.streams:  # absorbed: the shim refunded the runtime already
+            if not self.patching.window_update(sid, inc):
+                self._reset_patched(sid, http2.FLOW_CONTROL_ERROR if inc else http2.PROTOCOL_ERROR)
+            if self.window.held:
+                self._release()
         elif relay:
             self.to_runtime.append(raw)
         elif sid > self.streams.last_sid:
             raise H2Error(f"WINDOW_UPDATE on idle stream {sid}")
+
+    def _release(self) -> None:
+        """Send what the client's windows let through of the held frames, in order."""
+        out = self.output.frames
+        for held in self.window.release(self.settings.client_max_frame):
+            if held[3] == HEADERS or held[3] == CONTINUATION:
+                self._runtime_block(held[4], held)
+            else:
+                out.append(held)
+
+    def expire_patched(self, stall: float) -> tuple[str, float | None]:
+        """A patched answer waiting for the client's windows for ``stall`` seconds ends: RST_STREAM
+        CANCEL both ways. Returns the method it ended ("" if none) and when to look again."""
+        s, when = self.patching.stalled(self._clock(), stall)
+        if s is None:
+            return "", when
+        if not s.ended:
+            self.to_runtime.append(http2.rst_stream(s.sid, http2.CANCEL))
+        self.patching.discard(s)
+        self.streams.relayed_event(s.sid, On.SHIM_RESET)
+        self._release()
+        self._send_in_order(http2.rst_stream(s.sid, http2.CANCEL))
+        _, when = self.patching.stalled(self._clock(), stall)
+        return s.method, when
+
+    def _send_in_order(self, frames: bytes) -> None:
+        """Frames of the shim's own that must follow the runtime's frames held so far."""
+        if self.window.held:
+            self.window.hold(frames)
+        else:
+            self._emit(frames)
+
+    def _reset_patched(self, sid: int, code: int) -> None:
+        """A stream error on a patched stream: both sides reset it."""
+        s = self.patching.streams[sid]
+        self.to_runtime.append(http2.rst_stream(sid, http2.CANCEL))
+        self.patching.discard(s)
+        self.streams.relayed_event(sid, On.SHIM_RESET)
+        if self.window.held:
+            self._release()
+        self._send_in_order(http2.rst_stream(sid, code))
 
     def _client_settings(self, flags: int, raw: bytes, length: int, relay: bool) -> None:
         if flags & ACK:
@@ -441,6 +492,10 @@ class RelayCore:
     def _apply_client_settings(self, values: dict[int, int], increases: bool) -> None:
         delta = self.settings.apply_client(values, increases)
         local = self.streams.local
+        if delta is not None and self.patching.streams:
+            self.patching.initial_window_changed(delta)
+            if self.window.held:
+                self._release()
         if delta is not None:
             for s in local.values():
                 s.send_window += delta
@@ -476,11 +531,13 @@ class RelayCore:
             self._over_the_limit(sid, frames, inserted)
             return
         route = self.route(path) if path is not None else None  # the one routing decision of the call
-        if route is None:
+        if route is None or type(route) is Patch:
             streams.relay(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call
                 logs.log(_log, logging.DEBUG, "relayed", method=path or "")
             self.to_runtime.extend(frames)
+            if route is not None:  # relayed; its response messages rewritten (patched.py), after its HEADERS
+                self.patching.open(sid, route.method, route.rewrite, self.settings.client_initial_window)
             return
         if before is not None:
             decoder.restore(before)  # decode again, this time every header
@@ -595,6 +652,7 @@ class RelayCore:
         streams = self.streams
         relayed, drop = streams.relayed, streams.drop_runtime
         pings = self.pings
+        patched = self.patching.streams
         header = frames_mod.HEADER
         i, n = 0, len(buf)
         while n - i >= 9:
@@ -626,6 +684,17 @@ class RelayCore:
                 # and keepalives): the client would only echo them back.
                 self.to_runtime.append(http2.PING_ACK_HEADER + raw[9:])
                 continue
+            if patched and sid in patched:
+                if ftype == DATA:
+                    self._patched_data(sid, flags, raw, length)
+                    continue
+                if ftype == RST_STREAM:
+                    if self.patching.runtime_reset(sid):
+                        continue  # the client had it ended already
+                    if held:  # what was held for it goes no more: the reset may go at once
+                        self._release()
+                elif ftype == HEADERS and flags & END_STREAM:
+                    self.patching.runtime_trailers(sid, out, self.settings.client_max_frame)
             if ftype == SETTINGS:
                 if not flags & ACK:
                     raw = self._runtime_settings(raw)
@@ -654,6 +723,20 @@ class RelayCore:
                 continue
             out.append(raw)
         self._from_runtime.pending = buf[i:]  # FrameBuffer.keep, inline
+
+    def _patched_data(self, sid: int, flags: int, raw: bytes, length: int) -> None:
+        """The runtime's DATA on a patched stream (patched.py): consumed, refunded, rewritten."""
+        self.pings.client_got_data = True
+        responding = self.streams.relayed.get(sid) is _RESPONDING
+        over = self.patching.data(sid, flags, raw, length, self.output.frames, self.settings.client_max_frame,
+                                  responding)
+        if over is not None:  # over server.max_message_bytes: the runtime got RST_STREAM CANCEL
+            self.streams.relayed_event(sid, On.SHIM_RESET)
+            if self.window.held:
+                self._release()
+            self._send_in_order(http2.headers_frames(sid, over, True, self.settings.client_max_frame))
+        elif flags & END_STREAM:
+            self.streams.relayed_event(sid, _RUNTIME_END)
 
     def _runtime_block(self, flags: int, raw: bytes) -> None:
         if self.output.runtime_block(flags, raw) and self.streams.local:

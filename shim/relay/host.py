@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ..cri.call import Handler
 from ..cri.deadline import Deadline
 from ..cri.peer import Peer
-from ..cri.routing import Intercept, Refusal
+from ..cri.routing import Intercept, Patch, Refusal
 from ..errors import Metadata
 from .admission import Conn
 from .limits import Limits
@@ -38,7 +38,7 @@ class Host(Protocol):
     def upstream_path(self) -> str:
         """The runtime's unix socket."""
 
-    def route(self, path: str) -> Intercept[Handler] | Refusal | None:
+    def route(self, path: str) -> Intercept[Handler] | Patch[Handler] | Refusal | None:
         """The routing decision for a ``:path`` (shim/cri/routing.py)."""
 
     async def serve(self, method: str, handler: Handler, request: bytes, metadata: Metadata, deadline: Deadline,

@@ -25,7 +25,7 @@ from ..cri.call import Call, Handler
 from ..cri.deadline import Deadline
 from ..cri.methods import Cardinality, cardinality
 from ..cri.peer import Peer
-from ..cri.routing import Intercept, Refusal, Router
+from ..cri.routing import Intercept, Patch, Refusal, Router
 from ..cri.upstream import Upstream
 from ..errors import Metadata
 from ..observability import logs
@@ -85,7 +85,7 @@ class Relay:
         self.stream_refused = _RateLimited("stream refused (REFUSED_STREAM, the client retries it): "
                                            "server.max_concurrent_streams reached on its connection")
 
-    def route(self, path: str) -> Intercept[Handler] | Refusal | None:
+    def route(self, path: str) -> Intercept[Handler] | Patch[Handler] | Refusal | None:
         return self.router.route(path)
 
     async def start(self, path: str) -> None:

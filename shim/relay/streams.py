@@ -4,7 +4,8 @@ A stream is in one ``State``; it moves only by ``TRANSITIONS`` ((state, event) -
 any other pair leaves it as it is: the runtime judges the relayed streams). Where a
 stream lives follows from its state:
 
-- ``StreamTable.relayed``: RELAYED, RESPONDING. Open relayed streams, counted against
+- ``StreamTable.relayed``: RELAYED, RESPONDING. Open relayed streams (patched ones too:
+  patched.py owns what differs, their response DATA; the shim ending one is SHIM_RESET), counted against
   SETTINGS_MAX_CONCURRENT_STREAMS until the runtime's END_STREAM or RST_STREAM (or the
   client's RST_STREAM) passes the shim; then forgotten (GONE): their frames just pass.
 - ``StreamTable.local``: RECEIVING, HANDLING, ANSWERING. Streams the shim answers itself
@@ -63,9 +64,11 @@ TRANSITIONS: Mapping[tuple[State, Event], State] = {
     (S.RELAYED, E.RUNTIME_END): S.GONE,
     (S.RELAYED, E.CLIENT_RESET): S.GONE,
     (S.RELAYED, E.RUNTIME_LOST): S.ANSWERED,
+    (S.RELAYED, E.SHIM_RESET): S.ANSWERED,  # a patched stream the shim ended (patched.py)
     (S.RESPONDING, E.RUNTIME_END): S.GONE,
     (S.RESPONDING, E.CLIENT_RESET): S.GONE,
     (S.RESPONDING, E.RUNTIME_LOST): S.ANSWERED,
+    (S.RESPONDING, E.SHIM_RESET): S.ANSWERED,
     (S.RECEIVING, E.CLIENT_END): S.HANDLING,
     (S.RECEIVING, E.CLIENT_RESET): S.CLOSED,
     (S.RECEIVING, E.SHIM_END): S.ANSWERED,

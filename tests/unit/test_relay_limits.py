@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -175,8 +176,10 @@ async def test_silent_connections_open_no_runtime_connection_and_are_closed(runt
         writer.close()
 
 
-async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -> list[tuple[int, int, bytes]]:
-    """Frames (type, flags, payload) of stream ``sid`` until it ends (END_STREAM or RST_STREAM)."""
+async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float,
+                        reset: bool = False) -> list[tuple[int, int, bytes]]:
+    """Frames (type, flags, payload) of stream ``sid`` until it ends (END_STREAM or RST_STREAM;
+    ``reset``: until RST_STREAM)."""
     buf, out = b"", []
     async with asyncio.timeout(within):
         while True:
@@ -185,7 +188,8 @@ async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -
                 fsid = int.from_bytes(buf[5:9], "big") & 0x7FFFFFFF
                 if fsid == sid:
                     out.append((ftype, flags, buf[9:9 + n]))
-                    if ftype == http2.RST_STREAM or (ftype == http2.HEADERS and flags & http2.END_STREAM):
+                    if ftype == http2.RST_STREAM or (ftype == http2.HEADERS and flags & http2.END_STREAM
+                                                     and not reset):
                         return out
                 buf = buf[9 + n:]
             data = await reader.read(1 << 16)
@@ -195,8 +199,14 @@ async def _frames_until(reader: asyncio.StreamReader, sid: int, within: float) -
 
 async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtime: FakeRuntime) -> None:
     """server.stream_stall_seconds: a PullImage whose body never completes gets DEADLINE_EXCEEDED;
-    a ListImages answer held by the client's zero window is reset (CANCEL). The connection goes
-    on, and the process-wide counts of calls and request bytes are back at zero."""
+    a StreamImages answer held by the client's zero window is reset (CANCEL). The connection goes
+    on, and the process-wide counts of calls and request bytes are back at zero. A patched
+    ListImages answer (relayed with pins, its message rewritten) held that way ends too."""
+
+    async def images(request: bytes, context: object) -> AsyncIterator[bytes]:
+        yield b"\x0a\x05\x0a\x03img"
+
+    runtime.streams["/runtime.v1.ImageService/StreamImages"] = images
     runtime.unary["/runtime.v1.ImageService/ListImages"] = b"\x0a\x05\x0a\x03img"
     settings = {"server": {"stream_stall_seconds": 0.5}, "pins": {"images": ["example.invalid/p:1"]}}
     async with running_shim(runtime.endpoint, settings, engine="relay") as shim:
@@ -217,10 +227,19 @@ async def test_stalled_intercepted_calls_end_and_give_back_what_they_held(runtim
         assert time.monotonic() - t0 >= 0.4
         status = dict(Decoder().decode(frames[-1][2], full=True)[1])
         assert status[b"grpc-status"] == b"4" and b"server.stream_stall_seconds" in status[b"grpc-message"]
-        writer.write(request(3, "/runtime.v1.ImageService/ListImages") + http2.frame(http2.DATA, http2.END_STREAM, 3,
+        writer.write(request(3, "/runtime.v1.ImageService/StreamImages") + http2.frame(http2.DATA, http2.END_STREAM, 3,
                                                                                    b"\0\0\0\0\0"))
         frames = await _frames_until(reader, 3, 10)
         assert frames[-1][0] == http2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == http2.CANCEL
         assert not any(t == http2.DATA for t, _, _ in frames)  # nothing was sent past the zero window
         assert (limits.calls.used, limits.request_buffer.used) == (0, 0)
+        # a patched ListImages answer held by the zero window ends the same way (after the runtime's
+        # trailers, which must pass for the client's HPACK table)
+        t0 = time.monotonic()
+        writer.write(request(5, "/runtime.v1.ImageService/ListImages") + http2.frame(http2.DATA, http2.END_STREAM, 5,
+                                                                                  b"\0\0\0\0\0"))
+        frames = await _frames_until(reader, 5, 10, reset=True)  # the runtime's trailers pass, then the reset
+        assert time.monotonic() - t0 >= 0.4
+        assert frames[-1][0] == http2.RST_STREAM and int.from_bytes(frames[-1][2], "big") == http2.CANCEL
+        assert not any(t == http2.DATA for t, _, _ in frames)
         writer.close()
