@@ -141,6 +141,7 @@ class ClientConnection(asyncio.Protocol):
             task.cancel()
         self.tasks.clear()
         self.core.calls.release_all()
+        self.core.patching.lost()  # the patched answers it held: free in the process pools
         self.core.decoder.clear_cache()
         self._wake()
 

@@ -129,9 +129,9 @@ class RelayCore:
         self.settings = PeerSettings(server.max_concurrent_streams, server.max_header_list_bytes)
         self.window = ClientWindow()  # flow control toward the client (connection level)
         self.refunds = Refunds()
-        self.patching = Patching(self.window, self.to_runtime, server.max_message_bytes)
         self.pings = PingPolicy(clock)
         self.budget = memory.Budget(limits.request_buffer, limits.calls)
+        self.patching = Patching(self.window, self.to_runtime, server.max_message_bytes, limits.calls, trusted)
         # the streams the shim answers; the adapter answers them through it (intercepted.py)
         self.calls = Intercepted(self.streams, self.budget, self.window, self.settings, self.pings, self.output,
                                  self.events)
@@ -531,6 +531,11 @@ class RelayCore:
             self._over_the_limit(sid, frames, inserted)
             return
         route = self.route(path) if path is not None else None  # the one routing decision of the call
+        if type(route) is Patch:
+            refusal = self.budget.admit_call(self.trusted)  # its answer is held here: counted like a call
+            if refusal:
+                self._answer_only(sid, frames, inserted, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, flags)
+                return
         if route is None or type(route) is Patch:
             streams.relay(sid)
             if _log.isEnabledFor(logging.DEBUG):  # log.level: debug names every relayed call

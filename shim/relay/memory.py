@@ -3,7 +3,8 @@
 - ``Pool``: a process-wide bound shared by every connection. Two of them: bytes of
   intercepted requests (``server.max_request_buffer_bytes``: the decoded header list and
   the body, and the message again after decompression) and intercepted calls at once
-  (``server.max_intercepted_calls``). A request holds its share from its first frame
+  (``server.max_intercepted_calls``; a patched answer, patched.py, counts as a call too,
+  from its request until the shim keeps nothing of it). A request holds its share from its first frame
   until its handler ends (or it is refused, reset, or its connection closes). Clients
   whose uid is in ``server.trusted_uids`` (kubelet runs as root) may use all of a pool;
   the others together at most ``UNTRUSTED_SHARE`` of it, so another local user cannot
@@ -60,15 +61,23 @@ class Budget:
 
     def admit(self, headers: list[tuple[bytes, bytes]], trusted: bool) -> str:
         """Count a new intercepted call and its header list, or say why not."""
-        calls = self.calls
-        whose = "" if trusted else " by clients outside server.trusted_uids"
-        if not calls.take(1, trusted):
-            n = calls.limit if trusted else calls.untrusted_limit
-            return f"cri-shim: more than {n} intercepted calls at once{whose} (server.max_intercepted_calls); retry"
+        refusal = self.admit_call(trusted)
+        if refusal:
+            return refusal
         if not self.request_buffer.take(header_bytes(headers), trusted):
-            calls.give(1, trusted)
+            self.calls.give(1, trusted)
             return self.full(trusted)
         return ""
+
+    def admit_call(self, trusted: bool) -> str:
+        """Count a new call the shim holds something for (an intercepted call, a patched answer),
+        or say why not."""
+        calls = self.calls
+        if calls.take(1, trusted):
+            return ""
+        whose = "" if trusted else " by clients outside server.trusted_uids"
+        n = calls.limit if trusted else calls.untrusted_limit
+        return f"cri-shim: more than {n} intercepted calls at once{whose} (server.max_intercepted_calls); retry"
 
     def full(self, trusted: bool) -> str:
         """Why a request does not fit in the request buffer."""

@@ -44,6 +44,7 @@ from ..observability import logs
 from . import grpcwire, http2
 from .flow import ClientWindow
 from .http2 import DATA, END_STREAM, PADDED, H2Error
+from .memory import Pool
 
 RUNTIME_WINDOW_FLOOR = http2.DEFAULT_WINDOW  # the least stream window the runtime has on a patched stream
 _log = logs.get("relay")
@@ -118,17 +119,21 @@ class Out:
 class Patching:
     """The patched streams of one connection (see the module docstring)."""
 
-    __slots__ = ("_discarded", "limit", "streams", "to_runtime", "window")
+    __slots__ = ("_discarded", "calls", "limit", "streams", "to_runtime", "trusted", "window")
 
-    def __init__(self, window: ClientWindow, to_runtime: list[bytes], limit: int) -> None:
+    def __init__(self, window: ClientWindow, to_runtime: list[bytes], limit: int, calls: Pool,
+                 trusted: bool) -> None:
         self.window = window
         self.to_runtime = to_runtime  # the core's list: frames for the runtime, in order
         self.limit = limit  # server.max_message_bytes
+        self.calls = calls  # server.max_intercepted_calls: a patched stream counts as one until forgotten
+        self.trusted = trusted  # the connection's client is in server.trusted_uids (memory.py's shares)
         self.streams: dict[int, PatchedStream] = {}
         self._discarded: dict[int, None] = {}  # oldest first
 
     def open(self, sid: int, method: str, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
-        """A new patched stream (its request HEADERS already queued for the runtime)."""
+        """A new patched stream (its request HEADERS already queued for the runtime), admitted
+        in ``calls`` by the caller (memory.Budget.admit_call)."""
         s = self.streams[sid] = PatchedStream(sid, method, rewrite, send_window)
         self._floor(s)
 
@@ -138,8 +143,13 @@ class Patching:
             s.runtime_window = RUNTIME_WINDOW_FLOOR
 
     def forget(self, sid: int) -> None:
-        self.streams.pop(sid, None)
+        self._drop(sid)
         self._discarded.pop(sid, None)
+
+    def _drop(self, sid: int) -> None:
+        """``sid`` is no longer kept: its count in ``calls`` is free."""
+        if self.streams.pop(sid, None) is not None:
+            self.calls.give(1, self.trusted)
 
     # ------------------------------------------------------------------ runtime -> client
 
@@ -286,9 +296,10 @@ class Patching:
         if len(discarded) > DISCARDED_MEMORY:
             old = next(iter(discarded))
             del discarded[old]
-            self.streams.pop(old, None)
+            self._drop(old)
 
     def lost(self) -> None:
-        """The runtime connection is gone."""
-        self.streams.clear()
+        """The runtime connection (or the client's) is gone: nothing is kept."""
+        for sid in list(self.streams):
+            self._drop(sid)
         self._discarded.clear()

@@ -21,6 +21,7 @@ from shim.cri.routing import Patch, Router
 from shim.relay import http2
 from shim.relay.core import RelayCore
 from shim.relay.events import PrefaceReceived
+from shim.relay.memory import Pool
 from tests.unit.test_relay_core import VERSION, Frame, data, grpc_status, headers, limits, message, parse, rst
 
 
@@ -278,6 +279,31 @@ def test_a_rewrite_that_fails_passes_the_answer_as_the_runtime_sent_it() -> None
     assert client[-1][0] == http2.HEADERS and client[-1][1] & http2.END_STREAM
 
 
+def test_patched_answers_count_in_max_intercepted_calls_until_they_end() -> None:
+    """A patched answer is held in the shim (buffered, rewritten, waiting for windows): it counts
+    as an intercepted call, so a client cannot make the shim hold more of them than the key allows."""
+    calls = Pool(2)
+    w = Wire(calls=calls)
+    w.call(1)
+    w.call(3, LIST_IMAGES)
+    w.call(5)
+    client, runtime = w.take()
+    code, text = grpc_status(client, 5) or (None, "")
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "server.max_intercepted_calls" in text
+    assert not body_of(runtime, 5)  # its request never reaches the runtime
+    assert calls.used == 2
+    w.core.receive_runtime(w.answer_headers(1) + data(1, message(b"x")) + w.trailers(1))
+    client, _ = w.take()
+    assert body_of(client, 1) == message(mark(b"x")) and calls.used == 1  # answered: free again
+    w.call(7)
+    assert calls.used == 2
+    w.core.receive_client(http2.rst_stream(3, http2.CANCEL))  # the client gives up on one:
+    w.core.receive_runtime(w.answer_headers(3) + data(3, message(b"late")) + http2.rst_stream(3, http2.CANCEL))
+    assert calls.used == 1  # free once the runtime has ended it too
+    w.core.patching.lost()  # the connection is gone: nothing is held
+    assert calls.used == 0
+
+
 def test_the_runtime_lost_answers_a_patched_call_unavailable() -> None:
     w = Wire()
     w.call(1)
@@ -452,6 +478,11 @@ class PatchedMachine(RuleBasedStateMachine):
         self._deliver()
 
     @invariant()
+    def every_kept_patched_stream_counts_once_in_max_intercepted_calls(self) -> None:
+        if self.w is not None:
+            assert self.w.core.limits.calls.used == len(self.w.core.patching.streams)
+
+    @invariant()
     def the_runtime_never_gets_more_window_than_the_client_allows(self) -> None:
         if self.w is None:
             return
@@ -502,6 +533,10 @@ class PatchedMachine(RuleBasedStateMachine):
             kinds = self.seen[sid]
             assert kinds[0][0] == http2.HEADERS and kinds[-1][0] == http2.HEADERS and kinds[-1][1] & http2.END_STREAM
             assert all(t == http2.DATA for t, _ in kinds[1:-1])
+        # an answered patched stream holds nothing more; the connection's end frees the rest
+        assert not [sid for sid in self.patched - self.reset if sid in w.core.patching.streams]
+        w.core.patching.lost()
+        assert w.core.limits.calls.used == 0
 
 
 TestPatchedMachine = PatchedMachine.TestCase
