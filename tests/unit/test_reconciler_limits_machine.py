@@ -186,6 +186,15 @@ class LimitsMachine(ReconcilerMachine):
         self._submit()
 
     @precondition(lambda self: bool(self.wanted))
+    @rule(ref=st.sampled_from(POOL2))
+    def share(self, ref: str) -> None:
+        """One image added to every set at once: its prefetch has each set's credential to try."""
+        for name, refs in self.wanted.items():
+            if ref not in refs:
+                self.wanted[name], self.gens[name] = (*refs, ref), self.gens[name] + 1
+        self._submit()
+
+    @precondition(lambda self: bool(self.wanted))
     @rule(data=st.data())
     def remove_set(self, data: st.DataObject) -> None:
         name = data.draw(st.sampled_from(sorted(self.wanted)))
@@ -263,6 +272,9 @@ class LimitsMachine(ReconcilerMachine):
         super().restart()
 
     def new_epoch(self) -> None:
+        # the old reconciler's last flights may still reach the runtime a turn after its drain (in
+        # process only: a real restart ends them with the process): they land before the new one starts
+        self.run(asyncio.sleep(0.02))
         self._accept(scratch=True)
         self.tried.clear()
         self.failed_at.clear()

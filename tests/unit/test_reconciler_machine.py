@@ -286,6 +286,10 @@ class ReconcilerMachine(RuleBasedStateMachine):
         recent = [g for g in self.regimes if g.run >= self.runs - 1]
         return recent + [g for g in self.regimes if g.run < self.runs - 1][-1:]
 
+    def new_epoch(self) -> None:
+        """A restart: the old reconciler's pulls are over, a new one starts (a subclass forgets
+        what it tracked of the old one)."""
+
     def fails_at_once(self, ref: str) -> bool:
         """Whether the fake registry refuses ``ref`` at once (a subclass has broken images)."""
         return False
@@ -353,8 +357,9 @@ class ReconcilerMachine(RuleBasedStateMachine):
         rec = Reconciler(self.cfg, self.runtime, prefetch, metrics,  # type: ignore[arg-type]
                          env=Environment(statvfs=self.statvfs, disk_recheck_seconds=RECHECK, resync_seconds=RESYNC))
         rec.sizes = FakeSizes(self.sizes, self.size_asked)  # type: ignore[assignment]
-        if self.declared:
-            rec.set_sets(self._image_sets())
+        sets = self._image_sets()
+        if sets:
+            rec.set_sets(sets)
         self.rec = rec
         self.task = self.loop.create_task(rec.run(), name="reconciler under test")
 
@@ -450,6 +455,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.run(asyncio.gather(task, return_exceptions=True))
         self.run(rec.drain())
         self.restarts += 1
+        self.new_epoch()
         self._start_reconciler()
         self.run(asyncio.sleep(0.01))
 
