@@ -49,7 +49,8 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from shim.credentials.keyring import Credential
 from shim.credentials.prefetch import SetCredentials
 from shim.imagesets.loader import ImageSet
-from shim.imagesets.prefetch import HandlerFor
+from shim.imagesets.prefetch import HandlerFor, Prefetch, Pulled
+from shim.imagesets.table import DeclaredImage
 from shim.imagesets.threshold import KUBELET_DEFAULT_PERCENT
 from shim.proto.runtime.v1 import api_pb2
 from shim.reference import normalize
@@ -86,7 +87,8 @@ class LimitsMachine(ReconcilerMachine):
         self.kubelet_writes = 0
         self.per_second = 0.0
         # what happened to each image in this reconciler's life (a restart starts a new one)
-        self.tried: dict[str, set[str]] = {}  # ref -> credentials tried since its prefetch began
+        self.began: dict[str, int] = {}  # ref -> prefetches of it begun (ObservedPrefetch)
+        self.pulled_by: dict[str, int] = {}  # ref -> the prefetch its last pull belonged to
         self.failed_at: dict[str, tuple[float, int]] = {}  # ref -> (its last failed end, failures in a row)
         self.first_failure: dict[str, float] = {}  # host -> its first failed pull
         self.retries: dict[str, list[float]] = {}  # host -> retry starts
@@ -120,6 +122,19 @@ class LimitsMachine(ReconcilerMachine):
             kubelet_config_file=self.kubelet_file, gc_high_threshold_percent=0 if from_file else 60)
         self._rules({})
         self._begin(POOL2, sizes, max_parallel, guard, base)
+
+    @property
+    def prefetch_type(self) -> type[Prefetch]:  # type: ignore[override]
+        machine = self
+
+        class ObservedPrefetch(Prefetch):
+            """The real prefetch; the machine learns when each one begins (a retry, or the first)."""
+
+            async def pull(self, img: DeclaredImage) -> Pulled:
+                machine.began[img.ref] = machine.began.get(img.ref, 0) + 1
+                return await super().pull(img)
+
+        return ObservedPrefetch
 
     def prefetch_sources(self) -> tuple[SetCredentials | None, HandlerFor | None]:
         return self._set_credentials, self._handler_for
@@ -218,6 +233,12 @@ class LimitsMachine(ReconcilerMachine):
         self.failed_at.clear()  # due now: no backoff owed (the budget still holds)
         self.run(asyncio.sleep(0.01))
 
+    @rule(seconds=st.sampled_from([0.06, 0.01, 0.15, 0.3, 0.8]))
+    def time_passes(self, seconds: float) -> None:
+        """As the first machine's, and now and then long enough for a broken registry's retries to
+        show their rate (its backoff alone would retry each image every retry_max_seconds)."""
+        self.run(asyncio.sleep(seconds))
+
     @rule(mapping=st.dictionaries(st.sampled_from(POOL2), st.sampled_from(HANDLERS), max_size=4))
     def handler_rules_change(self, mapping: dict[str, str]) -> None:
         """A reload of runtime_handlers.rules: images pulled for another handler from now on."""
@@ -276,7 +297,8 @@ class LimitsMachine(ReconcilerMachine):
         # process only: a real restart ends them with the process): they land before the new one starts
         self.run(asyncio.sleep(0.02))
         self._accept(scratch=True)
-        self.tried.clear()
+        self.began.clear()
+        self.pulled_by.clear()
         self.failed_at.clear()
         self.first_failure.clear()
         self.retries.clear()
@@ -310,9 +332,10 @@ class LimitsMachine(ReconcilerMachine):
         if bool(req.image.runtime_handler) != req.HasField("sandbox_config"):
             self.violations.append(f"{ref} for handler {req.image.runtime_handler!r}: sandbox_config "
                                    f"{'present' if req.HasField('sandbox_config') else 'missing'}")
-        # a retry, or the next credential of the same prefetch (the first one tried again: a retry)
-        tried = self.tried.setdefault(ref, set())
-        again = user in tried or not user
+        # a retry (a new prefetch of the image), or the next credential of the same prefetch
+        began = self.began.get(ref, 0)
+        again = began > self.pulled_by.get(ref, 0)
+        self.pulled_by[ref] = began
         failed = self.failed_at.get(ref)
         if not again:
             self.resting.pop(ref, None)  # the same lane goes on with the next credential
@@ -320,11 +343,7 @@ class LimitsMachine(ReconcilerMachine):
                 failed = self.failed_at[ref] = (failed[0], failed[1] - 1)
                 if not failed[1]:
                     failed = self.failed_at.pop(ref, None) and None
-        if again or not tried:
-            self.tried[ref] = {user}
-        else:
-            tried.add(user)
-        if again and failed is not None:
+        elif failed is not None:
             self._retried(ref, now, *failed)
         self._lanes_at_start(ref, now)
 

@@ -352,8 +352,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         metrics = Metrics()
         scheduler = PullScheduler(16, 16, observers=[metrics])
         set_credentials, handler_for = self.prefetch_sources()
-        prefetch = Prefetch(self.cfg, self.runtime, scheduler,  # type: ignore[arg-type]
-                            PrefetchCredentials(DockerConfigFiles(()), set_credentials), metrics, handler_for)
+        prefetch = self.prefetch_type(self.cfg, self.runtime, scheduler,  # type: ignore[arg-type]
+                                      PrefetchCredentials(DockerConfigFiles(()), set_credentials), metrics, handler_for)
         rec = Reconciler(self.cfg, self.runtime, prefetch, metrics,  # type: ignore[arg-type]
                          env=Environment(statvfs=self.statvfs, disk_recheck_seconds=RECHECK, resync_seconds=RESYNC))
         rec.sizes = FakeSizes(self.sizes, self.size_asked)  # type: ignore[assignment]
@@ -362,6 +362,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
             rec.set_sets(sets)
         self.rec = rec
         self.task = self.loop.create_task(rec.run(), name="reconciler under test")
+
+    prefetch_type: type[Prefetch] = Prefetch  # a subclass watches when each prefetch begins
 
     def prefetch_sources(self) -> tuple[SetCredentials | None, HandlerFor | None]:
         """The sets' own pull secrets and the runtime handler rules (a subclass has them)."""
