@@ -94,6 +94,7 @@ class LimitsMachine(ReconcilerMachine):
         self.retries: dict[str, list[float]] = {}  # host -> retry starts
         self.bad_failures: list[float] = []  # ends of bad.local pulls
         self.slowed_retries: list[float] = []  # bad.local retries after its fourth failure
+        self.redeclared: set[str] = set()  # dropped during the last apply (then maybe declared again)
         self.resting: dict[str, float] = {}  # ref -> when its lane's pull ended (the lane rests then)
 
     def teardown(self) -> None:
@@ -156,9 +157,13 @@ class LimitsMachine(ReconcilerMachine):
     def _accept(self, scratch: bool) -> None:
         """The model of ImageTable.apply: sets in name order; one that would take the declared entries
         past max_images is refused, its accepted version (if any) staying."""
+        before = {r for refs in self.declared.values() for r in refs}
         accepted = {} if scratch else {n: r for n, r in self.declared.items() if n in self.wanted}
         gens = {} if scratch else dict(self.accepted_gens)
         self.refused = set()
+        # an image no set declares at some point of the apply (one set drops it before the next, in
+        # name order, takes it) is dropped, its prefetch cancelled, and declared again as a new image
+        self.redeclared = before - {r for refs in accepted.values() for r in refs}
         for name in sorted(self.wanted):
             new, gen = self.wanted[name], self.gens[name]
             old = accepted.get(name)
@@ -169,9 +174,10 @@ class LimitsMachine(ReconcilerMachine):
                 self.refused.add(name)
                 continue
             accepted[name], gens[name] = new, gen
+            self.redeclared |= before - {r for refs in accepted.values() for r in refs}
         self.declared, self.accepted_gens = accepted, {n: gens[n] for n in accepted}
         declared = {r for refs in accepted.values() for r in refs}
-        for ref in [r for r in self.failed_at if r not in declared]:  # dropped: a new image if declared again
+        for ref in [r for r in self.failed_at if r not in declared or r in self.redeclared]:  # a new image
             del self.failed_at[ref]
         self.auth_history.append((self.runs, frozenset(
             (f"{n}#{self.uids[n]}", r) for n, refs in accepted.items() for r in refs)))
@@ -386,7 +392,8 @@ class LimitsMachine(ReconcilerMachine):
     def pull_ended(self, ref: str, outcome: str) -> None:
         super().pull_ended(ref, outcome)
         now = time.monotonic()
-        if not any(ref in refs for refs in self.declared.values()):
+        if not any(ref in refs for refs in self.declared.values()) or (outcome == "cancelled"
+                                                                        and ref in self.redeclared):
             return  # dropped: its prefetch was cancelled, and it is a new image if declared again
         if outcome == "pulled":
             self.failed_at.pop(ref, None)
@@ -476,5 +483,5 @@ class LimitsMachine(ReconcilerMachine):
 LimitsMachine.TestCase.settings = settings(
     max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "20")), stateful_step_count=35,
     deadline=None, suppress_health_check=[HealthCheck.too_slow],
-    **({"phases": [Phase.generate]} if os.environ.get("NOSHRINK") else {}))
+    **({"phases": [Phase.generate]} if os.environ.get("CRI_SHIM_RECONCILER_MACHINE_NO_SHRINK") else {}))
 test_reconciler_limits_machine = LimitsMachine.TestCase
