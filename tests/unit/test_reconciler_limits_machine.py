@@ -111,11 +111,14 @@ class LimitsMachine(ReconcilerMachine):
                 base=st.sampled_from([300, 0, 100, 500]), min_free=st.sampled_from([0, 300, 600]),
                 max_images=st.sampled_from([8, 4, 12]), cooldown=st.sampled_from([0.0, 0.1]),
                 per_second=st.sampled_from([5.0, 20.0, 0.0]), from_file=st.booleans(),
-                kubelet=st.sampled_from(KUBELET_VALUES))
+                kubelet=st.sampled_from(KUBELET_VALUES), broken=st.sampled_from([True, False]))
     def start(self, sizes: list[int | None], max_parallel: int, guard: bool, base: int,  # type: ignore[override]
               min_free: int, max_images: int, cooldown: float, per_second: float, from_file: bool,
-              kubelet: int | str | None) -> None:
+              kubelet: int | str | None, broken: bool) -> None:
+        """``broken``: set c declares the broken registry's images from the start."""
         self._write_kubelet(kubelet)
+        if broken:
+            self.wanted["c"], self.gens["c"] = tuple(BAD), 1
         self.per_second = per_second
         self.cfg = dataclasses.replace(
             self.cfg, min_free_bytes=min_free * MiB, max_images=max_images, cooldown_seconds=cooldown,
@@ -123,6 +126,7 @@ class LimitsMachine(ReconcilerMachine):
             kubelet_config_file=self.kubelet_file, gc_high_threshold_percent=0 if from_file else 60)
         self._rules({})
         self._begin(POOL2, sizes, max_parallel, guard, base)
+        self._accept(scratch=True)
 
     @property
     def prefetch_type(self) -> type[Prefetch]:  # type: ignore[override]
