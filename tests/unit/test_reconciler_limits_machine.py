@@ -485,7 +485,7 @@ class LimitsMachine(ReconcilerMachine):
 
 
 LimitsMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "20")), stateful_step_count=35,
+    max_examples=int(os.environ.get("CRI_SHIM_RECONCILER_MACHINE_EXAMPLES", "15")), stateful_step_count=35,
     deadline=None, suppress_health_check=[HealthCheck.too_slow],
     **({"phases": [Phase.generate]} if os.environ.get("CRI_SHIM_RECONCILER_MACHINE_NO_SHRINK") else {}))
 test_reconciler_limits_machine = LimitsMachine.TestCase
