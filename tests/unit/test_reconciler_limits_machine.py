@@ -394,7 +394,10 @@ class LimitsMachine(ReconcilerMachine):
             self.violations.append(f"{ref} started with {free // MiB} MiB free: below min_free_bytes {need // MiB} MiB")
 
     def pull_ended(self, ref: str, outcome: str) -> None:
+        ceiling = self.ceiling
         super().pull_ended(ref, outcome)
+        if outcome == "failed":  # its lane may go on with the next credential: still a lane (pulling)
+            self.ceiling = max(self.ceiling, ceiling)
         now = time.monotonic()
         if not any(ref in refs for refs in self.declared.values()) or (outcome == "cancelled"
                                                                         and ref in self.redeclared):
