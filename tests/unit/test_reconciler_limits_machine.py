@@ -243,6 +243,25 @@ class LimitsMachine(ReconcilerMachine):
         self.failed_at.clear()  # due now: no backoff owed (the budget still holds)
         self.run(asyncio.sleep(0.01))
 
+    # the next two draw an index, not from the runtime's lists: what runs or is present at a step
+    # depends on timing, and a draw whose choices change between runs is flaky data generation
+    @rule(i=st.integers(0, 15), fail=st.booleans())
+    def pull_ends(self, i: int, fail: bool) -> None:  # type: ignore[override]
+        """A pull the runtime holds (if any) finishes, or fails (the others stay held, or hang)."""
+        if self.runtime.running:
+            pull = self.runtime.running[i % len(self.runtime.running)]
+            pull.fail = fail
+            pull.release.set()
+        self.run(asyncio.sleep(0.01))
+
+    @rule(i=st.integers(0, 15))
+    def kubelet_collects(self, i: int) -> None:  # type: ignore[override]
+        """kubelet's image GC removes an image (declared or not), if there is one."""
+        if self.runtime.images:
+            self.runtime.images.discard(sorted(self.runtime.images)[i % len(self.runtime.images)])
+            self._regime()
+        self.run(asyncio.sleep(0.01))
+
     @rule(seconds=st.sampled_from([0.06, 0.01, 0.15, 0.3, 0.8]))
     def time_passes(self, seconds: float) -> None:
         """As the first machine's, and now and then long enough for a broken registry's retries to
