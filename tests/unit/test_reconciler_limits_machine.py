@@ -27,7 +27,8 @@ After every step, as a user would notice it:
 4. never more pulls running, plus lanes resting after theirs, than max_parallel;
 5. no pull and no manifest request carries another set's credential, a deleted set's included
    (a re-created set is a new set); an image of a set with a credential never goes anonymous;
-   each pull carries the runtime handler its rule gives, with the sandbox config containerd needs;
+   each pull carries the runtime handler its rule gives (as it was when its prefetch began), with the
+   sandbox config containerd needs;
 6. with the threshold from kubelet's file, status says that percent and that file.
 """
 
@@ -88,6 +89,7 @@ class LimitsMachine(ReconcilerMachine):
         self.per_second = 0.0
         # what happened to each image in this reconciler's life (a restart starts a new one)
         self.began: dict[str, int] = {}  # ref -> prefetches of it begun (ObservedPrefetch)
+        self.began_handler: dict[str, str] = {}  # ref -> its rule's handler when its last prefetch began
         self.pulled_by: dict[str, int] = {}  # ref -> the prefetch its last pull belonged to
         self.failed_at: dict[str, tuple[float, int]] = {}  # ref -> (its last failed end, failures in a row)
         self.first_failure: dict[str, float] = {}  # host -> its first failed pull
@@ -137,6 +139,7 @@ class LimitsMachine(ReconcilerMachine):
 
             async def pull(self, img: DeclaredImage) -> Pulled:
                 machine.began[img.ref] = machine.began.get(img.ref, 0) + 1
+                machine.began_handler[img.ref] = machine.rules.get(img.ref, "")  # the rule as it began
                 return await super().pull(img)
 
         return ObservedPrefetch
@@ -355,7 +358,10 @@ class LimitsMachine(ReconcilerMachine):
                                        f"(objects in force {self.uids}, sets {self.declared})")
         elif ref not in BAD and any(ref in refs for refs in self.declared.values()):
             self.violations.append(f"{ref} pulled anonymously though its sets {self.declared} have a pull secret")
+        # the rule's handler now, or when its prefetch began (its next credential goes to the same one)
         handlers = {m.get(ref, "") for m in self._recent(self.rule_history)}
+        if ref in self.began_handler:
+            handlers.add(self.began_handler[ref])
         if req.image.runtime_handler not in handlers:
             self.violations.append(f"{ref} pulled for handler {req.image.runtime_handler!r}; its rule says {handlers}")
         if bool(req.image.runtime_handler) != req.HasField("sandbox_config"):
