@@ -184,6 +184,8 @@ class LimitsMachine(ReconcilerMachine):
             self.redeclared |= before - {r for refs in accepted.values() for r in refs}
         self.declared, self.accepted_gens = accepted, {n: gens[n] for n in accepted}
         declared = {r for refs in accepted.values() for r in refs}
+        for ref in [r for r in self.resting if r not in declared or r in self.redeclared]:
+            del self.resting[ref]  # its prefetch cancelled, maybe before its lane began to rest
         for ref in [r for r in self.failed_at if r not in declared or r in self.redeclared]:  # a new image
             del self.failed_at[ref]
         self.auth_history.append((self.runs, frozenset(
