@@ -4,7 +4,10 @@ The handler is the one the image's set declares, else the first ``runtime_handle
 entry that matches the image without a pod (``handler_for``), else none. With a handler the
 request carries a minimal ``sandbox_config`` (containerd reads the handler only then).
 Credentials come from shim/credentials/prefetch.py; when several entries match, each is
-tried in turn until one pull succeeds, as kubelet does. The pull goes through the node-wide
+tried in turn until one pull succeeds, as kubelet does. Before each next try they are read again
+for the image's sets as they are then: a set removed meanwhile, or deleted and created again (a new
+object, a new pull secret), never lends the old one its credential; at most as many tries as
+the first read found. The pull goes through the node-wide
 scheduler at background priority, so the scheduler's join rule applies: a prefetch joins a
 trusted CRI client's pull of the same image and handler whatever its credentials, never an
 untrusted client's. Each prefetch waits for its pull at most ``image_sets.pull_timeout_seconds``
@@ -21,6 +24,7 @@ from typing import Callable
 import grpc
 
 from ..config import ImageSetsConfig
+from ..credentials.keyring import Credential
 from ..credentials.prefetch import PrefetchCredentials
 from ..cri.deadline import Deadline
 from ..cri.methods import PULL_IMAGE
@@ -78,13 +82,17 @@ class Prefetch:
         """Pull ``img`` once, trying each matching credential until one succeeds."""
         handler, handler_source = self.handler_of(img)
         attempts = await self.credentials.for_image(img.spelled, frozenset(img.sets))
+        tries = len(attempts)
+        tried: list[Credential | None] = []
         self.started += 1
         self._events.prefetch_started()
         t0 = time.monotonic()
         error: RpcError | None = None
         joined = False
         cred = None
-        for i, cred in enumerate(attempts):
+        while attempts:
+            cred = attempts[0]
+            tried.append(cred)
             req = api_pb2.PullImageRequest(image=api_pb2.ImageSpec(image=img.spelled, runtime_handler=handler))
             if cred is not None:
                 req.auth.CopyFrom(cred.auth_config())
@@ -105,10 +113,14 @@ class Prefetch:
                     error = RpcError(e.code, f"{e.details} (image_sets.pull_timeout_seconds: "
                                              f"{self.cfg.pull_timeout_seconds:g} s)")
                     break
-                if e.code is grpc.StatusCode.CANCELLED or i == len(attempts) - 1:
+                if e.code is grpc.StatusCode.CANCELLED or len(tried) >= tries:
                     break
-                logs.log(_log, logging.INFO, "image set pull failed with these credentials; trying the next",
-                         image=img.ref, credentials=cred.source if cred else "none", code=e.code.name)
+                # the next of those the image's sets give now (its sets may have changed meanwhile)
+                current = await self.credentials.for_image(img.spelled, frozenset(img.sets))
+                attempts = [c for c in current if c not in tried]
+                if attempts:
+                    logs.log(_log, logging.INFO, "image set pull failed with these credentials; trying the next",
+                             image=img.ref, credentials=cred.source if cred else "none", code=e.code.name)
                 continue
             error, joined = None, outcome.joined
             break

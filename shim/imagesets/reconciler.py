@@ -209,10 +209,12 @@ class Reconciler:
         smallest that fits below kubelet's GC threshold), then the oldest queued one."""
         table, disk, gate = self.table, self.disk, self.gate
         guard = self.cfg.gc_threshold_guard
-        if not guard and len(gate):  # the rule was turned off (a reload): the held images queue again
+        if not guard:  # the rule off (a reload): the held images queue again, and none waits for it
             for held in gate.clear():
                 if self._still_queued(held):
                     table.queue_up(held, self._clock())
+            if disk.pressure is not None:  # also while min_free_bytes holds prefetch (no start below)
+                self._set_pressure(None)
         # while a prefetch that ran before the rule was turned on is being sized, none starts: it is
         # not reserved yet (its sizing ending wakes the loop)
         while self._lane_free() and not (guard and self._sizing):

@@ -492,6 +492,29 @@ async def test_held_images_wait_for_min_free_bytes_too(runtime, registry, tmp_pa
         assert h.sets.status()["disk"]["blocked"] == ""
 
 
+async def test_turning_the_rule_off_while_min_free_bytes_holds_prefetch_ends_disk_pressure(
+        runtime, registry, tmp_path) -> None:
+    """Images held below the threshold, then space short of min_free_bytes, then the rule turned
+    off by a reload: prefetch still waits (for min_free_bytes), but no longer for kubelet's GC
+    threshold, so DiskPressure (the node's condition, the gauge) ends. Found by the reconciler's
+    limits machine (tests/unit/test_reconciler_limits_machine.py): it stayed while min_free_bytes held."""
+    total = 1000 * MiB
+    refs = [registry.add(f"offshort/i{n}", "v1", [100 * MiB]) for n in range(3)]
+    on_disk = {normalize(r): 2 * (100 * MiB + 100) for r in refs}
+    (tmp_path / "s.yaml").write_text(own("s", refs))
+    async with threshold_sets(runtime, tmp_path, on_disk, total=total, gc_high_threshold_percent=30,
+                              gc_threshold_margin_percent=0, min_free_bytes=300 * MiB) as h:
+        await wait_for(lambda: h.sets.status()["disk"]["gc_threshold"].get("waiting") == 2
+                       and h.sets.status()["sets"]["s"]["pulling"] == 0, 10, "two held")
+        assert h.sets.snapshot().disk_pressure is not None
+        h.extra["used"] = total - 200 * MiB - 2 * (100 * MiB + 100)  # kubelet's pulls: 200 MiB free
+        await wait_for(lambda: "image_sets.min_free_bytes" in h.sets.status()["disk"]["blocked"], 10, "blocked")
+        h.sets.configure(dataclasses.replace(h.sets.cfg, gc_threshold_guard=False))
+        await wait_for(lambda: h.sets.snapshot().disk_pressure is None, 2, "DiskPressure ended")
+        assert h.metrics.registry.get_sample_value("cri_shim_image_set_disk_pressure", {"quantity": "waiting"}) == 0
+        status = h.sets.status()
+        assert "image_sets.min_free_bytes" in status["disk"]["blocked"] and status["sets"]["s"]["present"] == 1
+
 
 async def test_an_unreadable_usage_holds_prefetch_and_says_why(runtime, registry, tmp_path) -> None:
     """The threshold rule cannot read the image filesystem's usage: nothing starts (as with

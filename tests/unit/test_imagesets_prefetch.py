@@ -13,7 +13,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shim.config import HandlerRule, RuntimeHandlersConfig
+from shim.config import HandlerRule, ImageSetsConfig, RuntimeHandlersConfig
+from shim.credentials.dockerconfig import DockerConfigFiles
+from shim.credentials.keyring import Credential
+from shim.credentials.prefetch import PrefetchCredentials
+from shim.errors import RpcError
+from shim.imagesets.prefetch import Prefetch
+from shim.imagesets.table import DeclaredImage
+from shim.observability.metrics import Metrics
+from shim.pulls.scheduler import PullScheduler
 from shim.runtime_handlers.resolver import HandlerResolver
 from shim.proto.runtime.v1 import api_pb2
 from shim.pulls.key import pull_key
@@ -108,6 +116,51 @@ async def test_each_matching_credential_is_tried_most_specific_first(runtime, st
         s = await reconciled(h, "warm", 1)
     assert [r.auth.username for r in store.pull_requests] == ["team", "host"]
     assert s["failed"] == 0
+
+
+class RefusingRuntime:
+    """A runtime that refuses the first pull once ``refuse`` is set, and takes the next ones."""
+
+    def __init__(self) -> None:
+        self.requests: list[api_pb2.PullImageRequest] = []
+        self.refuse = asyncio.Event()
+
+    async def unary(self, method: str, request: bytes, **kw: object) -> bytes:
+        self.requests.append(api_pb2.PullImageRequest.FromString(request))
+        if len(self.requests) == 1:
+            await self.refuse.wait()
+            raise RpcError(grpc.StatusCode.UNKNOWN, "fake registry: unauthorized", from_upstream=True)
+        return api_pb2.PullImageResponse(image_ref="sha256:" + "ab" * 32).SerializeToString()
+
+
+@pytest.mark.parametrize("change", ["recreated", "removed"])
+async def test_the_next_credential_is_that_of_the_images_sets_as_they_are_then(change: str) -> None:
+    """An image of sets a and b: the first try (a's pull secret) is refused after b was deleted and
+    created again (a new object, a new secret), or removed: the next try carries the new object's
+    secret, or none is left to try; the deleted object's secret is never sent. Found by the
+    reconciler's limits machine (tests/unit/test_reconciler_limits_machine.py)."""
+    secrets = {"a": "a-uid1", "b": "b-uid1"}
+
+    def set_credentials(names: frozenset[str]) -> list[tuple[str, Credential]]:
+        return [("reg.local", Credential(f"set {n}", username=secrets[n], password=SECRET)) for n in sorted(names)]
+
+    upstream, metrics = RefusingRuntime(), Metrics()
+    prefetch = Prefetch(ImageSetsConfig(), upstream, PullScheduler(4, 4, observers=[metrics]),  # type: ignore[arg-type]
+                        PrefetchCredentials(DockerConfigFiles(()), set_credentials), metrics)
+    img = DeclaredImage("reg.local/app:1", "reg.local/app:1", ("a", "b"))
+    task = asyncio.get_running_loop().create_task(prefetch.pull(img))
+    await wait_for(lambda: len(upstream.requests) == 1, 5, "first try")
+    if change == "recreated":
+        secrets["b"] = "b-uid2"
+    else:
+        img.sets = ("a",)
+    upstream.refuse.set()
+    pulled = await task
+    users = [r.auth.username for r in upstream.requests]
+    if change == "recreated":
+        assert users == ["a-uid1", "b-uid2"] and pulled.error is None
+    else:
+        assert users == ["a-uid1"] and pulled.error is not None and pulled.error.code is grpc.StatusCode.UNKNOWN
 
 
 async def test_rotated_credentials_are_used_by_the_next_pull(runtime, store, tmp_path) -> None:

@@ -40,12 +40,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from shim.config import ImageSetsConfig
 from shim.credentials.dockerconfig import DockerConfigFiles
-from shim.credentials.prefetch import PrefetchCredentials
+from shim.credentials.prefetch import PrefetchCredentials, SetCredentials
 from shim.cri.deadline import NO_DEADLINE, Deadline
 from shim.cri.methods import IMAGE_FS_INFO, IMAGE_STATUS, LIST_IMAGES, PULL_IMAGE
 from shim.errors import RpcError
 from shim.imagesets.loader import ImageSet
-from shim.imagesets.prefetch import Prefetch
+from shim.imagesets.prefetch import HandlerFor, Prefetch
 from shim.imagesets.reconciler import Environment, Reconciler
 from shim.imagesets.sizes import SizeUnknown
 from shim.observability.metrics import Metrics
@@ -90,6 +90,8 @@ class Regime:
     used: int
     limit: int
     guard: bool
+    max_parallel: int = 0
+    min_free: int = 0
 
 
 class FakeRuntime:
@@ -119,21 +121,25 @@ class FakeRuntime:
                 return api_pb2.ImageStatusResponse(image=make_image(name)).SerializeToString()
             return b""
         if method == PULL_IMAGE:
-            return await self._pull(normalize(api_pb2.PullImageRequest.FromString(request).image.image))
+            return await self._pull(api_pb2.PullImageRequest.FromString(request))
         raise RpcError(grpc.StatusCode.UNIMPLEMENTED, method, from_upstream=True)
 
-    async def _pull(self, ref: str) -> bytes:
-        pull = Pull(ref)
+    async def _pull(self, req: api_pb2.PullImageRequest) -> bytes:
+        ref = normalize(req.image.image)
+        pull = Pull(ref, fail=self.m.fails_at_once(ref))
+        self.m.request_seen(req)
         self.m.pull_started(ref, [p.ref for p in self.running], len(self.running))
         self.running.append(pull)
         self.starts.append(ref)
         self.max_running = max(self.max_running, len(self.running))
+        outcome = "cancelled"
         try:
-            if self.hold:
+            if self.hold and not pull.fail:
                 await pull.release.wait()
+            outcome = "failed" if pull.fail else "pulled"
         finally:
             self.running.remove(pull)
-            self.m.pull_ended()
+            self.m.pull_ended(ref, outcome)
         if pull.fail:
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"fake registry: {ref} not found", from_upstream=True)
         self.images.add(ref)
@@ -143,12 +149,14 @@ class FakeRuntime:
 class FakeSizes:
     """Manifest sizes (the reconciler's ``sizes``): known for most images, unknown for some."""
 
-    def __init__(self, sizes: dict[str, int | None]) -> None:
+    def __init__(self, sizes: dict[str, int | None], seen: Callable[[str, Any], None]) -> None:
         self.sizes = sizes
+        self.seen = seen  # the machine checks the credentials a manifest request carries
         self.asked = 0
 
     async def size_of(self, spelled: str, creds: Any) -> int:
         self.asked += 1
+        self.seen(spelled, creds)
         size = self.sizes[normalize(spelled)]
         if size is None:
             raise SizeUnknown(f"{spelled}: no manifest (fake registry)")
@@ -257,15 +265,40 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def used(self) -> int:
         return min(TOTAL, self.base_used + sum(self.on_disk(r) for r in self.runtime.images))
 
+    def percent(self) -> int:
+        """kubelet's image GC threshold as the shim should read it (a subclass reads kubelet's file)."""
+        return self.cfg.gc_high_threshold_percent
+
     def limit(self) -> int:
-        return int(TOTAL * max(0.0, self.cfg.gc_high_threshold_percent - self.cfg.gc_threshold_margin_percent) / 100)
+        return int(TOTAL * max(0.0, self.percent() - self.cfg.gc_threshold_margin_percent) / 100)
 
     def statvfs(self, path: str) -> Any:
         assert path == MOUNT
         return _Statvfs(TOTAL // 4096, (TOTAL - self.used()) // 4096, 4096)
 
     def _regime(self) -> None:
-        self.regimes.append(Regime(self.runs, self.used(), self.limit(), self.cfg.gc_threshold_guard))
+        self.regimes.append(Regime(self.runs, self.used(), self.limit(), self.cfg.gc_threshold_guard,
+                                   self.cfg.max_parallel, self.cfg.min_free_bytes))
+
+    def recent(self) -> list[Regime]:
+        """What was in force since the run before this one began (a decision reaching the runtime
+        may be a few loop turns old: a lane's task, the scheduler's flight), and just before."""
+        recent = [g for g in self.regimes if g.run >= self.runs - 1]
+        return recent + [g for g in self.regimes if g.run < self.runs - 1][-1:]
+
+    def new_epoch(self) -> None:
+        """A restart: the old reconciler's pulls are over, a new one starts (a subclass forgets
+        what it tracked of the old one)."""
+
+    def fails_at_once(self, ref: str) -> bool:
+        """Whether the fake registry refuses ``ref`` at once (a subclass has broken images)."""
+        return False
+
+    def request_seen(self, req: api_pb2.PullImageRequest) -> None:
+        """A prefetch's request reached the runtime (a subclass checks its credential and handler)."""
+
+    def size_asked(self, spelled: str, creds: Any) -> None:
+        """A manifest was asked for, with these credentials (a subclass checks them)."""
 
     def pull_started(self, ref: str, running: list[str], in_flight: int) -> None:
         """A prefetch reached the runtime: checked against what was declared and the rule."""
@@ -278,10 +311,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         if self.sizes[ref] is None:
             return  # size unknown: judged by the usage alone
         self._regime()
-        # the decision may be a few loop turns old (a lane's task, the scheduler's flight): the most
-        # lenient disk and limit since the run before this one began
-        recent = [g for g in self.regimes if g.run >= self.runs - 1]
-        recent += [g for g in self.regimes if g.run < self.runs - 1][-1:]
+        # the decision may be a few loop turns old: the most lenient disk and limit since then
+        recent = self.recent()
         if not all(g.guard for g in recent):
             return
         # every running pull counts, those started before a reload turned the guard on too: they are
@@ -293,7 +324,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
             self.violations.append(f"{ref} ({self.on_disk(ref) // MiB} MiB) started with {used // MiB} MiB used "
                                    f"and {sized // MiB} MiB running: past the limit {limit // MiB} MiB")
 
-    def pull_ended(self) -> None:
+    def pull_ended(self, ref: str, outcome: str) -> None:
+        """A pull left the runtime: ``outcome`` pulled, failed, or cancelled (the prefetch stopped)."""
         self.ceiling = max(self.cfg.max_parallel, len(self.runtime.running))
         self._regime()
 
@@ -305,7 +337,10 @@ class ReconcilerMachine(RuleBasedStateMachine):
                                max_size=len(POOL)),
                 max_parallel=st.integers(1, 3), guard=st.sampled_from([True, False]), base=st.sampled_from([300, 0, 100, 500]))
     def start(self, sizes: list[int | None], max_parallel: int, guard: bool, base: int) -> None:
-        self.sizes = {r: (s * MiB if s is not None else None) for r, s in zip(POOL, sizes)}
+        self._begin(POOL, sizes, max_parallel, guard, base)
+
+    def _begin(self, pool: list[str], sizes: list[int | None], max_parallel: int, guard: bool, base: int) -> None:
+        self.sizes = {r: (s * MiB if s is not None else None) for r, s in zip(pool, sizes)}
         self.base_used = base * MiB
         self.cfg = dataclasses.replace(self.cfg, max_parallel=max_parallel, gc_threshold_guard=guard)
         self.ceiling = max_parallel
@@ -316,15 +351,23 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def _start_reconciler(self) -> None:
         metrics = Metrics()
         scheduler = PullScheduler(16, 16, observers=[metrics])
-        prefetch = Prefetch(self.cfg, self.runtime, scheduler,  # type: ignore[arg-type]
-                            PrefetchCredentials(DockerConfigFiles(())), metrics)
+        set_credentials, handler_for = self.prefetch_sources()
+        prefetch = self.prefetch_type(self.cfg, self.runtime, scheduler,  # type: ignore[arg-type]
+                                      PrefetchCredentials(DockerConfigFiles(()), set_credentials), metrics, handler_for)
         rec = Reconciler(self.cfg, self.runtime, prefetch, metrics,  # type: ignore[arg-type]
                          env=Environment(statvfs=self.statvfs, disk_recheck_seconds=RECHECK, resync_seconds=RESYNC))
-        rec.sizes = FakeSizes(self.sizes)  # type: ignore[assignment]
-        if self.declared:
-            rec.set_sets(self._image_sets())
+        rec.sizes = FakeSizes(self.sizes, self.size_asked)  # type: ignore[assignment]
+        sets = self._image_sets()
+        if sets:
+            rec.set_sets(sets)
         self.rec = rec
         self.task = self.loop.create_task(rec.run(), name="reconciler under test")
+
+    prefetch_type: type[Prefetch] = Prefetch  # a subclass watches when each prefetch begins
+
+    def prefetch_sources(self) -> tuple[SetCredentials | None, HandlerFor | None]:
+        """The sets' own pull secrets and the runtime handler rules (a subclass has them)."""
+        return None, None
 
     def _image_sets(self) -> dict[str, ImageSet]:
         return {name: ImageSet(name=name, kind="ImageSet", pin=False, refs=refs, spelled=refs,
@@ -414,6 +457,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.run(asyncio.gather(task, return_exceptions=True))
         self.run(rec.drain())
         self.restarts += 1
+        self.new_epoch()
         self._start_reconciler()
         self.run(asyncio.sleep(0.01))
 
