@@ -279,7 +279,7 @@ class ClientConnection(asyncio.Protocol):
         if core.window.held_bytes or output.deferred_bytes or paused["upstream"] or paused["client"]:
             self._held_backpressure()
         local = core.streams.local
-        if core.window.held and self._patch_timer is None and core.patching.streams:
+        if core.window.held and self._patch_timer is None and (core.patching.streams or core.carrying):
             self._expire_patched()
         if local and self._body_timer is None and core.calls.incomplete:
             self._body_timer = self.loop.call_later(self.config.stream_stall_seconds, self._expire_bodies)
@@ -317,9 +317,14 @@ class ClientConnection(asyncio.Protocol):
         if self._closed:
             return
         stall = self.config.stream_stall_seconds
-        method, when = self.core.expire_patched(stall)
-        if method:
-            self.host.stream_stalled(method=method, seconds=stall, key="server.stream_stall_seconds")
+        if self.core.carrying:  # a runtime header block waits for an intercepted answer (carried.py)
+            method, when = self.core.expire_carried(stall)
+            if method:
+                self.host.answer_overdue(method=method, seconds=stall, key="server.stream_stall_seconds")
+        else:
+            method, when = self.core.expire_patched(stall)
+            if method:
+                self.host.stream_stalled(method=method, seconds=stall, key="server.stream_stall_seconds")
         if when is not None:
             self._patch_timer = self.loop.call_later(max(0.0, when - time.monotonic()), self._expire_patched)
         if method:

@@ -42,6 +42,7 @@ from ..observability import logs
 from . import frames as frames_mod
 from . import grpcwire, http2, memory
 from .bucket import TokenBucket
+from .carried import BlockReader, Carried
 from .events import (
     Cancelled,
     ConnectionClosed,
@@ -134,7 +135,8 @@ class RelayCore:
         self.patching = Patching(self.window, self.to_runtime, server.max_message_bytes, limits.calls, trusted)
         # the streams the shim answers; the adapter answers them through it (intercepted.py)
         self.calls = Intercepted(self.streams, self.budget, self.window, self.settings, self.pings, self.output,
-                                 self.events)
+                                 self.events, self._answer_ended)
+        self._cancelled_block = BlockReader()  # the runtime's header block on a stream cancelled there (carried.py)
         self._emit = self.output.emit  # a frame of the shim's own to the client, in order
         self.going_away = False
         self.goaway_sid = 0
@@ -365,6 +367,7 @@ class RelayCore:
                 self.budget.release(s)
             else:
                 self.events.append(Cancelled(sid))
+            self._answer_ended()
         elif sid in streams.closed:
             pass
         elif sid > streams.last_sid:
@@ -434,6 +437,26 @@ class RelayCore:
                 self._runtime_block(held[4], held)
             else:
                 out.append(held)
+
+    def expire_carried(self, stall: float) -> tuple[str, float | None]:
+        """An intercepted answer a runtime header block has waited behind for ``stall`` seconds
+        (carried.py) ends: RST_STREAM CANCEL to the client, its handler cancelled; the block goes.
+        Returns the method it ended ("" if none) and when to look again."""
+        held = self.window.held
+        head = held[0] if held else None
+        if type(head) is not Carried:
+            return "", None
+        when = head.due(self._clock(), stall)
+        if when is not None:
+            return "", when
+        ended = self.streams.local.get(head.sid)
+        if ended is not None:
+            self.calls.reset(ended, http2.CANCEL)  # the block goes (_answer_ended)
+        else:  # not waiting any more: what follows goes
+            self._answer_ended()
+        if self.carrying:
+            _, when = self.expire_carried(stall)
+        return (ended.path if ended is not None else ""), when
 
     def expire_patched(self, stall: float) -> tuple[str, float | None]:
         """A patched answer waiting for the client's windows for ``stall`` seconds ends: RST_STREAM
@@ -681,8 +704,13 @@ class RelayCore:
                 # last frame it sends on the stream; older entries go with the closed-stream memory.
                 if ftype == RST_STREAM:
                     drop.discard(sid)
-                if ftype == DATA and length:  # the client never sees it: the runtime gets its window back
-                    self.to_runtime.append(http2.window_update(0, length))
+                elif ftype == DATA:
+                    if length:  # the client never sees it: the runtime gets its window back
+                        self.to_runtime.append(http2.window_update(0, length))
+                elif ftype == HEADERS or ftype == CONTINUATION:
+                    carry = self._cancelled_block.frame(flags, raw)
+                    if carry is not None:  # it changed the HPACK table: the client must decode it too
+                        self._carry(sid, carry)
                 continue
             if ftype == PING and not flags & ACK and length == 8 and not sid and not self.runtime_slow:
                 # The shim answers the runtime's PINGs (grpc-go's BDP probes, one per call,
@@ -728,6 +756,31 @@ class RelayCore:
                 continue
             out.append(raw)
         self._from_runtime.pending = buf[i:]  # FrameBuffer.keep, inline
+
+    def _carry(self, sid: int, frames: list[bytes]) -> None:
+        """A runtime header block on a stream the shim answers, which changed the HPACK table:
+        to the client after the shim's answer (carried.py), in order with the runtime's frames."""
+        local = self.streams.local
+        if not self.window.held and sid not in local:
+            for raw in frames:
+                self._runtime_block(raw[4], raw)
+            return
+        self.window.hold_own(Carried(sid, frames, local))
+
+    @property
+    def carrying(self) -> bool:
+        """A runtime header block waits at the head of the held frames for the shim's answer (carried.py)."""
+        held = self.window.held
+        return bool(held) and type(held[0]) is Carried
+
+    def _answer_ended(self) -> None:
+        """An intercepted stream ended (the shim's answer, its reset, or the client's): a runtime
+        header block held for it may go, and what waited behind it (carried.py)."""
+        held = self.window.held
+        if held and type(held[0]) is Carried:
+            self._release()
+            if self.streams.local:  # the shim's senders that waited behind it may go on
+                self.events.append(WindowOpened())
 
     def _patched_data(self, sid: int, flags: int, raw: bytes, length: int) -> None:
         """The runtime's DATA on a patched stream (patched.py): consumed, refunded, rewritten."""

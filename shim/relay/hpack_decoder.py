@@ -85,6 +85,28 @@ def _string(data: bytes, i: int, n: int) -> tuple[bytes, bool, int]:
     return Decoder._raw(data, i)
 
 
+def changes_table(block: bytes) -> bool:
+    """True if decoding ``block`` changes the decoder's dynamic table (a literal with
+    incremental indexing, or a table size update), read without decoding a value or
+    knowing the table. A block it cannot read counts as changing it (the peer judges it)."""
+    i, n = 0, len(block)
+    try:
+        while i < n:
+            b = block[i]
+            if b & 0x80:  # indexed field
+                _, i = _integer(block, i, 7)
+            elif b & 0x60:  # 01: literal with incremental indexing; 001: dynamic table size update
+                return True
+            else:  # 0000 / 0001: literal without indexing / never indexed
+                index, i = _integer(block, i, 4)
+                if index == 0:
+                    _, _, i = _string(block, i, n)
+                _, _, i = _string(block, i, n)
+        return False
+    except (H2Error, IndexError):
+        return True
+
+
 class CacheUse(NamedTuple):
     bytes: int  # charged against path_cache_bytes: both caches
     paths: int  # fields whose :path value is kept

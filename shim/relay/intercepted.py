@@ -19,9 +19,12 @@ says so and gives it here its DATA; the adapter (connection.py) answers through
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from . import grpcwire, http2, memory
+from .carried import Carried
 from .events import Cancelled, Event, Request
 from .flow import ClientWindow
 from .output import ClientOutput
@@ -32,12 +35,13 @@ from .streams import LocalStream, State, StreamTable
 
 
 class Intercepted:
-    __slots__ = ("budget", "events", "output", "pings", "settings", "streams", "window")
+    __slots__ = ("budget", "ended", "events", "output", "pings", "settings", "streams", "window")
 
     def __init__(self, streams: StreamTable, budget: memory.Budget, window: ClientWindow, settings: PeerSettings,
-                 pings: PingPolicy, output: ClientOutput, events: list[Event]) -> None:
+                 pings: PingPolicy, output: ClientOutput, events: list[Event], ended: Callable[[], None]) -> None:
         self.streams, self.budget, self.window, self.settings = streams, budget, window, settings
         self.pings, self.output, self.events = pings, output, events
+        self.ended = ended  # called when the shim ends a stream: runtime frames held for it may go (carried.py)
 
     # ------------------------------------------------------------------ receiving
 
@@ -108,6 +112,7 @@ class Intercepted:
             self.budget.release(s)
         else:
             self.events.append(Cancelled(s.sid))
+        self.ended()
 
     def release_all(self) -> None:
         """The connection is gone: what its streams held goes back to the process pools
@@ -128,9 +133,10 @@ class Intercepted:
 
     def send_room(self, s: LocalStream) -> int:
         """Bytes of DATA the shim may send on ``s`` now (0: wait for WindowOpened)."""
+        held = self.window.held
+        if self.output.runtime_block_open or (held and not (type(held[0]) is Carried and held[0].sid == s.sid)):
+            return 0  # behind held frames; but a runtime header block held until this answer ends must not stop it
         window = self.window
-        if window.held or self.output.runtime_block_open:
-            return 0
         return max(0, min(window.window, s.send_window, self.settings.client_max_frame))
 
     def send_data(self, s: LocalStream, chunk: bytes) -> None:
@@ -152,6 +158,7 @@ class Intercepted:
                                               self.settings.client_max_frame))
         if was is State.RECEIVING:
             self.budget.release(s)
+        self.ended()
 
     def answer_error(self, s: LocalStream, code: grpc.StatusCode, message: str,
                      md: tuple[tuple[str, str | bytes], ...] = ()) -> None:
@@ -164,3 +171,4 @@ class Intercepted:
         if was is State.RECEIVING:  # still sending: tell it to stop (its later frames are consumed)
             self.output.emit(http2.rst_stream(s.sid, http2.NO_ERROR))
             self.budget.release(s)
+        self.ended()

@@ -79,6 +79,8 @@ class Relay:
         self._refused = _RateLimited("connection refused: server.max_connections reached")
         self._evicted = _RateLimited("closed a connection to make room: server.max_connections reached")
         self.stream_stalled = _RateLimited("ended an intercepted call: the client opens no flow-control window")
+        self.answer_overdue = _RateLimited("ended an intercepted call: the runtime's frames on its connection "
+                                           "waited behind its answer (relay/carried.py)")
         self._no_fds = _RateLimited("out of file descriptors")
         # a client breaking the protocol, logged at most every LOG_EVERY_SECONDS (with a count)
         self.protocol_error = _RateLimited("closing connection: HTTP/2 protocol error")

@@ -17,7 +17,8 @@ stream lives follows from its state:
 
 The runtime side of a stream the shim consumed is separate: ``drop_runtime`` holds the
 streams whose header block went to the runtime only to keep its HPACK table in step
-(then RST_STREAM CANCEL); what the runtime sends on them never reaches the client.
+(then RST_STREAM CANCEL); what the runtime sends on them never reaches the client, but a
+header block that changed the runtime's HPACK table (carried.py).
 Stream ids above ``last_sid`` are idle.
 """
 
