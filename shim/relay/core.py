@@ -468,8 +468,11 @@ class RelayCore:
             self.to_runtime.append(http2.rst_stream(s.sid, http2.CANCEL))
         self.patching.discard(s)
         self.streams.relayed_event(s.sid, On.SHIM_RESET)
+        # its answer waited at the head of the held frames: the RST_STREAM goes first, so the runtime's
+        # trailers held behind it reach a stream already reset (decoded for HPACK, ignored), and the
+        # client's call ends CANCELLED, not with trailers and no message
+        self._emit(http2.rst_stream(s.sid, http2.CANCEL))
         self._release()
-        self._send_in_order(http2.rst_stream(s.sid, http2.CANCEL))
         _, when = self.patching.stalled(self._clock(), stall)
         return s.method, when
 
