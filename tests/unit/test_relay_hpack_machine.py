@@ -24,7 +24,7 @@ little at a time. What the client would notice, checked after every step:
   the client's window has room, every runtime block of a relayed stream and every one that
   changed the table has reached the client.
 
-Examples: ``CRI_SHIM_HPACK_MACHINE_EXAMPLES`` (default 60, about 20 s).
+Examples: ``CRI_SHIM_HPACK_MACHINE_EXAMPLES`` (default 200, about 5 s; 1,000 in about 25 s).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from shim.relay.events import PrefaceReceived, Request
 from shim.relay.streams import LocalStream
 from tests.unit.test_relay_core import PULL, REMOVE, ROUTE, VERSION, limits, message, parse
 
-EXAMPLES = int(os.environ.get("CRI_SHIM_HPACK_MACHINE_EXAMPLES", "60"))
+EXAMPLES = int(os.environ.get("CRI_SHIM_HPACK_MACHINE_EXAMPLES", "200"))
 NO_SHRINK = os.environ.get("CRI_SHIM_HPACK_MACHINE_NO_SHRINK") == "1"
 MAX_STREAMS = 14  # per example: well under server.max_concurrent_streams and max_intercepted_streams
 
@@ -392,12 +392,11 @@ class HpackMachine(RuleBasedStateMachine):
                 continue
             a = self.answers.get(sid)
             ends = [i for i, g in enumerate(got) if g.end_stream or g.kind == "rst"]
-            if a is None or not a.ended:
-                assert not ends, f"stream {sid} ended before the shim answered it"
+            if not ends:  # the shim's answer has not ended, or waits behind a runtime block left open
                 assert sum(g.kind == "block" for g in got) <= (a.blocks if a is not None else 0), \
                     f"a runtime block on stream {sid} before the shim's answer ended"
             else:
-                assert ends, f"the shim's answer on stream {sid} did not reach the client"
+                assert a is not None and a.ended, f"stream {sid} ended before the shim answered it"
                 first = got[ends[0]]
                 assert first.kind == "block", f"stream {sid} first ended by {first.kind}, not the shim's trailers"
                 status = dict(first.headers).get(b"grpc-status")
@@ -409,7 +408,7 @@ class HpackMachine(RuleBasedStateMachine):
                     f"a runtime block on stream {sid} before the shim's answer ended"
                 assert all(g.kind != "data" for g in got[ends[0]:]), f"runtime DATA on stream {sid}"
             # the only DATA is the shim's own
-            assert b"".join(g.payload for g in got if g.kind == "data") == (a.data if a is not None else b""), \
+            assert (a.data if a is not None else b"").startswith(b"".join(g.payload for g in got if g.kind == "data")), \
                 f"DATA on stream {sid} that the shim did not send"
 
     def _settled(self) -> bool:
@@ -431,6 +430,10 @@ class HpackMachine(RuleBasedStateMachine):
                 assert (s.sid, s.block) in got, \
                     f"the runtime's block on stream {s.sid} ({'changed' if s.changed else 'kept'} its table) " \
                     "never reached the client"
+        for sid, a in self.answers.items():  # the shim's whole answer reached the client, its end first
+            got = self.got.get(sid, [])
+            assert any(g.end_stream for g in got), f"the shim's answer on stream {sid} never reached the client"
+            assert b"".join(g.payload for g in got if g.kind == "data") == a.data
         for sid, n in self.runtime_data.items():
             if self.paths[sid] == VERSION:
                 assert sum(len(g.payload) for g in self.got.get(sid, []) if g.kind == "data") == n
