@@ -41,12 +41,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from shim.relay import http2
 from shim.relay.core import RelayCore
-from shim.relay.events import PrefaceReceived, Request
+from shim.relay.events import Cancelled, PrefaceReceived, Request
 from shim.relay.streams import LocalStream
 from tests.unit.test_relay_core import PULL, REMOVE, ROUTE, VERSION, limits, message, parse
 
 EXAMPLES = int(os.environ.get("CRI_SHIM_HPACK_MACHINE_EXAMPLES", "200"))
 NO_SHRINK = os.environ.get("CRI_SHIM_HPACK_MACHINE_NO_SHRINK") == "1"
+STALL = 30.0  # server.stream_stall_seconds, as the adapter passes it
 MAX_STREAMS = 14  # per example: well under server.max_concurrent_streams and max_intercepted_streams
 
 Headers = list[tuple[bytes, bytes]]
@@ -95,7 +96,7 @@ class Got:
 class Answer:
     """The shim's answer to a stream it handles: its plan and what went out."""
 
-    mode: str  # "trailers", "error" or "full" (response HEADERS, DATA, trailers)
+    mode: str  # "trailers", "error", "full" (response HEADERS, DATA, trailers) or "reset" (RST_STREAM CANCEL)
     code: grpc.StatusCode
     text: str
     body: bytes
@@ -103,6 +104,8 @@ class Answer:
     blocks: int = 0
     data: bytes = b""
     ended: bool = False
+    reset: bool = False  # the shim ended it with RST_STREAM CANCEL (its handler, or server.stream_stall_seconds)
+    client_reset_at: int | None = None  # the client reset it, after the frames it had got on it then
 
 
 def request(path: str, extra: str | None) -> list[tuple[str, str]]:
@@ -131,7 +134,8 @@ def frames_of(sid: int, block: bytes, end_stream: bool, pieces: int) -> bytes:
 class HpackMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.core = core = RelayCore(limits(), ROUTE)
+        self.now = 0.0
+        self.core = core = RelayCore(limits(), ROUTE, clock=lambda: self.now)
         core.receive_client(http2.PREFACE + http2.settings_frame({}))
         assert core.take_events() == [PrefaceReceived()]
         core.start_relay()
@@ -164,6 +168,10 @@ class HpackMachine(RuleBasedStateMachine):
         for ev in self.core.take_events():
             if isinstance(ev, Request):
                 self.local[ev.stream.sid] = ev.stream
+            elif isinstance(ev, Cancelled) and ev.sid in self.local:
+                a = self.answers.setdefault(ev.sid, Answer("reset", grpc.StatusCode.CANCELLED, "", b""))
+                if a.client_reset_at is None:  # the shim reset it: its handler is cancelled
+                    a.ended = a.reset = True
         for t, f, s, p in parse(self.core.take_runtime()):
             if t == http2.HEADERS:
                 self.runtime_decoder.decode(p, raw=True)  # the runtime's decoder stays in step too
@@ -306,6 +314,29 @@ class HpackMachine(RuleBasedStateMachine):
         self.core.receive_runtime(chunk)
         self.take()
 
+    @precondition(lambda self: any(s not in self.answers or not self.answers[s].ended for s in self.local))
+    @rule(data=st.data())
+    def client_resets_an_intercepted_call(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(s for s in self.local if s not in self.answers
+                                               or not self.answers[s].ended)))
+        a = self.answers.setdefault(sid, Answer("trailers", grpc.StatusCode.OK, "", b""))
+        self.take()
+        a.client_reset_at = len(self.got.get(sid, []))
+        if self.core.carrying:
+            event("the client resets a call while a runtime block waits")
+        a.ended = True
+        self.core.receive_client(http2.rst_stream(sid, http2.CANCEL))
+        self.take()
+
+    @rule(seconds=st.sampled_from([1.0, 10.0, 29.0, 31.0]))
+    def time_passes(self, seconds: float) -> None:
+        """server.stream_stall_seconds: an answer a runtime block waits behind that long is reset."""
+        self.now += seconds
+        method, _ = self.core.expire_carried(STALL)
+        if method:
+            event("an answer a runtime block waited behind for server.stream_stall_seconds is reset")
+        self.take()
+
     # ------------------------------------------------------------------ the shim's handlers
 
     @precondition(lambda self: any(s not in self.answers or not self.answers[s].ended for s in self.local))
@@ -317,7 +348,7 @@ class HpackMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(open_))
         a = self.answers.get(sid)
         if a is None:
-            a = self.answers[sid] = Answer(data.draw(st.sampled_from(["trailers", "error", "full"])),
+            a = self.answers[sid] = Answer(data.draw(st.sampled_from(["trailers", "error", "full", "full", "reset"])),
                                            data.draw(st.sampled_from(SHIM_CODES)), data.draw(st.sampled_from(
                                                ["", "done", "no such image"])),
                                            b"s" * data.draw(st.integers(0, 3000)))
@@ -326,6 +357,11 @@ class HpackMachine(RuleBasedStateMachine):
 
     def _answer_step(self, sid: int, a: Answer) -> None:
         calls, s = self.core.calls, self.local[sid]
+        if a.mode == "reset":
+            calls.reset(s, http2.CANCEL)
+            self.take()  # Cancelled: the shim's reset ended it
+            assert a.reset and a.ended
+            return
         if a.mode == "full" and a.step == 0:
             calls.send_headers(s)
             a.blocks += 1
@@ -392,18 +428,27 @@ class HpackMachine(RuleBasedStateMachine):
                 continue
             a = self.answers.get(sid)
             ends = [i for i, g in enumerate(got) if g.end_stream or g.kind == "rst"]
-            if not ends:  # the shim's answer has not ended, or waits behind a runtime block left open
+            if a is not None and a.client_reset_at is not None:  # the client ended it: anything may follow
+                ends = [i for i in ends if i < a.client_reset_at]
+                assert not ends, f"stream {sid} ended before the shim answered it or the client reset it"
+                assert sum(g.kind == "block" for g in got[:a.client_reset_at]) <= a.blocks, \
+                    f"a runtime block on stream {sid} before the client reset it"
+            elif not ends:  # the shim's answer has not ended, or waits behind a runtime block left open
                 assert sum(g.kind == "block" for g in got) <= (a.blocks if a is not None else 0), \
                     f"a runtime block on stream {sid} before the shim's answer ended"
             else:
                 assert a is not None and a.ended, f"stream {sid} ended before the shim answered it"
                 first = got[ends[0]]
-                assert first.kind == "block", f"stream {sid} first ended by {first.kind}, not the shim's trailers"
-                status = dict(first.headers).get(b"grpc-status")
-                assert status == str(a.code.value[0]).encode(), \
-                    f"stream {sid} first ended with grpc-status {status!r}, the shim chose {a.code.value[0]}"
-                if a.mode == "trailers" and a.text:
-                    assert dict(first.headers).get(b"grpc-message") == a.text.encode()
+                if a.reset:
+                    assert first.kind == "rst" and first.code == http2.CANCEL, \
+                        f"stream {sid} first ended by a {first.kind}, not the shim's RST_STREAM CANCEL"
+                else:
+                    assert first.kind == "block", f"stream {sid} first ended by {first.kind}, not the shim's trailers"
+                    status = dict(first.headers).get(b"grpc-status")
+                    assert status == str(a.code.value[0]).encode(), \
+                        f"stream {sid} first ended with grpc-status {status!r}, the shim chose {a.code.value[0]}"
+                    if a.mode == "trailers" and a.text:
+                        assert dict(first.headers).get(b"grpc-message") == a.text.encode()
                 assert sum(g.kind == "block" for g in got[:ends[0] + 1]) == a.blocks, \
                     f"a runtime block on stream {sid} before the shim's answer ended"
                 assert all(g.kind != "data" for g in got[ends[0]:]), f"runtime DATA on stream {sid}"
@@ -432,7 +477,9 @@ class HpackMachine(RuleBasedStateMachine):
                     "never reached the client"
         for sid, a in self.answers.items():  # the shim's whole answer reached the client, its end first
             got = self.got.get(sid, [])
-            assert any(g.end_stream for g in got), f"the shim's answer on stream {sid} never reached the client"
+            if a.client_reset_at is None:
+                assert any(g.end_stream or g.kind == "rst" for g in got), \
+                    f"the shim's answer on stream {sid} never reached the client"
             assert b"".join(g.payload for g in got if g.kind == "data") == a.data
         for sid, n in self.runtime_data.items():
             if self.paths[sid] == VERSION:
