@@ -359,10 +359,10 @@ class HpackMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(open_))
         a = self.answers.get(sid)
         if a is None:
-            a = self.answers[sid] = Answer(data.draw(st.sampled_from(["trailers", "error", "full", "reset"])),
+            a = self.answers[sid] = Answer(data.draw(st.sampled_from(["trailers", "error", "full", "full", "reset", "reset"])),
                                            data.draw(st.sampled_from(SHIM_CODES)), data.draw(st.sampled_from(
                                                ["", "done", "no such image"])),
-                                           b"s" * data.draw(st.integers(0, 3000)))
+                                           b"s" * data.draw(st.integers(1, 3000)))
         self._answer_step(sid, a)
         self.take()
 
