@@ -9,20 +9,25 @@ answer it (grpc-go: trailers, then RST_STREAM NO_ERROR) with blocks that change 
 encoder's table.
 
 ``HpackMachine`` plays a client (a real ``hpack.Encoder``: first uses insert, later ones
-index), one runtime (one real ``hpack.Encoder`` whose table the client must mirror; table
-size updates now and then) and the shim's handlers (``core.calls``), in random order, with
-the runtime's bytes delivered in random pieces and the client's connection window opened a
-little at a time. What the client would notice, checked after every step:
+index; it resets intercepted calls now and then), one runtime (one real ``hpack.Encoder``
+whose table the client must mirror; table size updates now and then; cancelled calls often
+answered at once, as CRI-O does) and the shim's handlers (``core.calls``: trailers, an error,
+headers + DATA + trailers, or RST_STREAM), in random order, with time passing
+(``expire_carried``), the runtime's bytes delivered in random pieces and the client's
+connection window opened a little at a time. What the client would notice, checked after
+every step:
 
 - one ``hpack.Decoder`` fed every header block the client gets (the shim's and the
   runtime's, any stream, in order) never fails, and every runtime block it gets decodes to
   what the runtime encoded (each relayed stream's answer exactly);
 - the runtime's blocks reach it in the runtime's order;
 - on a stream the shim answers, the first END_STREAM or RST_STREAM is the shim's (its
-  grpc-status), the only DATA is the shim's, and runtime blocks come after the shim's end;
+  grpc-status, or CANCEL), the only DATA is the shim's, and runtime blocks come after the
+  shim's end (or the client's reset);
 - nothing is lost: once the shim's answers have ended, the runtime's bytes are all read and
   the client's window has room, every runtime block of a relayed stream and every one that
-  changed the table has reached the client.
+  changed the table has reached the client; at the end every answer could end (none was left
+  without room for its DATA).
 
 Examples: ``CRI_SHIM_HPACK_MACHINE_EXAMPLES`` (default 300, under 10 s; 1,000 in 20-35 s).
 """
