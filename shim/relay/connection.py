@@ -103,7 +103,6 @@ class ClientConnection(asyncio.Protocol):
         self.peer = Peer()
         self._connecting: asyncio.Task[None] | None = None  # held: the loop keeps only weak references
         self._linger_bytes = -1  # >= 0 while lingering after the GOAWAY of a closed connection
-        self._flush: asyncio.Handle | None = None  # the client's frames are written at the end of this loop turn
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -128,12 +127,12 @@ class ClientConnection(asyncio.Protocol):
             self._drop_after_goaway(len(data))
             return
         self.core.receive_client(data)
-        self._pump(soon=True)
+        self._pump()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self.host.forget(self)
-        for t in (self._stall, self._preface_timer, self._body_timer, self._patch_timer, self._flush):
+        for t in (self._stall, self._preface_timer, self._body_timer, self._patch_timer):
             if t is not None:
                 t.cancel()
         if self.upstream is not None:
@@ -260,20 +259,16 @@ class ClientConnection(asyncio.Protocol):
         self.core.receive_runtime(data)
         self._pump()
 
-    def _pump(self, soon: bool = False) -> None:
-        """Write what the core produced and act on its events.
-
-        With ``soon`` (a read from the client, an intercepted call's answer), while the shim answers
-        a call on this connection, what goes to the client is written once at the end of this loop
-        turn instead: a request, its refund and an answer given at once go out in one write (each
-        write to a unix socket costs a system call and a wake-up of the client). Any other pump
-        writes at once, what waited included, so the order never changes."""
+    def _pump(self) -> None:
+        """Write what the core produced and act on its events."""
         core = self.core
         output = core.output
-        later = soon and (self._flush is not None or bool(core.streams.local)) and not any(
-            type(ev) is events.ConnectionClosed for ev in core.events)
-        if output.frames and not later:
-            self._write_client()
+        if output.frames:
+            out = output.take()
+            if self.client is not None and not self.client.is_closing() and self._linger_bytes < 0:
+                # Never write to a closing transport (the peer may be gone before connection_lost
+                # has run, and uvloop raises there), nor after the GOAWAY's write_eof.
+                self.client.write(out)
         if core.to_runtime:
             up = core.take_runtime()
             if self.upstream is not None and not self.upstream.is_closing():
@@ -289,23 +284,7 @@ class ClientConnection(asyncio.Protocol):
         if local and self._body_timer is None and core.calls.incomplete:
             self._body_timer = self.loop.call_later(self.config.stream_stall_seconds, self._expire_bodies)
         if self.orphaned and not local and not self.tasks and self.client is not None:
-            self._write_client()
             self.client.close()
-        if later and output.frames and self._flush is None and not self._closed:
-            # after _handle: the task of a call it just dispatched runs first and may answer at once
-            self._flush = self.loop.call_soon(self._flush_client)
-
-    def _write_client(self) -> None:
-        out = self.core.output.take()
-        if self.client is not None and not self.client.is_closing() and self._linger_bytes < 0:
-            # Never write to a closing transport (the peer may be gone before connection_lost
-            # has run, and uvloop raises there), nor after the GOAWAY's write_eof.
-            self.client.write(out)
-
-    def _flush_client(self) -> None:
-        self._flush = None
-        if not self._closed and self.core.output.frames:
-            self._write_client()
 
     def _handle(self, evs: list[events.Event]) -> None:
         for ev in evs:
@@ -492,7 +471,7 @@ class ClientConnection(asyncio.Protocol):
             if self.tasks.get(s.sid) is asyncio.current_task():
                 del self.tasks[s.sid]
             if not self._closed:
-                self._pump(soon=True)
+                self._pump()
 
     def _sender(self, s: LocalStream) -> Send:
         core, calls = self.core, self.core.calls
@@ -522,7 +501,5 @@ class ClientConnection(asyncio.Protocol):
                 stalled_since = None
                 calls.send_data(s, bytes(view[:room]))
                 view = view[room:]
-                # a message's last frame may wait for the end of the turn (its trailers may follow at
-                # once); the frames before it are written now: the transport's buffer limits apply
-                self._pump(soon=not view)
+                self._pump()
         return send
