@@ -23,7 +23,7 @@ What the trusted client would notice, checked after every step:
 and once every stream has ended on both sides, the pools hold nothing (``Pool.used``,
 ``Pool.untrusted``); closing every connection frees them too.
 
-``CRI_SHIM_TRUST_MACHINE_EXAMPLES`` (default 200) runs more; ``CRI_SHIM_TRUST_MACHINE_NO_SHRINK=1``
+``CRI_SHIM_TRUST_MACHINE_EXAMPLES`` (default 400) runs more; ``CRI_SHIM_TRUST_MACHINE_NO_SHRINK=1``
 skips shrinking (docs/testing.md).
 """
 
@@ -147,8 +147,9 @@ class Conn:
                 assert call.handler is not None
                 self.core.calls.handler_ended(call.handler)
                 call.handler = None
-            else:
-                assert not isinstance(ev, ConnectionClosed), ev
+            elif isinstance(ev, ConnectionClosed):
+                assert not self.trusted, ev
+                self.close()  # the adapter closes the client's socket
         if self.core.take_client():  # the refund made nothing new go out
             raise AssertionError("frames after the client's refund")
         return client
@@ -162,6 +163,8 @@ class Conn:
     def close(self) -> None:
         """The connection is gone (connection.py connection_lost): handlers cancelled, what
         the streams held given back."""
+        if self.closed:
+            return
         for call in self.calls.values():
             if call.handler is not None:
                 self.core.calls.handler_ended(call.handler)
@@ -169,6 +172,8 @@ class Conn:
         self.core.calls.release_all()
         self.core.patching.lost()
         self.closed = True
+        for call in self.calls.values():
+            call.client_done = call.runtime_done = True
 
     def refused(self, call: Call) -> bool:
         return any(t == http2.HEADERS and status_of(p) == EXHAUSTED for t, _, _, p in call.got)
@@ -256,6 +261,25 @@ class TrustMachine(RuleBasedStateMachine):
         assert b"".join(p for t, _, _, p in call.got if t == http2.DATA) == message(mark(body))
         assert status_of(call.got[-1][3]) == 0 and call.client_done
 
+    @rule(data=st.data(), over=st.integers(1, MAX_MESSAGE))
+    def trusted_runtime_answers_over_the_bound(self, data: st.DataObject, over: int) -> None:
+        """Its runtime's answer is over server.max_message_bytes: the trusted client is told at
+        once, naming the key (the runtime's doing, not another client's)."""
+        k = self.kubelet
+        waiting = sorted(s for s, c in k.calls.items() if c.relayed and not c.runtime_done and not c.client_done)
+        if not waiting:
+            return
+        call = k.calls[data.draw(st.sampled_from(waiting))]
+        wire = message(bytes(MAX_MESSAGE + over))
+        sent = data.draw(st.integers(5, len(wire)))
+        k.core.receive_runtime(http2.headers_frames(call.sid, RESPONSE_HEADERS, False, http2.DEFAULT_MAX_FRAME)
+                               + b"".join(http2.frame(http2.DATA, 0, call.sid, wire[i:min(sent, i + 4096)])
+                                          for i in range(0, sent, 4096)))
+        k.pump()
+        assert call.runtime_done, "the runtime's stream was not cancelled"
+        assert call.client_done and status_of(call.got[-1][3]) == EXHAUSTED
+        assert "server.max_message_bytes" in str(Decoder().decode(call.got[-1][3], full=True)[1])
+
     @rule(data=st.data())
     def trusted_handler_answers(self, data: st.DataObject) -> None:
         k = self.kubelet
@@ -303,6 +327,12 @@ class TrustMachine(RuleBasedStateMachine):
     def untrusted_intercepted_call_never_finished(self, i: int, declared: int, sent: int) -> None:
         c = self.other(i)
         c.open_call(PULL, data_frame(c.next_sid, (b"\0" + declared.to_bytes(4, "big") + b"u" * declared)[:sent]))
+
+    @rule(i=st.integers(0, 1), size=st.integers(0, 600))
+    def untrusted_intercepted_call_its_handler_holds(self, i: int, size: int) -> None:
+        """A complete request: its handler runs (and holds what it counts) until it answers."""
+        c = self.other(i)
+        c.open_call(PULL, data_frame(c.next_sid, message(b"h" * size), True))
 
     @rule(i=st.integers(0, 1), data=st.data())
     def untrusted_client_resets(self, i: int, data: st.DataObject) -> None:
@@ -362,6 +392,20 @@ class TrustMachine(RuleBasedStateMachine):
         c = self.other(i)
         c.close()
         self.others[i % len(self.others)] = Conn(self, False, window)
+
+    @rule(i=st.integers(0, 1))
+    def untrusted_runtime_connection_lost(self, i: int) -> None:
+        """The runtime of an untrusted connection goes away (connection.py upstream_lost): its
+        relayed calls end UNAVAILABLE, or the connection closes."""
+        c = self.other(i)
+        for call in c.calls.values():
+            call.runtime_done = True
+        lost = c.core.runtime_lost()
+        c.pump()  # the adapter acts on the events (a handler cancelled) before its socket closes
+        if lost:
+            c.close()
+        if c.closed:
+            self.others[i % len(self.others)] = Conn(self, False, 0)
 
     @rule(seconds=st.sampled_from([1.0, STALL / 2, STALL, 2 * STALL]))
     def time_passes(self, seconds: float) -> None:
@@ -444,7 +488,7 @@ def test_a_trusted_client_giving_up_on_patched_calls_is_not_refused_while_others
 
 TestTrustMachine = TrustMachine.TestCase
 TestTrustMachine.settings = settings(
-    max_examples=int(os.environ.get("CRI_SHIM_TRUST_MACHINE_EXAMPLES", "200")), stateful_step_count=40, deadline=None,
+    max_examples=int(os.environ.get("CRI_SHIM_TRUST_MACHINE_EXAMPLES", "400")), stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     **({"phases": [Phase.explicit, Phase.reuse, Phase.generate]}
        if os.environ.get("CRI_SHIM_TRUST_MACHINE_NO_SHRINK") else {}))
