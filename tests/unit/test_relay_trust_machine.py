@@ -93,7 +93,6 @@ class Conn:
     """A client connection (one RelayCore) and its runtime, past both prefaces."""
 
     def __init__(self, machine: TrustMachine, trusted: bool, window: int) -> None:
-        self.m = machine
         self.trusted = trusted
         self.core = RelayCore(limits(request_buffer=machine.buffer, calls=machine.calls, max_message_bytes=MAX_MESSAGE,
                                      max_concurrent_streams=100, stream_stall_seconds=STALL),
