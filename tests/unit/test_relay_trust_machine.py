@@ -2,14 +2,14 @@
 (README charter; shim/relay/memory.py's shares), over the relay's patched and intercepted
 streams: a hypothesis state machine (``TrustMachine``).
 
-One trusted connection (a ``RelayCore`` with ``trusted=True``, kubelet) and two untrusted
+One trusted connection (a ``RelayCore`` with ``trusted=True``, kubelet) and one or two untrusted
 ones share the process-wide pools (``server.max_intercepted_calls``,
 ``server.max_request_buffer_bytes``), with small limits so they bind. Each connection has
 its own scripted runtime. The untrusted clients misbehave: many patched calls
 (ImageStatus/ListImages, ``Patch``), intercepted calls (PullImage) whose bodies never end,
-zero stream windows and no refunds, resets, runtime answers over
-``server.max_message_bytes``, time passing (``expire_patched``, ``expire_incomplete``),
-connections closed. The trusted client behaves (opens its windows, finishes its requests)
+or whose handlers hold them, zero stream windows and no refunds, resets, runtime answers
+over ``server.max_message_bytes``, time passing (``expire_patched``, ``expire_incomplete``),
+runtimes and connections lost. The trusted client behaves (opens its windows, finishes its requests)
 and keeps to a budget of its own: fewer calls than ``limit - untrusted_limit`` and fewer
 request bytes than the same share of the buffer.
 
