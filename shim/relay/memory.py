@@ -4,7 +4,8 @@
   intercepted requests (``server.max_request_buffer_bytes``: the decoded header list and
   the body, and the message again after decompression) and intercepted calls at once
   (``server.max_intercepted_calls``; a patched answer, patched.py, counts as a call too,
-  from its request until the shim keeps nothing of it). A request holds its share from its first frame
+  from its request until nothing of its answer is held: sent, or the call ended by a reset,
+  the runtime's or the client's or the shim's). A request holds its share from its first frame
   until its handler ends (or it is refused, reset, or its connection closes). Clients
   whose uid is in ``server.trusted_uids`` (kubelet runs as root) may use all of a pool;
   the others together at most ``UNTRUSTED_SHARE`` of it, so another local user cannot

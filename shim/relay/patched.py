@@ -31,7 +31,9 @@ its DATA differs:
 A stream the shim or the client ended is kept as ``discard`` (the newest
 ``DISCARDED_MEMORY``): the runtime's DATA and RST_STREAM on it are consumed (DATA
 refunded); its header blocks still pass (HPACK), and the client ignores them on a
-stream it closed.
+stream it closed. Its count in ``server.max_intercepted_calls`` is free once nothing of
+its answer is held (a runtime sends nothing more after a RST_STREAM: waiting for its end
+would keep the count for the connection's life).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ _PREFIX = 5
 
 
 class PatchedStream:
-    __slots__ = ("buf", "discard", "ended", "method", "pending", "received", "rewrite", "runtime_window",
-                 "send_window", "sid")
+    __slots__ = ("buf", "counted", "discard", "ended", "method", "pending", "received", "rewrite",
+                 "runtime_window", "send_window", "sid")
 
     def __init__(self, sid: int, method: str, rewrite: Callable[[bytes], bytes], send_window: int) -> None:
         self.sid = sid
@@ -68,6 +70,7 @@ class PatchedStream:
         self.pending = 0  # ``Out`` items of this stream not yet sent
         self.ended = False  # the runtime ended the stream (END_STREAM or RST_STREAM)
         self.discard = False  # ended by the shim or the client: the runtime's DATA is consumed
+        self.counted = True  # counted in server.max_intercepted_calls (until its answer is sent or dropped)
 
 
 class Out:
@@ -112,8 +115,11 @@ class Out:
     def _done(self) -> None:
         s = self.stream
         s.pending -= 1
-        if s.ended and not s.pending and not s.discard:
-            self.owner.forget(s.sid)
+        if not s.pending:
+            if s.discard:
+                self.owner.uncount(s)  # the last of it the shim held is gone
+            elif s.ended:
+                self.owner.forget(s.sid)
 
 
 class Patching:
@@ -148,7 +154,15 @@ class Patching:
 
     def _drop(self, sid: int) -> None:
         """``sid`` is no longer kept: its count in ``calls`` is free."""
-        if self.streams.pop(sid, None) is not None:
+        s = self.streams.pop(sid, None)
+        if s is not None:
+            self.uncount(s)
+
+    def uncount(self, s: PatchedStream) -> None:
+        """Nothing of ``s``'s answer is held any more: its count in ``calls`` is free (a
+        discarded stream stays only as an id, bounded by ``DISCARDED_MEMORY``)."""
+        if s.counted:
+            s.counted = False
             self.calls.give(1, self.trusted)
 
     # ------------------------------------------------------------------ runtime -> client
@@ -291,6 +305,8 @@ class Patching:
         """The shim or the client ended ``s``: consume what the runtime still sends on it."""
         s.discard = True
         s.buf = bytearray()
+        if not s.pending:  # else when the last of what is held for it goes (Out._done)
+            self.uncount(s)
         discarded = self._discarded
         discarded[s.sid] = None
         if len(discarded) > DISCARDED_MEMORY:

@@ -298,11 +298,44 @@ def test_patched_answers_count_in_max_intercepted_calls_until_they_end() -> None
     assert body_of(client, 1) == message(mark(b"x")) and calls.used == 1  # answered: free again
     w.call(7)
     assert calls.used == 2
-    w.core.receive_client(http2.rst_stream(3, http2.CANCEL))  # the client gives up on one:
+    w.core.receive_client(http2.rst_stream(3, http2.CANCEL))  # the client gives up on one: free at once
+    assert calls.used == 1  # (a runtime sends nothing more after a RST_STREAM: no need to wait for it)
     w.core.receive_runtime(w.answer_headers(3) + data(3, message(b"late")) + http2.rst_stream(3, http2.CANCEL))
-    assert calls.used == 1  # free once the runtime has ended it too
+    assert calls.used == 1
     w.core.patching.lost()  # the connection is gone: nothing is held
     assert calls.used == 0
+
+
+def test_a_patched_call_the_client_resets_is_free_though_the_runtime_sends_nothing_more() -> None:
+    """Regression (found by test_relay_trust_machine.py): a conforming runtime sends nothing after
+    the client's RST_STREAM, so a reset patched call counted in server.max_intercepted_calls until
+    the connection closed; kubelet giving up on ImageStatus calls ran out of calls."""
+    calls = Pool(4)
+    w = Wire(calls=calls)
+    for sid in (1, 3, 5):
+        w.call(sid)
+        w.core.receive_client(http2.rst_stream(sid, http2.CANCEL))
+    _, runtime = w.take()
+    assert [rst(runtime, sid) for sid in (1, 3, 5)] == [http2.CANCEL] * 3
+    assert calls.used == 0
+    for sid in (7, 9, 11, 13):  # all of the pool is there for new calls
+        w.call(sid)
+    assert grpc_status(w.take()[0], 13) is None and calls.used == 4
+
+
+def test_an_answer_ended_for_stalling_after_the_runtime_ended_it_is_free() -> None:
+    """Regression (found by test_relay_trust_machine.py): the runtime had sent the whole answer
+    (trailers included), the client's window held it for server.stream_stall_seconds; the call
+    ended both ways but kept its count in server.max_intercepted_calls for the connection's life."""
+    calls = Pool(4)
+    w = Wire({http2.SETTINGS_INITIAL_WINDOW_SIZE: 0}, calls=calls)
+    w.call(1)
+    w.core.receive_runtime(w.answer_headers(1) + data(1, message(b"x" * 50)) + w.trailers(1))
+    assert w.core.expire_patched(30.0) == ("", 30.0)
+    w.now = 30.0
+    assert w.core.expire_patched(30.0)[0] == IMAGE_STATUS
+    client, _ = w.take()
+    assert rst(client, 1) == http2.CANCEL and calls.used == 0
 
 
 def test_the_runtime_lost_answers_a_patched_call_unavailable() -> None:
@@ -479,9 +512,11 @@ class PatchedMachine(RuleBasedStateMachine):
         self._deliver()
 
     @invariant()
-    def every_kept_patched_stream_counts_once_in_max_intercepted_calls(self) -> None:
+    def every_patched_answer_still_held_counts_once_in_max_intercepted_calls(self) -> None:
+        """Until it is sent, or its stream was reset and nothing of it waits any more."""
         if self.w is not None:
-            assert self.w.core.limits.calls.used == len(self.w.core.patching.streams)
+            held = [s for s in self.w.core.patching.streams.values() if not s.discard or s.pending]
+            assert self.w.core.limits.calls.used == len(held)
 
     @invariant()
     def the_runtime_never_gets_more_window_than_the_client_allows(self) -> None:
