@@ -223,8 +223,12 @@ async def test_prefetch_fills_up_to_the_threshold_smaller_ones_go_and_gc_lets_th
         def gc() -> dict[str, Any]:
             return h.sets.status()["disk"]["gc_threshold"]
 
-        await wait_for(lambda: gc()["pressure"] and h.sets.status()["sets"]["big"]["pulling"] == 0, 10,
-                       "prefetch held")
+        # settled: held by the threshold, nothing pulling, the small one in, the reason's figures those of
+        # the disk now (the hold comes before the small one's pull, and is checked again after it)
+        await wait_for(lambda: gc()["pressure"] and h.sets.status()["sets"]["big"]["pulling"] == 0
+                       and h.sets.status()["sets"]["big"]["present"] == 3
+                       and gc()["usedBytes"] == total - h.used().f_bavail * 4096, 10,
+                       "prefetch held, the small one in, the reason's figures current")
         s, p = h.sets.status()["sets"]["big"], gc()
         used = total - h.used().f_bavail * 4096
         assert used <= limit and s["present"] == 3 and normalize(small) in h.store.images
