@@ -44,11 +44,6 @@ class Carried:
         self.size = sum(map(len, frames))
         self.blocked_since: float | None = None  # when it first waited at the head of the held frames
 
-    @property
-    def waiting(self) -> bool:
-        """The shim's answer on its stream has not ended."""
-        return self.sid in self.open
-
     def send(self, window: ClientWindow, max_frame: int, out: list[bytes]) -> bool:
         if self.sid in self.open:
             return False

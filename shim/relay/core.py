@@ -779,8 +779,7 @@ class RelayCore:
     def _answer_ended(self) -> None:
         """An intercepted stream ended (the shim's answer, its reset, or the client's): a runtime
         header block held for it may go, and what waited behind it (carried.py)."""
-        held = self.window.held
-        if held and type(held[0]) is Carried:
+        if self.carrying:
             self._release()
             if self.streams.local:  # the shim's senders that waited behind it may go on
                 self.events.append(WindowOpened())
